@@ -1,0 +1,15 @@
+"""Tell whether a model was quantized by quasar_hf (without importing the quantizer)."""
+
+from __future__ import annotations
+
+QUANT_METHOD = "quasar"
+
+
+def is_quasar_model(model: object) -> bool:
+    """True when `model.config.quantization_config` says quant_method == "quasar"."""
+    config = getattr(model, "config", None)
+    qconfig = getattr(config, "quantization_config", None)
+    if qconfig is None:
+        return False
+    method = qconfig.get("quant_method") if isinstance(qconfig, dict) else getattr(qconfig, "quant_method", None)
+    return str(getattr(method, "value", method)) == QUANT_METHOD
