@@ -1,0 +1,288 @@
+"""Fused CPU W8A8 linear (AVX-512 VNNI): quantize -> int8 GEMM -> dequantize in one C call.
+
+Why: at decode/verify shapes (M = 1..16 tokens) a W8A8 linear built from torch ops costs about as
+much as a BF16 `F.linear`, because each of its ~10 small ops costs several microseconds. One fused
+call reads each weight byte once for all rows, so it runs near memory bandwidth with a single
+call's overhead. Numerics are exactly those of `ops/reference.py` (bit for bit, tested).
+
+The C source (`csrc/w8a8_vnni.c`) is compiled with the system C compiler at first use into a
+per-user cache (`$QUASAR_HF_KERNEL_CACHE`, else `$XDG_CACHE_HOME/quasar_hf/kernels`, else
+`~/.cache/quasar_hf/kernels`), keyed by a hash of source + flags, and loaded with ctypes.
+
+Public API (used lazily by `ops/dispatch.py`):
+    is_available() -> bool                      never raises
+    unavailable_reason() -> str | None          why not, in words
+    pack_weight(weight_q) -> PackedWeight       cache it beside the int8 weight
+    w8a8_linear_cpu_fused(x, weight_q, weight_scale, bias=None, act_prescale=None, packed=None)
+    int8_accumulators_cpu_fused(x, weight_q, act_prescale=None, packed=None)   (tests/debug)
+
+Inference only: no autograd. Any M works (row blocks of 4 share each weight chunk in cache);
+the kernel is tuned for M <= 16.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).parent / "csrc" / "w8a8_vnni.c"
+# Never -ffast-math; -ffp-contract=off forbids FMA contraction (both would change rounding).
+_CFLAGS = (
+    "-O3", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math",
+    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
+)
+_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+
+
+# ---- building and loading -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Library:
+    """The loaded kernel, or the reason it could not be had."""
+
+    fn: object | None
+    error: str | None
+
+
+def _missing_cpu_flags() -> list[str]:
+    """CPU flags the kernel needs that /proc/cpuinfo does not list (all of them if unreadable)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return list(_REQUIRED_CPU_FLAGS)
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return list(_REQUIRED_CPU_FLAGS)
+    flags_line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    flags = set(flags_line.split(":", 1)[-1].split())
+    return [f for f in _REQUIRED_CPU_FLAGS if f not in flags]
+
+
+def _cache_dir() -> Path:
+    """Where built kernels live (created on demand)."""
+    root = os.environ.get("QUASAR_HF_KERNEL_CACHE")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "quasar_hf" / "kernels"
+
+
+def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+    """Compile the C source into `target` atomically (temp file + rename; safe across processes)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *flags, "-o", tmp, str(_SOURCE)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build(compiler: str) -> Path:
+    """Path of the built library: OpenMP build if the compiler has it, else single-threaded."""
+    source = _SOURCE.read_bytes()
+    errors = []
+    for flags in (_CFLAGS + ("-fopenmp",), _CFLAGS):
+        key = hashlib.sha256(source + repr((compiler, flags)).encode()).hexdigest()[:16]
+        target = _cache_dir() / key / "libqhf_w8a8_vnni.so"
+        if target.exists():
+            return target
+        try:
+            _compile(compiler, flags, target)
+            return target
+        except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+            errors.append(str(err))
+    raise RuntimeError("\n".join(errors))
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> _Library:
+    """Build (once per source version) and load the kernel; failures become a reason string."""
+    missing = _missing_cpu_flags()
+    if missing:
+        return _Library(None, f"this CPU lacks {', '.join(missing)} (needs x86-64 with AVX-512 VNNI)")
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not compiler:
+        return _Library(None, "no C compiler found (install gcc or set $CC)")
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (RuntimeError, OSError) as err:
+        return _Library(None, f"building the fused kernel failed: {err}")
+    fn = lib.qhf_w8a8_linear
+    fn.restype = _INT
+    fn.argtypes = [_P, _INT, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _INT, _P, _INT, _I64, _P, _INT]
+    return _Library(fn, None)
+
+
+def unavailable_reason() -> str | None:
+    """None when the fused kernel can run here, else why not (missing CPU feature, compiler, build)."""
+    try:
+        return _library().error
+    except Exception as err:  # noqa: BLE001 - this must never raise
+        return f"unexpected error while loading the fused kernel: {err!r}"
+
+
+def is_available() -> bool:
+    """True if the CPU has AVX-512 VNNI and the kernel built and loaded. Never raises."""
+    return unavailable_reason() is None
+
+
+# ---- weight packing -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """int8 weight in the kernel's layout; opaque to callers, who cache it next to the weight.
+
+    data: int8 [Np/16, Kp/4, 16, 4] (N padded to 16, K to 4, zeros); wsum128: int32 [Np],
+    128 * sum_k W[n, k] (wrapping like the reference's int32 cast).
+    """
+
+    data: torch.Tensor
+    wsum128: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def pack_weight(weight_q: torch.Tensor) -> PackedWeight:
+    """int8 [N, K] -> PackedWeight. Re-pack whenever the weight changes."""
+    if not isinstance(weight_q, torch.Tensor) or weight_q.dtype != torch.int8 or weight_q.dim() != 2:
+        raise TypeError("pack_weight expects an int8 tensor [out_features, in_features]; "
+                        f"got {getattr(weight_q, 'dtype', type(weight_q))} {tuple(getattr(weight_q, 'shape', ()))}")
+    if weight_q.device.type != "cpu":
+        raise ValueError(f"pack_weight needs a CPU weight, got device {weight_q.device}; move it with .cpu()")
+    n, k = weight_q.shape
+    n_pad, k_pad = -n % 16, -k % 4
+    w = torch.nn.functional.pad(weight_q.detach(), (0, k_pad, 0, n_pad))  # [Np, Kp]
+    data = w.reshape(w.shape[0] // 16, 16, w.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
+    wsum128 = (w.long().sum(dim=1) * 128).to(torch.int32)  # [Np]
+    return PackedWeight(data, wsum128, n, k)
+
+
+# ---- validation -----------------------------------------------------------------------------
+
+
+def _check_inputs(x, weight_q, weight_scale, bias, act_prescale, packed) -> None:
+    """Raise TypeError/ValueError naming the problem and the fix."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPE_CODES:
+        raise TypeError(f"x must be a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
+    if not isinstance(weight_q, torch.Tensor) or weight_q.dtype != torch.int8 or weight_q.dim() != 2:
+        raise TypeError("weight_q must be an int8 tensor [out_features, in_features]")
+    n, k = weight_q.shape
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1] if x.dim() else 'no'} input features, weight_q expects {k}")
+    if k == 0:
+        raise ValueError("in_features is 0: a W8A8 linear needs at least one input feature")
+    if not isinstance(weight_scale, torch.Tensor) or tuple(weight_scale.shape) != (n,):
+        raise ValueError(f"weight_scale must have shape [{n}], got {tuple(getattr(weight_scale, 'shape', ()))}")
+    _check_float_vector(weight_scale, "weight_scale")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n,) or bias.dtype not in _DTYPE_CODES:
+            raise ValueError(f"bias must be a float32/bfloat16/float16 tensor of shape [{n}]")
+    if act_prescale is not None:
+        if not isinstance(act_prescale, torch.Tensor) or tuple(act_prescale.shape) != (k,):
+            raise ValueError(f"act_prescale must have shape [{k}], got {tuple(getattr(act_prescale, 'shape', ()))}")
+        _check_float_vector(act_prescale, "act_prescale")
+    for name, t in (("x", x), ("weight_q", weight_q), ("weight_scale", weight_scale), ("bias", bias),
+                    ("act_prescale", act_prescale)):
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}; the fused CPU kernel needs CPU tensors")
+    if packed is not None:
+        if not isinstance(packed, PackedWeight):
+            raise TypeError(f"packed must come from pack_weight(), got {type(packed).__name__}")
+        if (packed.out_features, packed.in_features) != (n, k):
+            raise ValueError(f"packed weight is {packed.out_features}x{packed.in_features} but weight_q is "
+                             f"{n}x{k}; re-run pack_weight(weight_q)")
+
+
+def _check_float_vector(t: torch.Tensor, name: str) -> None:
+    """fp32 (or bf16/fp16, which promote to fp32 exactly as in the reference); never float64."""
+    if t.dtype not in _DTYPE_CODES:
+        raise TypeError(f"{name} must be float32 (bfloat16/float16 accepted), got {t.dtype}; "
+                        f"convert it with .float()")
+
+
+def _require_library():
+    lib = _library()
+    if lib.fn is None:
+        raise RuntimeError(f"the fused CPU W8A8 kernel is unavailable: {lib.error}. "
+                           "Check cpu_fused.is_available() first, or use the 'torch' backend.")
+    return lib.fn
+
+
+# ---- the call -------------------------------------------------------------------------------
+
+
+def _run(x, weight_q, weight_scale, bias, act_prescale, packed, want_output: bool) -> torch.Tensor:
+    """Shared driver: returns y [..., N] in x.dtype (want_output) or int32 accumulators [M, N]."""
+    _check_inputs(x, weight_q, weight_scale, bias, act_prescale, packed)
+    fn = _require_library()
+    packed = packed if packed is not None else pack_weight(weight_q)
+    n, k = weight_q.shape
+    x2 = x.detach().reshape(-1, k)  # [M, K]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    prescale = None if act_prescale is None else act_prescale.detach().float().contiguous()
+    w_scale = weight_scale.detach().float().contiguous()
+    bias_c = None if bias is None else bias.detach().contiguous()
+    shape = (*x.shape[:-1], n) if want_output else (m, n)
+    result = torch.empty(shape, dtype=x.dtype if want_output else torch.int32)
+    if m == 0 or n == 0:
+        return result
+    status = fn(
+        x2.data_ptr(), _DTYPE_CODES[x.dtype], m, k, x2.stride(0),
+        None if prescale is None else prescale.data_ptr(),
+        packed.data.data_ptr(), packed.wsum128.data_ptr(), n, packed.data.shape[1] * 4, w_scale.data_ptr(),
+        None if bias_c is None else bias_c.data_ptr(), 0 if bias_c is None else _DTYPE_CODES[bias_c.dtype],
+        result.data_ptr() if want_output else None, _DTYPE_CODES[x.dtype], n,
+        None if want_output else result.data_ptr(), torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError(f"fused W8A8 kernel could not allocate scratch for {m}x{k} activations")
+    return result
+
+
+def w8a8_linear_cpu_fused(
+    x: torch.Tensor,
+    weight_q: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act_prescale: torch.Tensor | None = None,
+    packed: PackedWeight | None = None,
+) -> torch.Tensor:
+    """y = W8A8(x), x [..., K] -> [..., N] in x.dtype; bit-identical to w8a8_linear_reference.
+
+    `packed` (from pack_weight(weight_q)) avoids re-packing the weight on every call.
+    """
+    return _run(x, weight_q, weight_scale, bias, act_prescale, packed, want_output=True)
+
+
+def int8_accumulators_cpu_fused(
+    x: torch.Tensor,
+    weight_q: torch.Tensor,
+    act_prescale: torch.Tensor | None = None,
+    packed: PackedWeight | None = None,
+) -> torch.Tensor:
+    """The kernel's exact int32 accumulators [M, N] for x [..., K] (tests and debugging)."""
+    ones = torch.ones(weight_q.shape[0], dtype=torch.float32) if isinstance(weight_q, torch.Tensor) and weight_q.dim() == 2 else None
+    return _run(x, weight_q, ones, None, act_prescale, packed, want_output=False)
