@@ -1,0 +1,21 @@
+"""Transformers integration: QuasarConfig + QuasarHfQuantizer registered as quant_method "quasar"."""
+
+from __future__ import annotations
+
+from quasar_hf.hf.config import QuasarConfig
+from quasar_hf.hf.detect import QUANT_METHOD, is_quasar_model
+
+
+def register_with_transformers() -> None:
+    """Register the config and quantizer once; harmless to call again (Transformers raises on duplicates)."""
+    from transformers.quantizers import auto
+
+    from quasar_hf.hf.quantizer import QuasarHfQuantizer
+
+    if QUANT_METHOD not in auto.AUTO_QUANTIZATION_CONFIG_MAPPING:
+        auto.register_quantization_config(QUANT_METHOD)(QuasarConfig)
+    if QUANT_METHOD not in auto.AUTO_QUANTIZER_MAPPING:
+        auto.register_quantizer(QUANT_METHOD)(QuasarHfQuantizer)
+
+
+__all__ = ["QuasarConfig", "is_quasar_model", "register_with_transformers"]

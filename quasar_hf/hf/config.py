@@ -1,0 +1,125 @@
+"""QuasarConfig: the quantization config users pass to `from_pretrained`, validated in one place."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+QUASAR_FORMAT_VERSION = "1"
+DEFAULT_ALPHA_GRID = [round(0.1 * i, 1) for i in range(11)]
+_BACKENDS = ("auto", "reference", "torch", "triton", "bitsandbytes", "cpu_fused")
+_DRAFT_DTYPES = ("bfloat16", "int8")
+# Fields that are run-time inputs only (never written to config.json).
+_RUNTIME_ONLY = ("tokenizer", "calibration_dataset")
+
+
+@dataclass
+class QuasarConfig(QuantizationConfigMixin):
+    """W8A8 SmoothQuant quantization for Quasar verification.
+
+    Args:
+        bits: weight and activation bits; only 8 is supported.
+        alpha: SmoothQuant migration strength in [0, 1], or "auto" (per-mapping search on `alpha_grid`).
+        calibration_dataset: None (offline Python docs text), a list of strings, a `datasets.Dataset`,
+            a local .txt/.json/.jsonl/.parquet/.csv file, or a Hub dataset name.
+        num_calibration_samples / calibration_seq_len: how many token blocks of which length.
+        modules_to_not_convert: module-name suffixes kept in high precision (lm_head by default;
+            embeddings and norms are never quantized).
+        smoothquant_mappings: custom mappings as data (see `quasar_hf.smoothquant.mappings`).
+        backend: W8A8 kernel: "auto", "torch", "triton", "bitsandbytes", "cpu_fused" or "reference".
+        draft_layers: None (no draft path), decoder-layer indices kept in high precision for the
+            self-draft path, or "auto".
+        draft_dtype: precision of the draft path: "bfloat16" or "int8".
+        tokenizer: tokenizer (or its path) for calibration; defaults to the model's own folder.
+    Written by the quantizer (read back on reload): calibration_info, searched_alphas,
+    quantized_modules, prescaled_modules, draft_info, measured.
+    """
+
+    bits: int = 8
+    alpha: float | str = "auto"
+    alpha_grid: list[float] = field(default_factory=lambda: list(DEFAULT_ALPHA_GRID))
+    calibration_dataset: Any = None
+    calibration_text_column: str | None = None
+    calibration_split: str = "train"
+    num_calibration_samples: int = 32
+    calibration_seq_len: int = 512
+    calibration_sample_rows: int = 256
+    modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head"])
+    smoothquant_mappings: dict | None = None
+    backend: str = "auto"
+    draft_layers: list[int] | str | None = None
+    draft_dtype: str = "bfloat16"
+    seed: int = 0
+    tokenizer: Any = None
+    version: str = QUASAR_FORMAT_VERSION
+    calibration_info: dict | None = None
+    searched_alphas: dict | None = None
+    quantized_modules: list[str] | None = None
+    prescaled_modules: list[str] | None = None
+    draft_info: dict | None = None
+    measured: dict | None = None
+    quant_method: str = "quasar"
+
+    def __post_init__(self) -> None:
+        if self.quant_method != "quasar":
+            raise ValueError(f"QuasarConfig.quant_method must be 'quasar', got {self.quant_method!r}")
+        if self.bits != 8:
+            raise ValueError(f"QuasarConfig supports bits=8 only (W8A8); got bits={self.bits!r}")
+        if isinstance(self.alpha, str):
+            if self.alpha != "auto":
+                raise ValueError(f"alpha must be a float in [0, 1] or 'auto'; got {self.alpha!r}")
+        elif not isinstance(self.alpha, (int, float)) or not 0.0 <= float(self.alpha) <= 1.0:
+            raise ValueError(f"alpha must be a float in [0, 1] or 'auto'; got {self.alpha!r}")
+        if not self.alpha_grid or any(not 0.0 <= float(a) <= 1.0 for a in self.alpha_grid):
+            raise ValueError(f"alpha_grid must be a non-empty list of floats in [0, 1]; got {self.alpha_grid!r}")
+        for name in ("num_calibration_samples", "calibration_seq_len", "calibration_sample_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}; got {self.backend!r}")
+        if self.draft_dtype not in _DRAFT_DTYPES:
+            raise ValueError(f"draft_dtype must be one of {_DRAFT_DTYPES}; got {self.draft_dtype!r}")
+        if isinstance(self.draft_layers, str) and self.draft_layers != "auto":
+            raise ValueError(f"draft_layers must be None, a list of layer indices or 'auto'; got {self.draft_layers!r}")
+        if isinstance(self.draft_layers, (list, tuple)):
+            if not self.draft_layers or not all(isinstance(i, int) and i >= 0 for i in self.draft_layers):
+                raise ValueError(f"draft_layers must be non-negative layer indices; got {self.draft_layers!r}")
+            self.draft_layers = sorted(set(self.draft_layers))
+        if not isinstance(self.modules_to_not_convert, (list, tuple)):
+            raise ValueError("modules_to_not_convert must be a list of module-name suffixes")
+        self.modules_to_not_convert = list(self.modules_to_not_convert)
+
+    # Serialization: only JSON-friendly, reload-relevant fields go to config.json.
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name not in _RUNTIME_ONLY}
+        if isinstance(self.calibration_dataset, str):
+            out["calibration_dataset"] = self.calibration_dataset
+        return out
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        return self.to_dict()
+
+    def __iter__(self):
+        yield from self.to_dict().items()
+
+    def __repr__(self) -> str:
+        return f"QuasarConfig({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items() if k != 'quantized_modules')})"
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, return_unused_kwargs: bool = False, **kwargs):
+        known = {f.name for f in fields(cls)}
+        unknown = set(config_dict) - known
+        if unknown:
+            raise ValueError(
+                f"unknown QuasarConfig fields {sorted(unknown)}: this checkpoint may come from a newer quasar_hf "
+                "(upgrade with `pip install -U quasar-hf`)"
+            )
+        return super().from_dict(dict(config_dict), return_unused_kwargs=return_unused_kwargs, **kwargs)
+
+    def get_loading_attributes(self) -> dict[str, Any]:
+        """Fields a user may override when loading a saved Quasar checkpoint."""
+        return {"backend": self.backend}

@@ -1,0 +1,131 @@
+"""Module replacement: calibrate, smooth and swap nn.Linear -> W8A8Linear (no Transformers internals here)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from quasar_hf.hf.config import QuasarConfig
+from quasar_hf.nn import W8A8Linear
+from quasar_hf.smoothquant.calibration import collect_linear_input_stats
+from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibration_texts
+from quasar_hf.smoothquant.mappings import decoder_layers, resolve_mappings
+from quasar_hf.smoothquant.smoothing import smooth_mapping
+
+
+def _excluded(name: str, patterns: list[str]) -> bool:
+    return any(name == p or name.endswith("." + p) or name.startswith(p + ".") for p in patterns)
+
+
+def find_quantizable_linears(model: nn.Module, layers_path: str, modules_to_not_convert: list[str]) -> list[str]:
+    """Full names of the nn.Linear modules inside the decoder layers that will become W8A8."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.startswith(layers_path + ".") and not _excluded(name, modules_to_not_convert):
+            names.append(name)
+    if not names:
+        raise ValueError(f"found no nn.Linear to quantize under {layers_path!r} (all excluded by modules_to_not_convert?)")
+    return names
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def replace_with_w8a8_skeleton(model: nn.Module, config: QuasarConfig) -> None:
+    """Before loading a saved Quasar checkpoint: empty W8A8Linear modules where the config says."""
+    if not config.quantized_modules:
+        raise ValueError(
+            "this Quasar checkpoint's quantization_config lists no quantized_modules; it was not written by "
+            "quasar_hf's quantizer. Re-quantize the original model with QuasarConfig()."
+        )
+    prescaled = set(config.prescaled_modules or [])
+    for name in config.quantized_modules:
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"checkpoint lists quantized module {name!r}, which this model does not have") from None
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"checkpoint lists {name!r} as quantized, but it is a {type(linear).__name__}")
+        skeleton = W8A8Linear(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            has_act_prescale=name in prescaled,
+            backend=config.backend,
+            bias_dtype=linear.weight.dtype,
+            device=linear.weight.device,
+        )
+        _set_submodule(model, name, skeleton)
+
+
+def _load_tokenizer(model: nn.Module, config: QuasarConfig):
+    from transformers import AutoTokenizer
+
+    tok = config.tokenizer
+    if tok is not None and not isinstance(tok, (str, bytes)) and hasattr(tok, "__call__"):
+        return tok
+    source = tok or getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except Exception as err:
+        raise ValueError(
+            f"Quasar calibration needs a tokenizer and could not load one from {source!r} ({err}). "
+            "Pass QuasarConfig(tokenizer=<tokenizer or path>)."
+        ) from None
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, config: QuasarConfig, progress: bool = True) -> dict:
+    """Calibrate, smooth and quantize `model` in place; returns a summary and records it in `config`."""
+    started = time.perf_counter()
+    arch = resolve_mappings(model, config.smoothquant_mappings)
+    names = find_quantizable_linears(model, arch.layers_path, config.modules_to_not_convert)
+
+    tokenizer = _load_tokenizer(model, config)
+    texts, source = load_calibration_texts(config.calibration_dataset, config.calibration_text_column, config.calibration_split)
+    blocks = build_calibration_blocks(texts, tokenizer, config.num_calibration_samples, config.calibration_seq_len, config.seed)
+    stats = collect_linear_input_stats(model, blocks, names, config.calibration_sample_rows, config.seed, progress)
+
+    layers = decoder_layers(model, arch)
+    name_set = set(names)
+    alphas: dict[str, float] = {}
+    prescales: dict[str, torch.Tensor] = {}
+    for index, layer in enumerate(layers):
+        prefix = f"{arch.layers_path}.{index}."
+        float_weights = {
+            path[len(prefix):]: module.weight.detach().float().clone()
+            for path, module in layer.named_modules(prefix=prefix[:-1])
+            if path in name_set
+        }
+        for mapping in arch.mappings:
+            if not all(b in float_weights for b in mapping.balance):
+                continue  # a balance linear is excluded from quantization: leave this mapping alone
+            if mapping.kind != "norm" and mapping.smooth not in float_weights:
+                continue  # the smooth linear stays high precision; folding into it would change it
+            first = stats.by_module[prefix + mapping.balance[0]]
+            result = smooth_mapping(
+                layer, mapping, first.absmax, first.samples, config.alpha, config.alpha_grid, float_weights
+            )
+            alphas[f"{index}.{mapping.smooth}"] = result.alpha
+            prescales.update({prefix + p: v for p, v in result.prescale.items()})
+        for rel, weight in float_weights.items():
+            full = prefix + rel
+            linear = model.get_submodule(full)
+            quantized = W8A8Linear.from_weight(weight, linear.bias, prescales.get(full), backend=config.backend)
+            _set_submodule(model, full, quantized)
+
+    config.quantized_modules = names
+    config.prescaled_modules = sorted(prescales)
+    config.searched_alphas = alphas if config.alpha == "auto" else None
+    config.calibration_info = {
+        "source": source,
+        "num_samples": int(blocks.shape[0]),
+        "seq_len": int(blocks.shape[1]),
+        "tokens": int(blocks.numel()),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    return config.calibration_info

@@ -1,0 +1,125 @@
+"""W8A8Linear: an nn.Linear replacement holding INT8 weights, quantizing activations per token."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quasar_hf.ops.reference import quantize_weight_per_channel
+
+
+class W8A8Linear(nn.Module):
+    """y = dequant(int8(x * act_prescale) @ int8(W).T) + bias, with exact int32 accumulation.
+
+    Serialized state (stable names):
+      weight        int8    [out_features, in_features]  symmetric, per output channel
+      weight_scale  float32 [out_features]               max|W[n, :]| / 127
+      bias          model dtype [out_features]           optional
+      act_prescale  float32 [in_features]                optional SmoothQuant 1/s that could
+                                                         not be folded into a preceding op
+    The kernel is chosen by `backend` through `quasar_hf.ops.dispatch` (one dispatch point).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        has_act_prescale: bool = False,
+        backend: str = "auto",
+        bias_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.backend = backend
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype or torch.float32, device=device))
+        else:
+            self.bias = None
+        if has_act_prescale:
+            self.register_buffer("act_prescale", torch.ones(in_features, dtype=torch.float32, device=device))
+        else:
+            self.act_prescale = None
+        # Backend-specific weight layouts (never serialized), rebuilt when `weight` changes.
+        self._packed: object | None = None
+        self._packed_key: tuple | None = None
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, act_prescale: torch.Tensor | None = None, backend: str = "auto"
+    ) -> "W8A8Linear":
+        """Quantize a float nn.Linear. `act_prescale` [in] is applied to x at run time, not to W."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"W8A8Linear.from_linear expects an nn.Linear, got {type(linear).__name__}")
+        return cls.from_weight(linear.weight, linear.bias, act_prescale, backend)
+
+    @classmethod
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        act_prescale: torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> "W8A8Linear":
+        """Quantize a float weight [out, in] (any float dtype; fp32 keeps smoothing exact); bias keeps its dtype."""
+        out_features, in_features = weight.shape
+        module = cls(
+            in_features,
+            out_features,
+            bias=bias is not None,
+            has_act_prescale=act_prescale is not None,
+            backend=backend,
+            bias_dtype=bias.dtype if bias is not None else None,
+            device=weight.device,
+        )
+        q, scale = quantize_weight_per_channel(weight)
+        module.weight.copy_(q)
+        module.weight_scale.copy_(scale)
+        if bias is not None:
+            module.bias.copy_(bias.detach())
+        if act_prescale is not None:
+            if act_prescale.shape != (in_features,):
+                raise ValueError(f"act_prescale must have shape ({in_features},), got {tuple(act_prescale.shape)}")
+            module.act_prescale.copy_(act_prescale.detach().float())
+        return module
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight this module computes with: W[n, k] = q[n, k] * scale[n] (prescale excluded)."""
+        return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
+
+    def packed_weight(self) -> object | None:
+        """Backend-specific prepacked weight for the fused CPU kernel, cached until `weight` changes."""
+        from quasar_hf.ops import dispatch
+
+        pack = getattr(dispatch, "pack_weight_for", None)
+        if pack is None or self.weight.device.type == "meta":
+            return None
+        key = (self.weight.data_ptr(), self.weight._version, self.weight.device, self.backend)
+        if key != self._packed_key:
+            self._packed = pack(self.weight, self.backend)
+            self._packed_key = key
+        return self._packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        from quasar_hf.ops.dispatch import w8a8_linear
+
+        return w8a8_linear(
+            x,
+            self.weight,
+            self.weight_scale,
+            bias=self.bias,
+            act_prescale=self.act_prescale,
+            backend=self.backend,
+            packed=self.packed_weight(),
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, act_prescale={self.act_prescale is not None}, "
+            f"weight=int8 per-channel, activations=int8 per-token, backend={self.backend!r}"
+        )
