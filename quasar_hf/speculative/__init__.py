@@ -1,0 +1,23 @@
+"""Quasar speculative generation: cheap drafts, exact verification by the (W8A8) model."""
+
+from .config import QuasarGenerationConfig
+from .drafters import DRAFTER_FACTORIES, AssistantDrafter, Draft, Drafter, DraftSetup, NgramDrafter, make_drafter
+from .loop import QuasarGenerateOutput, speculative_generate
+from .stats import QuasarStats
+from .verify import greedy_accept, speculative_sample_accept
+
+__all__ = [
+    "DRAFTER_FACTORIES",
+    "AssistantDrafter",
+    "Draft",
+    "DraftSetup",
+    "Drafter",
+    "NgramDrafter",
+    "QuasarGenerateOutput",
+    "QuasarGenerationConfig",
+    "QuasarStats",
+    "greedy_accept",
+    "make_drafter",
+    "speculative_generate",
+    "speculative_sample_accept",
+]

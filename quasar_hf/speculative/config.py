@@ -1,0 +1,66 @@
+"""QuasarGenerationConfig: how Quasar speculative generation drafts and verifies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DEFAULT_NUM_DRAFT_TOKENS = 5  # the Quasar authors' setting (n-gram drafter, 5 speculative tokens)
+
+
+@dataclass
+class QuasarGenerationConfig:
+    """Settings of the speculative loop (everything else comes from the GenerationConfig).
+
+    drafter: registry name ("ngram", "assistant", "self") or a ready Drafter object.
+    num_draft_tokens: tokens proposed per verify step (upper bound; the loop never drafts past
+        max_new_tokens).
+    max_ngram_size / min_ngram_size: n-gram sizes tried by the prompt-lookup drafter, longest first.
+    assistant_model: the causal LM drafting for drafter="assistant" (must share the tokenizer).
+    drafter_kwargs: extra keyword arguments for the drafter factory.
+    """
+
+    drafter: Any = "ngram"
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    max_ngram_size: int = 3
+    min_ngram_size: int = 1
+    assistant_model: Any = None
+    drafter_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
+            raise ValueError(
+                f"num_draft_tokens must be an int >= 0, got {self.num_draft_tokens!r} (5 is the Quasar default)."
+            )
+        if not (1 <= self.min_ngram_size <= self.max_ngram_size):
+            raise ValueError(
+                "n-gram sizes must satisfy 1 <= min_ngram_size <= max_ngram_size, got "
+                f"min_ngram_size={self.min_ngram_size}, max_ngram_size={self.max_ngram_size}."
+            )
+        if self.assistant_model is not None and self.drafter == "ngram":
+            self.drafter = "assistant"
+
+    @classmethod
+    def from_value(cls, value: Any) -> "QuasarGenerationConfig":
+        """Accept True | dict | QuasarGenerationConfig (the forms `generate(quasar=...)` takes)."""
+        if isinstance(value, QuasarGenerationConfig):
+            return value
+        if value is True:
+            return cls()
+        if isinstance(value, dict):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"Unknown quasar option(s) {unknown}; valid options are {sorted(known)}.")
+            return cls(**value)
+        raise TypeError(
+            f"quasar= takes True, a dict or a QuasarGenerationConfig, got {type(value).__name__} ({value!r})."
+        )
+
+    def to_dict(self) -> dict:
+        """Plain dict without the model object (for logs and benchmark records)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["assistant_model"] = None if self.assistant_model is None else type(self.assistant_model).__name__
+        if not isinstance(self.drafter, str):
+            data["drafter"] = type(self.drafter).__name__
+        return data

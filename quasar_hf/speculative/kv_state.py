@@ -1,0 +1,101 @@
+"""RowAlignedCache: one KV cache for B rows that each advance by their own number of tokens.
+
+Every forward appends the same number of slots to every row (the cache stays rectangular).
+Slots a row does not keep (rejected drafts, right padding of a ragged chunk) become masked
+holes; trailing slots that no row keeps are cropped away, so with batch size 1 the cache is
+always exactly the accepted prefix. Positions come from the number of real tokens per row,
+so a row sees the same positions and keys as it would alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class RowAlignedCache:
+    """KV cache + slot mask [B, S] + real-token count [B] for one causal LM."""
+
+    def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device) -> None:
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.slot_mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, S]
+        self.valid_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    @property
+    def batch_size(self) -> int:
+        return self.slot_mask.shape[0]
+
+    def forward(
+        self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, last_only: bool = False
+    ) -> torch.Tensor:
+        """Append tokens [B, n] (token_mask [B, n]: 1 = real token) and return fp32 logits [B, n or 1, V]."""
+        if token_mask is None:
+            token_mask = torch.ones_like(tokens)
+        positions = self.valid_len[:, None] + token_mask.cumsum(-1) - 1  # [B, n]
+        positions = positions.masked_fill(token_mask == 0, 0)
+        full_mask = torch.cat([self.slot_mask, token_mask], dim=1)  # [B, S + n]
+        # Like plain generate: an all-ones mask is dropped so attention takes the same (maskless) path.
+        attention_mask = None if bool(full_mask.all()) else full_mask
+        kwargs = {"logits_to_keep": 1} if (last_only and self._takes_logits_to_keep) else {}
+        outputs = self.model(
+            input_ids=tokens,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+            **kwargs,
+        )
+        self.slot_mask = full_mask
+        self.valid_len = self.valid_len + token_mask.sum(-1)
+        logits = outputs.logits
+        return (logits[:, -1:] if last_only else logits).float()
+
+    def keep_appended(self, num_keep: torch.Tensor, num_appended: int) -> None:
+        """Of the last `num_appended` slots keep the first num_keep[b] per row; mask the rest."""
+        start = self.slot_mask.shape[1] - num_appended
+        offsets = torch.arange(num_appended, device=self.slot_mask.device)
+        drop = offsets[None, :] >= num_keep[:, None]  # [B, n]
+        appended = self.slot_mask[:, start:]
+        self.valid_len = self.valid_len - (appended * drop).sum(-1)
+        self.slot_mask = torch.cat([self.slot_mask[:, :start], appended.masked_fill(drop, 0)], dim=1)
+        self._crop_empty_tail()
+
+    def drop_last_tokens(self, counts: torch.Tensor) -> None:
+        """Forget the last counts[b] real tokens of each row (roll back a drafter's own tokens)."""
+        valid_from_right = self.slot_mask.flip(-1).cumsum(-1).flip(-1)  # [B, S]: real tokens at or after slot
+        drop = (self.slot_mask == 1) & (valid_from_right <= counts[:, None])
+        self.slot_mask = self.slot_mask.masked_fill(drop, 0)
+        self.valid_len = self.valid_len - counts.clamp(max=self.valid_len)
+        self._crop_empty_tail()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (finished rows leave the batch and stop costing compute)."""
+        self.cache.batch_select_indices(rows)
+        self.slot_mask = self.slot_mask[rows]
+        self.valid_len = self.valid_len[rows]
+        self._crop_empty_tail()
+
+    def check_holes_supported(self) -> None:
+        """Masked holes need plain full-attention layers (a sliding window counts slots, not tokens)."""
+        for layer in self.cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise ValueError(
+                    f"Speculative generation with batch size > 1 needs full-attention KV layers, but this model's cache "
+                    f"uses {type(layer).__name__}. Run one prompt at a time (batch size 1) for this model."
+                )
+
+    def _crop_empty_tail(self) -> None:
+        """Remove trailing slots that no row uses."""
+        used = self.slot_mask.any(dim=0)  # [S]
+        if used.all():
+            return
+        last_used = int(used.nonzero().max()) + 1 if used.any() else 0
+        remove = self.slot_mask.shape[1] - last_used
+        if remove > 0:
+            self.cache.crop(-remove)
+            self.slot_mask = self.slot_mask[:, :last_used]

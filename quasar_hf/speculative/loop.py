@@ -1,0 +1,209 @@
+"""The speculative decode loop: draft, verify in one forward, accept, roll back the KV cache.
+
+`speculative_generate` runs on any causal LM: a Quasar W8A8 model (what `generate(quasar=...)`
+calls) or a BF16/FP32 one (the like-for-like baseline "speculative decoding with BF16
+verification"). Tokens are chosen exactly as plain `generate` would choose them: the same
+processors on FP32 logits with the prefix each position would have seen, argmax when greedy,
+exact speculative sampling otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .config import QuasarGenerationConfig
+from .drafters import Drafter, DraftSetup, make_drafter
+from .hf_glue import PreparedGeneration, prepare_generation
+from .kv_state import RowAlignedCache
+from .stats import QuasarStats
+from .verify import greedy_accept, speculative_sample_accept
+
+
+@dataclass
+class QuasarGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus the speculative counters."""
+
+    quasar_stats: QuasarStats | None = None
+
+
+@torch.no_grad()
+def speculative_generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    generation_config: GenerationConfig | None = None,
+    quasar_config: QuasarGenerationConfig | dict | bool | None = None,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    streamer: Any = None,
+    tokenizer: Any = None,
+    generator: torch.Generator | None = None,
+    **generate_kwargs: Any,
+) -> torch.Tensor | QuasarGenerateOutput:
+    """Speculative generation with `model` as the verifier; returns what `model.generate` returns.
+
+    input_ids [B, T] (left-padded when B > 1, with attention_mask); generation options go in
+    `generation_config` and/or keyword arguments exactly as for `generate` (max_new_tokens,
+    do_sample, temperature, top_k, top_p, repetition_penalty, eos_token_id, pad_token_id,
+    stop_strings + tokenizer, return_dict_in_generate, ...). `quasar_config` chooses the drafter.
+    `generator` seeds the acceptance and sampling randomness (None: torch's global RNG).
+    """
+    quasar_config = QuasarGenerationConfig.from_value(True if quasar_config is None else quasar_config)
+    prepared = prepare_generation(
+        model, input_ids, attention_mask, generation_config, logits_processor, stopping_criteria, tokenizer, generate_kwargs
+    )
+    if streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError("streamer= supports batch size 1 only (as in plain generate); drop the streamer or the batch.")
+    drafter = make_drafter(model, quasar_config)
+    run = _SpeculativeRun(model, prepared, drafter, streamer, generator)
+    sequences, stats = run.run()
+    if prepared.generation_config.return_dict_in_generate:
+        return QuasarGenerateOutput(sequences=sequences, quasar_stats=stats)
+    return sequences
+
+
+class _SpeculativeRun:
+    """State of one call: per-row token lists, the verifier cache, pending tokens, stats."""
+
+    def __init__(self, model, prepared: PreparedGeneration, drafter: Drafter, streamer, generator) -> None:
+        self.model = model
+        self.prepared = prepared
+        self.drafter = drafter
+        self.streamer = streamer
+        self.generator = generator
+        self.do_sample = bool(prepared.generation_config.do_sample)
+        self.device = prepared.input_ids.device
+        self.rows = list(prepared.input_ids)  # per row [T + generated]: the input_ids plain generate would see
+        self.pad_lengths = (prepared.attention_mask == 0).sum(-1).tolist()
+        self.active = list(range(len(self.rows)))  # original indices of unfinished rows
+        self.stats = QuasarStats(prefill_tokens=int(prepared.attention_mask.sum()))
+        self.verifier = RowAlignedCache(model, len(self.rows), self.device)
+
+    def run(self) -> tuple[torch.Tensor, QuasarStats]:
+        started = time.perf_counter()
+        if self.streamer is not None:
+            self.streamer.put(self.prepared.input_ids.cpu())
+        pending = self._prefill()
+        while self.active:
+            pending = self._verify_step(pending)
+        if self.streamer is not None:
+            self.streamer.end()
+        self.stats.total_time_s = time.perf_counter() - started
+        return self._padded_sequences(), self.stats
+
+    def _prefill(self) -> torch.Tensor:
+        """Verifier forward over the prompts; choose each row's first token like plain generate."""
+        started = time.perf_counter()
+        logits = self.verifier.forward(self.prepared.input_ids, self.prepared.attention_mask, last_only=True)[:, -1]
+        if len(self.rows) > 1:
+            self.verifier.check_holes_supported()
+        scores = self._scores(self.rows, logits)  # [B, V]
+        first = scores.argmax(-1) if not self.do_sample else self._sample(scores)
+        self.drafter.start([r[p:] for r, p in zip(self.rows, self.pad_lengths)], self._draft_setup())
+        self.stats.prefill_time_s += time.perf_counter() - started
+        finished = [self._emit(b, first[i : i + 1], scores[i : i + 1])[1] for i, b in enumerate(self.active)]
+        return self._drop_finished(first, finished)
+
+    def _verify_step(self, pending: torch.Tensor) -> torch.Tensor:
+        """Draft, verify [pending + drafts] in one forward, emit accepted tokens, roll caches back."""
+        started = time.perf_counter()
+        real_rows = [self.rows[b][self.pad_lengths[b] :] for b in self.active]
+        budgets = [self.prepared.max_length - len(self.rows[b]) - 1 for b in self.active]
+        draft = self.drafter.propose(real_rows, budgets)
+        drafted = time.perf_counter()
+        k = draft.tokens.shape[1]
+        chunk = torch.cat([pending[:, None], draft.tokens], dim=1)  # [B, k+1]
+        logits = self.verifier.forward(chunk)  # [B, k+1, V] fp32
+        scores = self._position_scores(draft.tokens, logits)  # [B, k+1, V]
+        if self.do_sample:
+            probs = torch.softmax(scores, dim=-1)
+            num_accepted, next_token = speculative_sample_accept(
+                draft.tokens, draft.probs, probs, self.generator, draft.lengths
+            )
+        else:
+            num_accepted, next_token = greedy_accept(draft.tokens, scores, draft.lengths)
+        self.verifier.keep_appended(num_accepted + 1, k + 1)  # pending token + accepted drafts
+        self.drafter.on_accept(num_accepted)
+        accepted_list = num_accepted.tolist()
+        emitted, finished = [], []
+        for i, b in enumerate(self.active):
+            n = accepted_list[i]
+            tokens = torch.cat([draft.tokens[i, :n], next_token[i : i + 1]])
+            count, done = self._emit(b, tokens, scores[i, : n + 1])
+            emitted.append(count)
+            finished.append(done)
+        self.stats.record_step(draft.lengths.tolist(), accepted_list, emitted)
+        self.stats.draft_time_s += drafted - started
+        self.stats.verify_time_s += time.perf_counter() - drafted
+        return self._drop_finished(next_token, finished)
+
+    def _position_scores(self, draft_tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Processed scores at every verified position, each with the prefix that position would have seen."""
+        if len(self.prepared.logits_processor) == 0:
+            return logits
+        columns = []
+        for j in range(logits.shape[1]):
+            prefixes = [torch.cat([self.rows[b], draft_tokens[i, :j]]) for i, b in enumerate(self.active)]
+            columns.append(self._scores(prefixes, logits[:, j]))
+        return torch.stack(columns, dim=1)
+
+    def _scores(self, prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+        """Apply the logits processors to logits [B, V] given each row's prefix (1-D)."""
+        processors = self.prepared.logits_processor
+        if len(processors) == 0:
+            return logits
+        if len({p.shape[0] for p in prefixes}) == 1:
+            return processors(torch.stack(prefixes), logits.clone())
+        # Rows of different lengths: process one by one so each sees its own exact prefix.
+        return torch.cat([processors(p[None], logits[i : i + 1].clone()) for i, p in enumerate(prefixes)])
+
+    def _sample(self, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+
+    def _emit(self, row: int, tokens: torch.Tensor, scores: torch.Tensor) -> tuple[int, bool]:
+        """Append tokens to a row one at a time until a stopping criterion fires; stream them."""
+        count, done = 0, False
+        for j in range(tokens.shape[0]):
+            self.rows[row] = torch.cat([self.rows[row], tokens[j : j + 1]])
+            count += 1
+            if bool(self.prepared.stopping_criteria(self.rows[row][None], scores[j : j + 1]).any()):
+                done = True
+                break
+        if self.streamer is not None:
+            self.streamer.put(tokens[:count].cpu())
+        return count, done
+
+    def _drop_finished(self, pending: torch.Tensor, finished: list[bool]) -> torch.Tensor:
+        """Remove finished rows from the batch, the verifier cache and the drafter."""
+        if not any(finished):
+            return pending
+        keep = [i for i, done in enumerate(finished) if not done]
+        self.active = [self.active[i] for i in keep]
+        if not keep:
+            return pending[:0]
+        keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.verifier.select_rows(keep_index)
+        self.drafter.select_rows(keep_index)
+        return pending[keep_index]
+
+    def _draft_setup(self) -> DraftSetup:
+        return DraftSetup(do_sample=self.do_sample, score_fn=self._scores, generator=self.generator, device=self.device)
+
+    def _padded_sequences(self) -> torch.Tensor:
+        """[B, longest] like plain generate: rows that stopped early are right-padded with pad_token_id."""
+        longest = max(r.shape[0] for r in self.rows)
+        pad = self.prepared.pad_token_id
+        if pad is None and any(r.shape[0] != longest for r in self.rows):
+            raise ValueError("Rows finished at different lengths but no pad_token_id is set; pass pad_token_id=... to generate.")
+        out = torch.full((len(self.rows), longest), 0 if pad is None else pad, dtype=torch.long, device=self.device)
+        for b, r in enumerate(self.rows):
+            out[b, : r.shape[0]] = r
+        return out

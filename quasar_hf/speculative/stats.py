@@ -1,0 +1,76 @@
+"""QuasarStats: what one speculative generation did (acceptance and where the time went)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class QuasarStats:
+    """Counters of one `speculative_generate` call, summed over batch rows.
+
+    verify_steps counts (row, verifier step) pairs after the prefill, so that
+    mean_acceptance_length = new tokens / verify steps is the paper's L per sequence
+    (the prefill's first token is not counted as a new token of a verify step).
+    """
+
+    verify_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    new_tokens: int = 0
+    prefill_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+    total_time_s: float = 0.0
+
+    def record_step(self, draft_lengths: list[int], accepted: list[int], emitted: list[int]) -> None:
+        """Add one verifier step: per row the drafted, accepted and emitted token counts."""
+        for drafted, kept, new in zip(draft_lengths, accepted, emitted):
+            self.verify_steps += 1
+            self.drafted_tokens += drafted
+            self.accepted_tokens += kept
+            self.new_tokens += new
+            self._grow(drafted)
+            for position in range(drafted):
+                self.drafted_per_position[position] += 1
+                self.accepted_per_position[position] += int(position < kept)
+
+    def _grow(self, size: int) -> None:
+        while len(self.drafted_per_position) < size:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """L = tokens emitted by verify steps / verify steps (1.0 = no draft ever accepted)."""
+        return self.new_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """P(draft token i accepted | it was drafted), i = 0 .. num_draft_tokens - 1."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def to_dict(self) -> dict:
+        """All counters plus the derived rates, JSON-ready."""
+        return {
+            "verify_steps": self.verify_steps,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "new_tokens": self.new_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_per_position": self.acceptance_per_position,
+            "draft_time_s": self.draft_time_s,
+            "verify_time_s": self.verify_time_s,
+            "prefill_time_s": self.prefill_time_s,
+            "total_time_s": self.total_time_s,
+        }
