@@ -1,0 +1,163 @@
+"""Export a Quasar W8A8 verifier in the compressed-tensors "int-quantized" layout (vLLM / SGLang).
+
+The layout (what llm-compressor writes for a W8A8-INT8 model, and what vLLM's
+`CompressedTensorsW8A8Int8` scheme and Transformers' compressed-tensors quantizer load):
+  * every quantized Linear stores `weight` int8 [out, in] and `weight_scale` fp32 [out, 1]
+    (symmetric, per output channel: W ~= weight * weight_scale);
+  * input activations are quantized dynamically, symmetric, per token, to int8;
+  * config.json carries `quantization_config` with quant_method "compressed-tensors",
+    format "int-quantized", one config group targeting `Linear`, and an `ignore` list naming
+    every Linear kept in high precision (always `lm_head`).
+
+SmoothQuant factors folded into the RMSNorm weights are already part of the exported norms.
+A W8A8Linear that still carries an unfolded `act_prescale` p computes `(x * p) @ W.T`, which
+equals `x @ (W * p).T`: the exporter folds p into the weight columns and requantizes per
+channel (the only extra error of the export; measured and returned as `max_fold_rel_error`).
+Pass `fold_act_prescale=False` to refuse such models instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quasar_hf.hf.detect import is_quasar_model
+from quasar_hf.ops.reference import quantize_weight_per_channel
+
+CT_FORMAT = "int-quantized"
+W8A8_KEYS = {"weight", "weight_scale", "bias", "act_prescale"}
+
+
+@dataclass
+class ExportReport:
+    """What the export wrote: quantized and ignored module names, and the prescale-folding error."""
+
+    out_dir: str
+    quantized_modules: list[str] = field(default_factory=list)
+    ignored_modules: list[str] = field(default_factory=list)
+    folded_prescale_modules: list[str] = field(default_factory=list)
+    max_fold_rel_error: float = 0.0  # max over modules of ||W_new - W*p||_F / ||W*p||_F
+
+
+def is_w8a8_module(module: nn.Module) -> bool:
+    """Duck-typed W8A8Linear: an int8 `weight` buffer beside a `weight_scale`."""
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dtype == torch.int8 and hasattr(module, "weight_scale")
+
+
+def ct_quantization_config(ignore: list[str]) -> dict:
+    """The `quantization_config` dict, built and validated by compressed-tensors' own pydantic models."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel", dynamic=False)
+    inputs = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format=CT_FORMAT,
+        ignore=sorted(ignore),
+        quantization_status="compressed",
+    )
+    data = config.model_dump(mode="json")
+    data["quant_method"] = "compressed-tensors"
+    return data
+
+
+def fold_prescale(
+    weight_q: torch.Tensor, weight_scale: torch.Tensor, act_prescale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """W' = dequant(W) * p[None, :], requantized per channel -> (int8 [N, K], fp32 [N], rel. Frobenius error)."""
+    target = weight_q.float() * weight_scale.float()[:, None] * act_prescale.float()[None, :]  # [N, K]
+    q, scale = quantize_weight_per_channel(target)
+    error = (q.float() * scale[:, None] - target).norm() / target.norm().clamp_min(1e-30)
+    return q, scale, float(error)
+
+
+def _export_w8a8(name: str, module: nn.Module, fold: bool, report: ExportReport) -> dict[str, torch.Tensor]:
+    """One W8A8 module -> its compressed-tensors tensors (weight int8, weight_scale [out, 1], bias)."""
+    extra = {key for key, _ in module.named_buffers(recurse=False)} - W8A8_KEYS
+    if extra:
+        raise ValueError(f"{name}: unknown W8A8 tensors {sorted(extra)}; this exporter only knows {sorted(W8A8_KEYS)}")
+    weight_q, weight_scale = module.weight, module.weight_scale.float()
+    prescale = getattr(module, "act_prescale", None)
+    if prescale is not None:
+        if not fold:
+            raise ValueError(
+                f"{name} carries an unfolded act_prescale, which the compressed-tensors layout cannot express; "
+                "export with fold_act_prescale=True (folds it into the weights and requantizes)"
+            )
+        weight_q, weight_scale, error = fold_prescale(weight_q, weight_scale, prescale)
+        report.folded_prescale_modules.append(name)
+        report.max_fold_rel_error = max(report.max_fold_rel_error, error)
+    tensors = {f"{name}.weight": weight_q.contiguous(), f"{name}.weight_scale": weight_scale.reshape(-1, 1).contiguous()}
+    if getattr(module, "bias", None) is not None:
+        tensors[f"{name}.bias"] = module.bias.detach().contiguous()
+    report.quantized_modules.append(name)
+    return tensors
+
+
+def collect_tensors(model: nn.Module, fold: bool, report: ExportReport) -> dict[str, torch.Tensor]:
+    """The full exported state dict: compressed W8A8 modules + every other tensor as the model holds it."""
+    tensors: dict[str, torch.Tensor] = {}
+    handled: set[str] = set()
+    for name, module in model.named_modules():
+        if is_w8a8_module(module):
+            tensors.update(_export_w8a8(name, module, fold, report))
+            handled.update(f"{name}.{key}" for key, _ in module.named_buffers(recurse=False))
+        elif isinstance(module, nn.Linear):
+            report.ignored_modules.append(name)
+    seen_storage: set[int] = set()
+    for key, value in model.state_dict().items():
+        if key in handled:
+            continue
+        if value.device.type == "meta":
+            raise ValueError(f"{key} is on the meta device; load the model fully (no disk offload) before exporting")
+        pointer = value.untyped_storage().data_ptr()
+        if pointer in seen_storage and key.endswith("lm_head.weight"):
+            continue  # tied to the embeddings: saved once, re-tied on load (tie_word_embeddings)
+        seen_storage.add(pointer)
+        tensors[key] = value.detach().contiguous()
+    return tensors
+
+
+def export_config(model: nn.Module, ignore: list[str]) -> dict:
+    """config.json of the export: the model's own config with a compressed-tensors quantization_config."""
+    config = model.config.to_dict()
+    config["quantization_config"] = ct_quantization_config(ignore)
+    return config
+
+
+def export_compressed_tensors(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    tokenizer: object | None = None,
+    fold_act_prescale: bool = True,
+) -> ExportReport:
+    """Write `model` (a Quasar W8A8 model) to `out_dir` in the compressed-tensors int-quantized layout."""
+    from safetensors.torch import save_file
+
+    if not is_quasar_model(model):
+        raise ValueError(
+            "export_compressed_tensors expects a Quasar W8A8 model (quantize it first: "
+            "`quasar-hf quantize MODEL --out DIR`, or from_pretrained(..., quantization_config=QuasarConfig()))"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = ExportReport(out_dir=str(out))
+    tensors = collect_tensors(model, fold_act_prescale, report)
+    if not report.quantized_modules:
+        raise ValueError("the model says it is a Quasar model but holds no int8 W8A8 modules; nothing to export")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with open(out / "config.json", "w") as handle:
+        json.dump(export_config(model, report.ignored_modules), handle, indent=2, sort_keys=True)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return report

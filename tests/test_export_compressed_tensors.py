@@ -1,0 +1,111 @@
+"""compressed-tensors W8A8 export: read back by the compressed-tensors library and by
+Transformers' compressed-tensors support, same dequantized weights, logits close to ours."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_hub_support import make_tiny_checkpoint, quantize_tiny
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from quasar_hf.export.compressed_tensors import export_compressed_tensors, fold_prescale, is_w8a8_module
+from quasar_hf.nn import W8A8Linear
+
+pytest.importorskip("compressed_tensors", reason="the compressed-tensors library is needed to read the export back")
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    return quantize_tiny(make_tiny_checkpoint(tmp_path_factory.mktemp("base")))
+
+
+def w8a8_modules(model):
+    return {name: module for name, module in model.named_modules() if is_w8a8_module(module)}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected.float()).norm() / expected.float().norm())
+
+
+def test_layout_and_config(quantized, tmp_path):
+    report = export_compressed_tensors(quantized, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "int-quantized"
+    group = config["config_groups"]["group_0"]
+    assert group["targets"] == ["Linear"]
+    assert group["weights"] == {**group["weights"], "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    assert group["input_activations"]["strategy"] == "token" and group["input_activations"]["dynamic"] is True
+    assert config["ignore"] == ["lm_head"]
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name, module in w8a8_modules(quantized).items():
+        assert tensors[f"{name}.weight"].dtype == torch.int8
+        assert tensors[f"{name}.weight_scale"].shape == (module.out_features, 1)
+    assert len(report.quantized_modules) == 14 and not report.folded_prescale_modules
+
+
+def test_compressed_tensors_decompresses_to_our_weights(quantized, tmp_path):
+    from compressed_tensors.compressors import IntQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    export_compressed_tensors(quantized, tmp_path)
+    config = QuantizationConfig.model_validate(json.loads((tmp_path / "config.json").read_text())["quantization_config"])
+    scheme = config.config_groups["group_0"]
+    tensors = load_file(tmp_path / "model.safetensors")
+    for name, module in w8a8_modules(quantized).items():
+        local = {"weight": tensors[f"{name}.weight"], "weight_scale": tensors[f"{name}.weight_scale"]}
+        weight = IntQuantizationCompressor.decompress(local, scheme)["weight"]
+        assert torch.equal(weight.float(), module.dequantized_weight(torch.float32)), name
+
+
+def test_transformers_loads_the_export_with_close_logits(quantized, tmp_path):
+    export_compressed_tensors(quantized, tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = quantized(ids).logits, loaded(ids).logits
+    # Same int8 weights; activations differ only in CT's fake-quant rounding (amax/127.5, half-to-even)
+    # against our amax/127 (which is also vLLM's): a fraction of one int8 step per element.
+    assert relative_error(theirs, ours) < 0.02
+    for name, module in w8a8_modules(quantized).items():
+        assert torch.equal(loaded.get_submodule(name).weight.float(), module.dequantized_weight(torch.float32)), name
+
+
+def test_unfolded_prescale_is_folded_or_refused(quantized, tmp_path):
+    name = "model.layers.1.mlp.down_proj"
+    original = quantized.get_submodule(name)
+    prescale = torch.rand(original.in_features, generator=torch.Generator().manual_seed(0)) + 0.5
+    module = W8A8Linear(original.in_features, original.out_features, has_act_prescale=True)
+    module.weight.copy_(original.weight), module.weight_scale.copy_(original.weight_scale), module.act_prescale.copy_(prescale)
+    quantized.set_submodule(name, module)
+    try:
+        with pytest.raises(ValueError, match="act_prescale"):
+            export_compressed_tensors(quantized, tmp_path / "refused", fold_act_prescale=False)
+        report = export_compressed_tensors(quantized, tmp_path / "folded")
+        assert report.folded_prescale_modules == [name]
+        assert 0 < report.max_fold_rel_error < 0.01  # one requantization: well under one int8 step
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "folded", dtype=torch.float32).eval()
+        ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            assert relative_error(loaded(ids).logits, quantized(ids).logits) < 0.03
+    finally:
+        quantized.set_submodule(name, original)
+
+
+def test_fold_prescale_matches_the_product():
+    q, scale = W8A8Linear.from_linear(torch.nn.Linear(48, 32)).weight, torch.rand(32) / 100
+    prescale = torch.rand(48) + 0.5
+    q_new, scale_new, error = fold_prescale(q, scale, prescale)
+    target = q.float() * scale[:, None] * prescale[None, :]
+    assert q_new.dtype == torch.int8 and scale_new.shape == (32,)
+    assert relative_error(q_new.float() * scale_new[:, None], target) == pytest.approx(error, rel=1e-5)
+    assert error < 0.01
+
+
+def test_refuses_non_quasar_models():
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="Quasar"):
+        export_compressed_tensors(model, "/nonexistent/never-written")
