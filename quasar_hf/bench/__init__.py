@@ -1,0 +1,12 @@
+"""Benchmarks and fidelity reports for quasar_hf.
+
+Public entry points (import the submodule you need; nothing heavy is imported here):
+  suites.load_suite(name) / load_suites(names)      offline prompt suites: "code", "grounded", "chat"
+  runner.run_bench(reference_model, quantized_model, tokenizer, ...)   interleaved generation benchmark
+  runner.bench_main(argv) / `python -m quasar_hf.bench.runner`         the same, end to end, with reports
+  fidelity.evaluate_fidelity(model, reference_model, tokenizer, texts, ...)  perplexity, top-1, KL, L
+  report.write_reports(result, out_dir)             JSON (+ environment), markdown, PNG plots
+  gpu_check                                         `python -m quasar_hf.bench.gpu_check --out DIR [--tiny]`
+  kernels.run_kernel_benchmark(...)                 kernel micro-benchmark (written by the ops helper)
+  generation.run_generation_benchmark(...)          generation runner core (written by the speculative helper)
+"""

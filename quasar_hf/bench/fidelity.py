@@ -1,0 +1,367 @@
+"""Fidelity of a W8A8 model against its unquantized reference, on held-out text.
+
+Measures (all teacher-forced on the same token windows):
+  * perplexity of both models, and their ratio (target: W8A8 within 1 % of BF16);
+  * top-1 agreement: fraction of positions where both models' argmax next tokens agree;
+  * mean KL(reference || model) of the next-token distributions, in nats.
+And the paper's acceptance comparison (n-gram drafts, greedy):
+  * same_drafts: along one fixed trajectory (the reference's greedy output), every position gets
+    the same n-gram draft; each verifier's accepted prefix length is counted. The strict
+    like-for-like comparison: only the verifier differs.
+  * free_running: each verifier runs its own speculative loop; L = tokens per verify step
+    (the paper reports L = 1.40 for W8A8 vs 1.33 for BF16 with n-gram drafts).
+The held-out text must not be the calibration text: the default is the "heldout" half of the
+project's built-in Python-docs split (`quasar_hf.smoothquant.data.builtin_texts`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+
+# ---------------------------------------------------------------- pure speculative pieces
+def ngram_draft(tokens: list[int], num_draft_tokens: int, min_ngram: int = 1, max_ngram: int = 3) -> list[int]:
+    """Prompt-lookup draft: the tokens that followed the latest earlier match of the longest suffix n-gram.
+
+    Tries n = max_ngram .. min_ngram; returns up to `num_draft_tokens` tokens, or [] when nothing matches.
+    """
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest match first, never the suffix itself
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + num_draft_tokens]
+    return []
+
+
+def accepted_prefix_length(draft: list[int], verifier_tokens: list[int]) -> int:
+    """Greedy verification: how many leading draft tokens equal the verifier's argmax tokens."""
+    accepted = 0
+    for drafted, verified in zip(draft, verifier_tokens):
+        if drafted != verified:
+            break
+        accepted += 1
+    return accepted
+
+
+def new_stats() -> dict:
+    """Counters of one speculative run (the same names as quasar_hf.speculative's QuasarStats)."""
+    return {"verify_steps": 0, "drafted_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 0,
+            "drafted_at_position": [], "accepted_at_position": [], "draft_time_s": 0.0, "verify_time_s": 0.0}
+
+
+def record_step(stats: dict, draft_len: int, accepted: int) -> None:
+    """Add one verify step that checked `draft_len` drafted tokens and accepted `accepted` of them."""
+    for key in ("drafted_at_position", "accepted_at_position"):
+        stats[key].extend([0] * max(0, draft_len - len(stats[key])))
+    for i in range(draft_len):
+        stats["drafted_at_position"][i] += 1
+        stats["accepted_at_position"][i] += int(i < accepted)
+    stats["verify_steps"] += 1
+    stats["drafted_tokens"] += draft_len
+    stats["accepted_tokens"] += accepted
+    stats["emitted_tokens"] += accepted + 1
+
+
+def aggregate_stats(stats_list: list[dict]) -> dict:
+    """Sum counters over runs -> L (tokens per verify step), acceptance per position, times per step/token.
+
+    L = emitted tokens / verify steps, counting steps without a draft (what sets the speed);
+    acceptance_per_position[i] = P(draft token i accepted | it was drafted).
+    """
+    stats_list = [s for s in stats_list if s and s.get("verify_steps")]
+    if not stats_list:
+        return {}
+    total = new_stats()
+    for s in stats_list:
+        for key in ("verify_steps", "drafted_tokens", "accepted_tokens", "emitted_tokens", "draft_time_s", "verify_time_s"):
+            total[key] += s[key]
+        width = len(s["drafted_at_position"])
+        for key in ("drafted_at_position", "accepted_at_position"):
+            counts = total[key]
+            counts.extend([0] * max(0, width - len(counts)))
+            for i, c in enumerate(s[key][:width]):
+                counts[i] += c
+    steps = total["verify_steps"]
+    return {
+        "verify_steps": steps,
+        "drafted_tokens": total["drafted_tokens"],
+        "accepted_tokens": total["accepted_tokens"],
+        "mean_acceptance_length": total["emitted_tokens"] / steps,
+        "acceptance_rate": total["accepted_tokens"] / max(1, total["drafted_tokens"]),
+        "acceptance_per_position": [a / d for a, d in zip(total["accepted_at_position"], total["drafted_at_position"]) if d],
+        "time_per_verify_step_s": total["verify_time_s"] / steps,
+        "time_per_draft_token_s": total["draft_time_s"] / max(1, total["drafted_tokens"]),
+    }
+
+
+# ---------------------------------------------------------------- the local reference loop
+def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+    """One cached forward; works with Transformers 5.17 (`past_key_values`) and 5.24 (`cache`)."""
+    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True, **{cache_kwarg: cache})
+    new_cache = out["cache"] if "cache" in out else out["past_key_values"]
+    return out["logits"], new_cache
+
+
+def local_speculative_generate(
+    model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, num_draft_tokens: int = 5,
+    eos_token_id: int | None = None,
+) -> tuple[list[int], dict]:
+    """Greedy speculative decoding, n-gram drafts, batch 1: new tokens [<= max_new_tokens] + stats.
+
+    Invariant: the KV cache holds every token of `out` except the last one.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"the reference loop takes one prompt, input_ids [1, T]; got shape {tuple(input_ids.shape)}")
+    stats = new_stats()
+    out = input_ids[0].tolist()
+    start = time.perf_counter()
+    logits, cache = _forward(model, input_ids, None)  # prefill: [1, T, V]
+    out.append(int(logits[0, -1].argmax()))
+    stats["prefill_time_s"] = time.perf_counter() - start
+    produced = 1
+    while produced < max_new_tokens and out[-1] != eos_token_id:
+        t0 = time.perf_counter()
+        draft = ngram_draft(out, min(num_draft_tokens, max_new_tokens - produced - 1))
+        t1 = time.perf_counter()
+        block = torch.tensor([[out[-1], *draft]], device=input_ids.device)  # [1, 1 + d]
+        logits, cache = _forward(model, block, cache)
+        predicted = logits[0].argmax(dim=-1).tolist()  # [1 + d]
+        accepted = accepted_prefix_length(draft, predicted)
+        if accepted < len(draft):
+            cache.crop(-(len(draft) - accepted))  # drop the rejected draft tokens
+        new_tokens = draft[:accepted] + [predicted[accepted]]
+        stats["draft_time_s"] += t1 - t0
+        stats["verify_time_s"] += time.perf_counter() - t1
+        record_step(stats, len(draft), accepted)
+        if eos_token_id in new_tokens:
+            new_tokens = new_tokens[: new_tokens.index(eos_token_id) + 1]
+        out.extend(new_tokens)
+        produced += len(new_tokens)
+    return out[input_ids.shape[1] :][:max_new_tokens], stats
+
+
+# ---------------------------------------------------------------- the project's loop, when present
+def resolve_loop(loop: str) -> str:
+    """"auto" -> "project" when quasar_hf.speculative.speculative_generate imports, else "local"."""
+    if loop not in ("auto", "project", "local"):
+        raise ValueError(f"loop must be 'auto', 'project' or 'local', got {loop!r}")
+    if loop != "auto":
+        return loop
+    try:
+        from quasar_hf.speculative import speculative_generate  # noqa: F401
+    except ImportError:
+        return "local"
+    return "project"
+
+
+def _stats_from_project(quasar_stats: Any) -> dict:
+    """Translate a quasar_hf.speculative QuasarStats into this module's counters (same definitions)."""
+    stats = new_stats()
+    stats.update(
+        verify_steps=int(quasar_stats.verify_steps),
+        drafted_tokens=int(quasar_stats.drafted_tokens),
+        accepted_tokens=int(quasar_stats.accepted_tokens),
+        emitted_tokens=int(quasar_stats.new_tokens),
+        drafted_at_position=list(quasar_stats.drafted_per_position),
+        accepted_at_position=list(quasar_stats.accepted_per_position),
+        draft_time_s=float(quasar_stats.draft_time_s),
+        verify_time_s=float(quasar_stats.verify_time_s),
+    )
+    return stats
+
+
+def speculative_tokens(
+    model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, drafter: str, num_draft_tokens: int, loop: str
+) -> tuple[list[int], dict]:
+    """Run one greedy speculative generation with `model` as verifier, via the chosen loop."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, list) else eos
+    if resolve_loop(loop) == "local":
+        if drafter != "ngram":
+            raise ValueError(f"the local reference loop only has the 'ngram' drafter, not {drafter!r}")
+        return local_speculative_generate(model, input_ids, max_new_tokens, num_draft_tokens, eos)
+    from quasar_hf.speculative import QuasarGenerationConfig, speculative_generate
+
+    config = QuasarGenerationConfig(drafter=drafter, num_draft_tokens=num_draft_tokens)
+    out = speculative_generate(model, input_ids, quasar_config=config, max_new_tokens=max_new_tokens)
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    return sequences[0, input_ids.shape[1] :].tolist(), _stats_from_project(out.quasar_stats)
+
+
+# ---------------------------------------------------------------- pure metric pieces
+def next_token_sums(model_logits: torch.Tensor, reference_logits: torch.Tensor, targets: torch.Tensor) -> dict:
+    """Sums over positions: NLL of both models, top-1 agreements, KL(ref || model). Logits [T, V], targets [T]."""
+    if model_logits.shape != reference_logits.shape or model_logits.shape[0] != targets.shape[0]:
+        raise ValueError(
+            f"logits and targets disagree: model {tuple(model_logits.shape)}, reference "
+            f"{tuple(reference_logits.shape)}, targets {tuple(targets.shape)}"
+        )
+    log_p = F.log_softmax(model_logits.float(), dim=-1)  # [T, V]
+    log_q = F.log_softmax(reference_logits.float(), dim=-1)  # [T, V]
+    kl = (log_q.exp() * (log_q - log_p)).sum(dim=-1)  # [T]
+    return {
+        "model_nll": float(-log_p.gather(1, targets[:, None]).sum()),
+        "reference_nll": float(-log_q.gather(1, targets[:, None]).sum()),
+        "top1_agree": int((log_p.argmax(-1) == log_q.argmax(-1)).sum()),
+        "kl": float(kl.sum()),
+        "tokens": int(targets.shape[0]),
+    }
+
+
+def finalize_sums(sums: dict) -> dict:
+    """Turn summed counters into perplexities, their ratio, agreement and mean KL."""
+    n = sums["tokens"]
+    if n == 0:
+        raise ValueError("no tokens were evaluated: give longer texts (at least 2 tokens each)")
+    model_ppl = math.exp(sums["model_nll"] / n)
+    reference_ppl = math.exp(sums["reference_nll"] / n)
+    return {
+        "perplexity_model": model_ppl,
+        "perplexity_reference": reference_ppl,
+        "perplexity_ratio": model_ppl / reference_ppl,
+        "top1_agreement": sums["top1_agree"] / n,
+        "mean_kl_nats": sums["kl"] / n,
+        "tokens_evaluated": n,
+    }
+
+
+def token_windows(tokenizer: Any, texts: list[str], seq_len: int, max_windows: int | None) -> list[torch.Tensor]:
+    """Concatenate texts (EOS-separated) and cut non-overlapping windows of seq_len tokens ([seq_len] each)."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    if isinstance(texts, str) or not texts or not all(isinstance(t, str) for t in texts):
+        raise TypeError("texts must be a non-empty list of strings")
+    sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text)["input_ids"] + sep)
+    windows = [torch.tensor(ids[i : i + seq_len]) for i in range(0, len(ids) - seq_len + 1, seq_len)]
+    if not windows:
+        windows = [torch.tensor(ids)]
+    return windows[:max_windows]
+
+
+# ---------------------------------------------------------------- model-level measurements
+def _logits(model: torch.nn.Module, window: torch.Tensor) -> torch.Tensor:
+    """Next-token logits [T, V] of one window [T] (no cache)."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        return model(input_ids=window[None].to(device), use_cache=False).logits[0].float().cpu()
+
+
+def compare_next_token(model: torch.nn.Module, reference_model: torch.nn.Module, windows: list[torch.Tensor]) -> dict:
+    """Perplexity, top-1 agreement and mean KL of `model` vs `reference_model` over token windows."""
+    sums = {"model_nll": 0.0, "reference_nll": 0.0, "top1_agree": 0, "kl": 0.0, "tokens": 0}
+    for window in windows:
+        part = next_token_sums(_logits(model, window)[:-1], _logits(reference_model, window)[:-1], window[1:])
+        for key in sums:
+            sums[key] += part[key]
+    return finalize_sums(sums)
+
+
+def same_draft_acceptance(
+    model: torch.nn.Module, trajectory: list[int], start: int, num_draft_tokens: int
+) -> dict:
+    """Accepted draft length at every position >= start of a fixed trajectory, n-gram drafts from its prefix.
+
+    The cache holds trajectory[:t-1] before position t; we feed trajectory[t-1] + draft, count the
+    accepted prefix, then crop the draft away so the cache holds trajectory[:t].
+    """
+    device = next(model.parameters()).device
+    stats = new_stats()
+    _, cache = _forward(model, torch.tensor([trajectory[: start - 1]], device=device), None)
+    for t in range(start, len(trajectory)):
+        draft = ngram_draft(trajectory[:t], num_draft_tokens)
+        block = torch.tensor([[trajectory[t - 1], *draft]], device=device)  # [1, 1 + d]
+        logits, cache = _forward(model, block, cache)
+        accepted = accepted_prefix_length(draft, logits[0].argmax(-1).tolist())
+        if draft:
+            cache.crop(-len(draft))
+            record_step(stats, len(draft), accepted)
+    return stats
+
+
+def compare_acceptance(
+    model: torch.nn.Module,
+    reference_model: torch.nn.Module,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int = 64,
+    num_draft_tokens: int = 5,
+    loop: str = "auto",
+) -> dict:
+    """L of W8A8 vs reference verification: on the same drafts, and each in its own free-running loop."""
+    same = {"model": [], "reference": []}
+    free = {"model": [], "reference": []}
+    for input_ids in prompts:  # [1, T]
+        ref_tokens, ref_stats = speculative_tokens(reference_model, input_ids, max_new_tokens, "ngram", num_draft_tokens, loop)
+        _, model_stats = speculative_tokens(model, input_ids, max_new_tokens, "ngram", num_draft_tokens, loop)
+        free["reference"].append(ref_stats)
+        free["model"].append(model_stats)
+        trajectory = input_ids[0].tolist() + ref_tokens
+        start = input_ids.shape[1] + 1
+        same["model"].append(same_draft_acceptance(model, trajectory, start, num_draft_tokens))
+        same["reference"].append(same_draft_acceptance(reference_model, trajectory, start, num_draft_tokens))
+    result = {}
+    for name, groups in (("same_drafts", same), ("free_running", free)):
+        model_agg, ref_agg = aggregate_stats(groups["model"]), aggregate_stats(groups["reference"])
+        keep = ("mean_acceptance_length", "acceptance_rate", "acceptance_per_position", "verify_steps", "drafted_tokens")
+        result[name] = {
+            "model": {k: model_agg.get(k) for k in keep},
+            "reference": {k: ref_agg.get(k) for k in keep},
+        }
+        if model_agg and ref_agg:
+            result[name]["L_ratio"] = model_agg["mean_acceptance_length"] / ref_agg["mean_acceptance_length"]
+    result["note"] = (
+        "same_drafts: drafts taken from the reference's greedy trajectory, L counts only positions with a "
+        "draft (accepted + 1 per drafted position); free_running: L = new tokens / verify steps"
+    )
+    return result
+
+
+def evaluate_fidelity(
+    model: torch.nn.Module,
+    reference_model: torch.nn.Module,
+    tokenizer: Any,
+    texts: list[str] | None = None,
+    *,
+    seq_len: int = 256,
+    max_windows: int | None = 16,
+    acceptance_prompts: list[torch.Tensor] | None = None,
+    max_new_tokens: int = 64,
+    num_draft_tokens: int = 5,
+    loop: str = "auto",
+) -> dict:
+    """Fidelity of `model` (W8A8) vs `reference_model` (unquantized), on held-out `texts`.
+
+    texts: held-out strings, NOT the calibration text (None = the built-in "heldout" split).
+    seq_len / max_windows: evaluation windows of seq_len tokens, at most max_windows of them.
+    acceptance_prompts: token-id tensors [1, T] for the acceptance comparison (None skips it).
+    Returns {"next_token": {perplexity_model, perplexity_reference, perplexity_ratio,
+    top1_agreement, mean_kl_nats, tokens_evaluated}, "acceptance": {...} | None, "config": {...}}.
+    """
+    source = "caller"
+    if texts is None:
+        from quasar_hf.smoothquant.data import builtin_texts
+
+        texts, source = builtin_texts("heldout"), "builtin:python-docs (heldout split)"
+    windows = token_windows(tokenizer, texts, seq_len, max_windows)
+    result = {
+        "config": {"text_source": source, "seq_len": seq_len, "windows": len(windows),
+                   "max_new_tokens": max_new_tokens, "num_draft_tokens": num_draft_tokens},
+        "next_token": compare_next_token(model, reference_model, windows),
+        "acceptance": None,
+    }
+    if acceptance_prompts:
+        result["acceptance"] = compare_acceptance(
+            model, reference_model, acceptance_prompts, max_new_tokens, num_draft_tokens, loop
+        )
+    return result

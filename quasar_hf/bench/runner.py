@@ -1,0 +1,249 @@
+"""Interleaved generation benchmark: every variant on the same prompts, machine and run.
+
+Variants (names are stable, they key the JSON report):
+  bf16_generate       plain greedy `generate` on the unquantized model
+  bf16_prompt_lookup  Transformers' prompt lookup decoding on the unquantized model
+  bf16_verify_ngram   the speculative loop, n-gram drafts, verified by the unquantized model
+  quasar_ngram        the same loop verified by the W8A8 model (the method)
+  quasar_<drafter>    the W8A8 model with another drafter of `quasar_hf.speculative`, when present
+
+Variants are interleaved (repeat -> prompt -> rotated variant order) so that slow drift of a shared
+machine spreads evenly. The headline is every variant's median tokens/s divided by
+bf16_verify_ngram's. Greedy decoding throughout: all bf16_* variants must emit the same tokens,
+which the report checks.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from quasar_hf.bench.fidelity import aggregate_stats, resolve_loop, speculative_tokens
+from quasar_hf.bench.suites import load_suites, render_prompt
+
+BASELINE = "bf16_verify_ngram"
+DEFAULT_VARIANTS = ("bf16_generate", "bf16_prompt_lookup", "bf16_verify_ngram", "quasar_ngram")
+
+Generate = Callable[[torch.Tensor, int], tuple[list[int], dict]]
+
+
+# ---------------------------------------------------------------- peak memory
+class PeakMemory:
+    """Peak memory during a block: torch.cuda.max_memory_allocated on CUDA, else peak RSS (VmHWM).
+
+    On Linux the RSS high-water mark is reset by writing "5" to /proc/self/clear_refs; where that
+    is not allowed the process-lifetime peak is reported (`peak_bytes` is None off Linux).
+    """
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.peak_bytes: int | None = None
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.startswith("cuda"):
+            self.peak_bytes = int(torch.cuda.max_memory_allocated())
+            return
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        self.peak_bytes = int(line.split()[1]) * 1024
+        except OSError:
+            self.peak_bytes = None
+
+
+def _hf_generate(model: torch.nn.Module, **extra: Any) -> Generate:
+    """A variant that calls `model.generate` greedily (extra kwargs select e.g. prompt lookup)."""
+
+    def run(input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=model.generation_config.eos_token_id or 0,
+            **extra,
+        )
+        return out[0, input_ids.shape[1] :].tolist(), {}
+
+    return run
+
+
+def _speculative(model: torch.nn.Module, drafter: str, num_draft_tokens: int, loop: str) -> Generate:
+    """A variant running the speculative loop with `model` as the verifier."""
+
+    def run(input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
+        return speculative_tokens(model, input_ids, max_new_tokens, drafter, num_draft_tokens, loop)
+
+    return run
+
+
+def build_variants(
+    names: tuple[str, ...] | list[str],
+    reference_model: torch.nn.Module,
+    quantized_model: torch.nn.Module | None,
+    num_draft_tokens: int = 5,
+    loop: str = "auto",
+) -> dict[str, Generate]:
+    """Map variant names to generate functions; unknown names raise with the list of known ones."""
+    variants: dict[str, Generate] = {}
+    for name in names:
+        if name == "bf16_generate":
+            variants[name] = _hf_generate(reference_model)
+        elif name == "bf16_prompt_lookup":
+            variants[name] = _hf_generate(
+                reference_model, prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=3
+            )
+        elif name == "bf16_verify_ngram":
+            variants[name] = _speculative(reference_model, "ngram", num_draft_tokens, loop)
+        elif name.startswith("quasar_"):
+            if quantized_model is None:
+                raise ValueError(f"variant {name!r} needs a quantized_model (a W8A8 copy of the model)")
+            variants[name] = _speculative(quantized_model, name.removeprefix("quasar_"), num_draft_tokens, loop)
+        else:
+            raise ValueError(
+                f"unknown variant {name!r}: use bf16_generate, bf16_prompt_lookup, bf16_verify_ngram or quasar_<drafter>"
+            )
+    return variants
+
+
+def _interleaved_order(names: list[str], step: int) -> list[str]:
+    """Rotate the variant order by `step` so no variant always runs first (or right after another)."""
+    shift = step % len(names)
+    return names[shift:] + names[:shift]
+
+
+def _time_one(generate: Generate, input_ids: torch.Tensor, max_new_tokens: int, device: str) -> dict:
+    """Run one generation; wall time (synchronized on CUDA), tokens, stats and peak memory."""
+    with PeakMemory(device) as memory:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        tokens, stats = generate(input_ids, max_new_tokens)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": seconds, "stats": stats, "peak_memory_bytes": memory.peak_bytes}
+
+
+def run_bench(
+    reference_model: torch.nn.Module,
+    quantized_model: torch.nn.Module | None,
+    tokenizer: Any,
+    *,
+    suites: str | list[str] = "all",
+    limit_per_suite: int | None = None,
+    prompts: list[dict] | None = None,
+    variants: tuple[str, ...] | list[str] = DEFAULT_VARIANTS,
+    max_new_tokens: int = 64,
+    repeats: int = 3,
+    warmup: int = 1,
+    num_draft_tokens: int = 5,
+    loop: str = "auto",
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Benchmark generation variants, interleaved, on the same prompts; return a result dict.
+
+    reference_model: the unquantized (BF16) model; quantized_model: its W8A8 copy (None skips the
+    quasar_* variants). prompts: suite items (see `suites.load_suite`), default `suites` loaded
+    with `limit_per_suite`. Each (prompt, variant) runs `warmup` untimed then `repeats` timed times.
+    loop: "auto" (the project's `quasar_hf.speculative` loop when installed, else the local
+    reference loop), "project" or "local".
+    Returns {"config", "variants": {name: summary}, "headline": {name: speedup vs bf16_verify_ngram},
+    "runs": [...]}; feed it to `report.write_reports`.
+    """
+    if repeats < 1 or warmup < 0 or max_new_tokens < 1:
+        raise ValueError(f"need repeats >= 1, warmup >= 0, max_new_tokens >= 1; got {repeats}, {warmup}, {max_new_tokens}")
+    items = prompts if prompts is not None else load_suites(suites, limit_per_suite)
+    if not items:
+        raise ValueError("no prompts to benchmark: pass prompts=[...] or a non-empty suite")
+    if quantized_model is None:
+        variants = [v for v in variants if not v.startswith("quasar_")]
+    names = list(variants)
+    generators = build_variants(names, reference_model, quantized_model, num_draft_tokens, loop)
+    device = str(next(reference_model.parameters()).device)
+    encoded = [torch.tensor([render_prompt(item, tokenizer)], device=device) for item in items]
+    say = log or (lambda message: None)
+
+    for _ in range(warmup):
+        for input_ids in encoded[:1]:
+            for name in names:
+                generators[name](input_ids, max_new_tokens)
+    runs: list[dict] = []
+    step = 0
+    for repeat in range(repeats):
+        for index, (item, input_ids) in enumerate(zip(items, encoded)):
+            for name in _interleaved_order(names, step):
+                run = _time_one(generators[name], input_ids, max_new_tokens, device)
+                run.update(variant=name, repeat=repeat, prompt_index=index, prompt_id=item["id"], suite=item["suite"])
+                runs.append(run)
+            step += 1
+        say(f"repeat {repeat + 1}/{repeats} done")
+    summaries = {name: summarize_variant([r for r in runs if r["variant"] == name]) for name in names}
+    _mark_token_agreement(summaries, runs)
+    return {
+        "config": {
+            "variants": names,
+            "prompts": [{"id": it["id"], "suite": it["suite"], "version": it["version"]} for it in items],
+            "prompt_tokens": [int(ids.shape[1]) for ids in encoded],
+            "max_new_tokens": max_new_tokens,
+            "repeats": repeats,
+            "warmup": warmup,
+            "num_draft_tokens": num_draft_tokens,
+            "loop": resolve_loop(loop),
+            "device": device,
+            "interleaving": "repeat -> prompt -> variant order rotated by one each prompt",
+        },
+        "variants": summaries,
+        "headline": headline_ratios(summaries),
+        "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
+    }
+
+
+def summarize_variant(runs: list[dict]) -> dict:
+    """Median tokens/s over repeats (each repeat = all prompts), L, acceptance per position, times."""
+    by_repeat: dict[int, list[dict]] = {}
+    for r in runs:
+        by_repeat.setdefault(r["repeat"], []).append(r)
+    rates = [sum(len(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs) for rs in by_repeat.values()]
+    summary = {
+        "tokens_per_s_median": statistics.median(rates),
+        "tokens_per_s_repeats": rates,
+        "new_tokens": sum(len(r["tokens"]) for r in runs),
+        "peak_memory_bytes": max((r["peak_memory_bytes"] or 0) for r in runs) or None,
+    }
+    summary.update(aggregate_stats([r["stats"] for r in runs]))
+    return summary
+
+
+def headline_ratios(summaries: dict[str, dict]) -> dict[str, float]:
+    """Each variant's median tokens/s divided by the BF16-verify loop's (empty if it did not run)."""
+    if BASELINE not in summaries:
+        return {}
+    base = summaries[BASELINE]["tokens_per_s_median"]
+    return {name: s["tokens_per_s_median"] / base for name, s in summaries.items()}
+
+
+def _mark_token_agreement(summaries: dict[str, dict], runs: list[dict]) -> None:
+    """Fraction of runs whose tokens equal bf16_generate's on the same prompt (greedy => should be 1.0)."""
+    reference = {r["prompt_index"]: r["tokens"] for r in runs if r["variant"] == "bf16_generate"}
+    if not reference:
+        return
+    for name, summary in summaries.items():
+        mine = [r for r in runs if r["variant"] == name]
+        same = sum(r["tokens"] == reference[r["prompt_index"]] for r in mine)
+        summary["same_tokens_as_bf16_generate"] = same / len(mine)

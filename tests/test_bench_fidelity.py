@@ -1,0 +1,114 @@
+"""Fidelity metrics and the speculative pieces they use, on tiny random models."""
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from quasar_hf.bench import fidelity
+from quasar_hf.bench.fidelity import (
+    accepted_prefix_length,
+    aggregate_stats,
+    evaluate_fidelity,
+    local_speculative_generate,
+    new_stats,
+    next_token_sums,
+    ngram_draft,
+    record_step,
+)
+
+
+class CharTokenizer:
+    chat_template = None
+    eos_token_id = 1
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) % 60 + 2 for c in text]}
+
+
+def tiny_model(seed=0, vocab=64):
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab, eos_token_id=1, bos_token_id=None)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_ngram_draft_takes_latest_match_of_longest_suffix():
+    assert ngram_draft([5, 6, 7, 9, 5, 6, 7, 8, 1, 5, 6, 7], 3) == [8, 1, 5]
+    assert ngram_draft([1, 2, 3, 4], 3) == []
+    assert ngram_draft([4, 2, 9, 4], 2) == [2, 9]
+
+
+def test_accepted_prefix_length():
+    assert accepted_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert accepted_prefix_length([], [7]) == 0
+    assert accepted_prefix_length([3], [4, 3]) == 0
+
+
+def test_stats_aggregate_to_L_and_per_position_rates():
+    stats = new_stats()
+    record_step(stats, 3, 2)
+    record_step(stats, 2, 0)
+    record_step(stats, 0, 0)
+    agg = aggregate_stats([stats])
+    assert agg["mean_acceptance_length"] == pytest.approx((3 + 1 + 1) / 3)
+    assert agg["acceptance_per_position"] == [0.5, 0.5, 0.0]
+    assert agg["acceptance_rate"] == pytest.approx(2 / 5)
+
+
+def test_local_loop_reproduces_greedy_generate_exactly():
+    model = tiny_model()
+    prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 7, 8, 9, 3, 4]])
+    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False,
+                              pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    tokens, stats = local_speculative_generate(model, prompt, 30, num_draft_tokens=4)
+    assert tokens == expected[: len(tokens)] and (len(tokens) == 30 or tokens[-1] == 1)
+    assert stats["verify_steps"] < len(tokens)  # some drafts were accepted
+
+
+def test_next_token_sums_match_hand_computation():
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+    other = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 3.0]])
+    targets = torch.tensor([0, 2])
+    sums = next_token_sums(logits, other, targets)
+    p, q = logits.log_softmax(-1), other.log_softmax(-1)
+    assert sums["model_nll"] == pytest.approx(float(-(p[0, 0] + p[1, 2])), rel=1e-6)
+    assert sums["kl"] == pytest.approx(float((q.exp() * (q - p)).sum()), rel=1e-6)
+    assert sums["top1_agree"] == 1
+
+
+def test_identical_models_have_ratio_one_agreement_one_kl_zero_same_L():
+    model = tiny_model()
+    prompts = [torch.tensor([[3, 4, 5, 3, 4, 5, 6, 7, 3, 4]])]
+    result = evaluate_fidelity(model, model, CharTokenizer(), ["abcabd abcabd " * 20], seq_len=32,
+                               acceptance_prompts=prompts, max_new_tokens=16, loop="local")
+    nt = result["next_token"]
+    assert nt["perplexity_ratio"] == pytest.approx(1.0) and nt["top1_agreement"] == 1.0
+    assert nt["mean_kl_nats"] == pytest.approx(0.0, abs=1e-6)
+    assert result["acceptance"]["same_drafts"]["L_ratio"] == pytest.approx(1.0)
+
+
+def test_perturbed_model_is_measured_as_different():
+    model = tiny_model()
+    noisy = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    result = evaluate_fidelity(noisy, model, CharTokenizer(), ["the quick brown fox " * 20], seq_len=32)
+    nt = result["next_token"]
+    assert nt["mean_kl_nats"] > 1e-4 and nt["top1_agreement"] < 1.0
+    assert math.isfinite(nt["perplexity_model"]) and result["acceptance"] is None
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = tiny_model()
+    with pytest.raises(TypeError, match="texts"):
+        evaluate_fidelity(model, model, CharTokenizer(), "just a string")
+    with pytest.raises(ValueError, match="seq_len"):
+        evaluate_fidelity(model, model, CharTokenizer(), ["x"], seq_len=1)
+    with pytest.raises(ValueError, match="one prompt"):
+        local_speculative_generate(model, torch.zeros(2, 3, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="loop"):
+        fidelity.resolve_loop("fast")
