@@ -79,22 +79,18 @@ def _load_tokenizer(model: nn.Module, config: QuasarConfig):
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, config: QuasarConfig, progress: bool = True) -> dict:
-    """Calibrate, smooth and quantize `model` in place; returns a summary and records it in `config`."""
-    started = time.perf_counter()
-    arch = resolve_mappings(model, config.smoothquant_mappings)
-    names = find_quantizable_linears(model, arch.layers_path, config.modules_to_not_convert)
+def smooth_model(model: nn.Module, config: QuasarConfig, names: list[str], stats, arch) -> tuple[dict, dict, dict]:
+    """Apply SmoothQuant to every decoder layer; the float function is unchanged.
 
-    tokenizer = _load_tokenizer(model, config)
-    texts, source = load_calibration_texts(config.calibration_dataset, config.calibration_text_column, config.calibration_split)
-    blocks = build_calibration_blocks(texts, tokenizer, config.num_calibration_samples, config.calibration_seq_len, config.seed)
-    stats = collect_linear_input_stats(model, blocks, names, config.calibration_sample_rows, config.seed, progress)
-
-    layers = decoder_layers(model, arch)
+    Returns (float_weights: full name -> smoothed fp32 weight [out, in], prescales: full name -> [in],
+    alphas: "layer.smooth" -> alpha). Norm weights (and folded biases) are updated in the model;
+    linear weights are returned in fp32 so quantization starts from exact smoothed values.
+    """
     name_set = set(names)
+    smoothed: dict[str, torch.Tensor] = {}
     alphas: dict[str, float] = {}
     prescales: dict[str, torch.Tensor] = {}
-    for index, layer in enumerate(layers):
+    for index, layer in enumerate(decoder_layers(model, arch)):
         prefix = f"{arch.layers_path}.{index}."
         float_weights = {
             path[len(prefix):]: module.weight.detach().float().clone()
@@ -112,11 +108,36 @@ def quantize_model(model: nn.Module, config: QuasarConfig, progress: bool = True
             )
             alphas[f"{index}.{mapping.smooth}"] = result.alpha
             prescales.update({prefix + p: v for p, v in result.prescale.items()})
-        for rel, weight in float_weights.items():
-            full = prefix + rel
-            linear = model.get_submodule(full)
-            quantized = W8A8Linear.from_weight(weight, linear.bias, prescales.get(full), backend=config.backend)
-            _set_submodule(model, full, quantized)
+        smoothed.update({prefix + rel: w for rel, w in float_weights.items()})
+    return smoothed, prescales, alphas
+
+
+def swap_in_w8a8(model: nn.Module, float_weights: dict, prescales: dict, backend: str) -> None:
+    """Replace each named nn.Linear by a W8A8Linear quantized from its (smoothed) fp32 weight."""
+    for name, weight in float_weights.items():
+        linear = model.get_submodule(name)
+        quantized = W8A8Linear.from_weight(weight, linear.bias, prescales.get(name), backend=backend)
+        _set_submodule(model, name, quantized)
+
+
+def calibrate(model: nn.Module, config: QuasarConfig, names: list[str], progress: bool = True):
+    """(stats, blocks, source): calibration statistics of the named linears' inputs."""
+    tokenizer = _load_tokenizer(model, config)
+    texts, source = load_calibration_texts(config.calibration_dataset, config.calibration_text_column, config.calibration_split)
+    blocks = build_calibration_blocks(texts, tokenizer, config.num_calibration_samples, config.calibration_seq_len, config.seed)
+    stats = collect_linear_input_stats(model, blocks, names, config.calibration_sample_rows, config.seed, progress)
+    return stats, blocks, source
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, config: QuasarConfig, progress: bool = True) -> dict:
+    """Calibrate, smooth and quantize `model` in place; returns a summary and records it in `config`."""
+    started = time.perf_counter()
+    arch = resolve_mappings(model, config.smoothquant_mappings)
+    names = find_quantizable_linears(model, arch.layers_path, config.modules_to_not_convert)
+    stats, blocks, source = calibrate(model, config, names, progress)
+    float_weights, prescales, alphas = smooth_model(model, config, names, stats, arch)
+    swap_in_w8a8(model, float_weights, prescales, config.backend)
 
     config.quantized_modules = names
     config.prescaled_modules = sorted(prescales)

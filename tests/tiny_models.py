@@ -1,0 +1,51 @@
+"""Tiny random models and a character-level tokenizer for fast, offline tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+CONFIG_CLASSES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """Printable ASCII as ids 0..94, then <unk>=95, </s>=96 (vocab fits in 128)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {chr(i): i - 32 for i in range(32, 127)}
+    vocab.update({"<unk>": 95, "</s>": 96})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="</s>")
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, dtype=torch.float32):
+    """A random decoder-only LM: hidden 64, GQA 4 heads / 2 KV heads, vocab 128."""
+    config = CONFIG_CLASSES[arch](
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=512,
+        eos_token_id=96,
+        pad_token_id=96,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).to(dtype).eval()
+
+
+def save_tiny(path, arch: str = "llama", seed: int = 0, dtype=torch.float32) -> str:
+    """Save a tiny model + tokenizer to `path` (safetensors) and return the folder."""
+    model = tiny_model(arch, seed, dtype=dtype)
+    model.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return str(path)
