@@ -192,9 +192,11 @@ def speculative_tokens(
     from quasar_hf.speculative import QuasarGenerationConfig, speculative_generate
 
     config = QuasarGenerationConfig(drafter=drafter, num_draft_tokens=num_draft_tokens)
-    out = speculative_generate(model, input_ids, quasar_config=config, max_new_tokens=max_new_tokens)
-    sequences = out.sequences if hasattr(out, "sequences") else out
-    return sequences[0, input_ids.shape[1] :].tolist(), _stats_from_project(out.quasar_stats)
+    out = speculative_generate(
+        model, input_ids, torch.ones_like(input_ids), quasar_config=config, max_new_tokens=max_new_tokens,
+        do_sample=False, return_dict_in_generate=True, pad_token_id=eos if eos is not None else 0,
+    )
+    return out.sequences[0, input_ids.shape[1] :].tolist(), _stats_from_project(out.quasar_stats)
 
 
 # ---------------------------------------------------------------- pure metric pieces

@@ -247,3 +247,107 @@ def _mark_token_agreement(summaries: dict[str, dict], runs: list[dict]) -> None:
         mine = [r for r in runs if r["variant"] == name]
         same = sum(r["tokens"] == reference[r["prompt_index"]] for r in mine)
         summary["same_tokens_as_bf16_generate"] = same / len(mine)
+
+
+# ---------------------------------------------------------------- end to end (CLI level)
+def available_quasar_variants(loop: str = "auto") -> list[str]:
+    """quasar_<drafter> for every drafter that needs no extra model ("assistant" needs one: skipped)."""
+    if resolve_loop(loop) == "local":
+        return ["quasar_ngram"]
+    from quasar_hf.speculative import DRAFTER_FACTORIES
+
+    return [f"quasar_{name}" for name in DRAFTER_FACTORIES if name != "assistant"]
+
+
+def load_bench_models(
+    model_path: str | None = None,
+    quantized_path: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    quantization_config: Any = None,
+) -> tuple[torch.nn.Module, torch.nn.Module, Any, dict]:
+    """(reference BF16 model, W8A8 model, tokenizer, info) for the benchmark.
+
+    model_path None = the embedded SmolLM2-135M-Instruct. The W8A8 model is loaded from
+    `quantized_path` (a saved Quasar checkpoint) or quantized now with `quantization_config`
+    (default QuasarConfig()), which calibrates on the built-in calibration split.
+    """
+    import quasar_hf  # noqa: F401  (registers quant_method "quasar")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quasar_hf import QuasarConfig
+
+    if model_path is None:
+        from quasar_hf.models import smollm2_135m_instruct
+
+        model_path = smollm2_135m_instruct()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    start = time.perf_counter()
+    if quantized_path is not None:
+        quantized = AutoModelForCausalLM.from_pretrained(quantized_path, dtype=dtype).eval()
+    else:
+        config = quantization_config or QuasarConfig()
+        quantized = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=config, dtype=dtype).eval()
+    info = {"model": str(model_path), "quantized_from": str(quantized_path or "quantized at run time"),
+            "quantize_or_load_s": time.perf_counter() - start, "dtype": str(dtype)}
+    qconfig = getattr(quantized.config, "quantization_config", None)
+    if qconfig is not None:
+        qdict = qconfig if isinstance(qconfig, dict) else qconfig.to_dict()
+        info["quantization"] = {k: qdict.get(k) for k in ("alpha", "backend", "calibration_info", "searched_alphas")}
+    return reference, quantized, tokenizer, info
+
+
+def _parse_args(argv: list[str] | None) -> Any:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m quasar_hf.bench.runner", description=bench_main.__doc__)
+    parser.add_argument("--model", default=None, help="checkpoint dir or Hub id (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--quantized", default=None, help="a saved Quasar W8A8 checkpoint (default: quantize now)")
+    parser.add_argument("--suites", default="all", help='comma-separated suite names or "all"')
+    parser.add_argument("--limit-per-suite", type=int, default=None)
+    parser.add_argument("--variants", default=None, help="comma-separated variant names (default: all available)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--num-draft-tokens", type=int, default=5)
+    parser.add_argument("--loop", default="auto", choices=["auto", "project", "local"])
+    parser.add_argument("--fidelity", action="store_true", help="also evaluate fidelity (held-out ppl, top-1, KL, L)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--out", default="benchmarks", help="output folder for JSON, markdown and plots")
+    parser.add_argument("--name", default="bench_cpu", help="file name stem of the reports")
+    return parser.parse_args(argv)
+
+
+def bench_main(argv: list[str] | None = None) -> list[str]:
+    """Quantize (or load) the model, run the interleaved benchmark (+ fidelity), write reports."""
+    import shlex
+    import sys
+
+    from quasar_hf.bench.report import write_reports
+
+    args = _parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    reference, quantized, tokenizer, info = load_bench_models(args.model, args.quantized)
+    default_variants = ["bf16_generate", "bf16_prompt_lookup", BASELINE, *available_quasar_variants(args.loop)]
+    variants = args.variants.split(",") if args.variants else default_variants
+    result = run_bench(reference, quantized, tokenizer, suites=args.suites, limit_per_suite=args.limit_per_suite,
+                       variants=variants, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                       warmup=args.warmup, num_draft_tokens=args.num_draft_tokens, loop=args.loop,
+                       log=lambda m: print(m, file=sys.stderr, flush=True))
+    result["models"] = info
+    if args.fidelity:
+        from quasar_hf.bench.fidelity import evaluate_fidelity
+        from quasar_hf.bench.suites import load_suites, render_prompt
+
+        prompts = [torch.tensor([render_prompt(it, tokenizer)]) for it in load_suites(args.suites, args.limit_per_suite)]
+        result["fidelity"] = evaluate_fidelity(quantized, reference, tokenizer, None, acceptance_prompts=prompts,
+                                               max_new_tokens=args.max_new_tokens,
+                                               num_draft_tokens=args.num_draft_tokens, loop=args.loop)
+    result["command"] = "python -m quasar_hf.bench.runner " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    return write_reports(result, args.out, args.name, title="quasar_hf generation benchmark")
+
+
+if __name__ == "__main__":
+    for path in bench_main():
+        print(path)
