@@ -42,6 +42,7 @@ _CFLAGS = (
     "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
 )
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+_MIN_BYTES_PER_THREAD = 256 * 1024  # see _thread_count and benchmarks/cpu_fused.md
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -204,7 +205,7 @@ def _check_inputs(x, weight_q, weight_scale, bias, act_prescale, packed) -> None
         _check_float_vector(act_prescale, "act_prescale")
     for name, t in (("x", x), ("weight_q", weight_q), ("weight_scale", weight_scale), ("bias", bias),
                     ("act_prescale", act_prescale)):
-        if t is not None and t.device.type != "cpu":
+        if t is not None and not t.is_cpu:
             raise ValueError(f"{name} is on {t.device}; the fused CPU kernel needs CPU tensors")
     if packed is not None:
         if not isinstance(packed, PackedWeight):
@@ -232,19 +233,25 @@ def _require_library():
 # ---- the call -------------------------------------------------------------------------------
 
 
+def _thread_count(weight_bytes: int) -> int:
+    """torch's intra-op thread count, but at most one thread per _MIN_BYTES_PER_THREAD of weight:
+    below that, waking a second thread costs more than streaming the weight alone."""
+    return max(1, min(torch.get_num_threads(), weight_bytes // _MIN_BYTES_PER_THREAD))
+
+
 def _run(x, weight_q, weight_scale, bias, act_prescale, packed, want_output: bool) -> torch.Tensor:
     """Shared driver: returns y [..., N] in x.dtype (want_output) or int32 accumulators [M, N]."""
     _check_inputs(x, weight_q, weight_scale, bias, act_prescale, packed)
     fn = _require_library()
     packed = packed if packed is not None else pack_weight(weight_q)
     n, k = weight_q.shape
-    x2 = x.detach().reshape(-1, k)  # [M, K]
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]; raw pointers below, so no autograd
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    prescale = None if act_prescale is None else act_prescale.detach().float().contiguous()
-    w_scale = weight_scale.detach().float().contiguous()
-    bias_c = None if bias is None else bias.detach().contiguous()
+    prescale = None if act_prescale is None else act_prescale.float().contiguous()
+    w_scale = weight_scale.float().contiguous()
+    bias_c = None if bias is None else bias.contiguous()
     shape = (*x.shape[:-1], n) if want_output else (m, n)
     result = torch.empty(shape, dtype=x.dtype if want_output else torch.int32)
     if m == 0 or n == 0:
@@ -255,7 +262,7 @@ def _run(x, weight_q, weight_scale, bias, act_prescale, packed, want_output: boo
         packed.data.data_ptr(), packed.wsum128.data_ptr(), n, packed.data.shape[1] * 4, w_scale.data_ptr(),
         None if bias_c is None else bias_c.data_ptr(), 0 if bias_c is None else _DTYPE_CODES[bias_c.dtype],
         result.data_ptr() if want_output else None, _DTYPE_CODES[x.dtype], n,
-        None if want_output else result.data_ptr(), torch.get_num_threads(),
+        None if want_output else result.data_ptr(), _thread_count(n * k),
     )
     if status != 0:
         raise MemoryError(f"fused W8A8 kernel could not allocate scratch for {m}x{k} activations")
