@@ -7,9 +7,10 @@ The scheme (the Quasar paper's, and SmoothQuant's O1 setting):
     `out[m, n] = (acc[m, n] * a_scale[m]) * w_scale[n] + bias[n]`, computed in fp32 and cast to
     the input dtype.
 
-Rounding is `floor(v + 0.5)` on `v = x * (127 / amax)` in fp32: cheap, branch-free and
-reproducible bit for bit in Triton, so every backend can be checked for *exact* int32
-accumulators.
+Rounding is `floor(v + 0.5)` on `v = x * inv` in fp32, where `inv = fl(1 / amax) * 127` (the
+IEEE reciprocal, then a multiply: exactly what eager PyTorch evaluates for `127 / amax`, spelled
+out so every backend can match it): cheap, branch-free and reproducible bit for bit in Triton,
+so every backend can be checked for *exact* int32 accumulators.
 
 Edge cases, identical in every backend:
   * an all-zero row quantizes to zeros with scale 0: its output is exactly `bias` (or 0);
@@ -49,15 +50,21 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     finite = torch.isfinite(amax)
     usable = finite & (amax > 0)
     safe = torch.where(usable, amax, torch.ones_like(amax))
-    v = torch.where(usable, xf * (QMAX / safe), torch.zeros_like(xf))
+    inv = torch.reciprocal(safe) * QMAX  # [M, 1]; bit-identical to eager `QMAX / safe`
+    v = torch.where(usable, xf * inv, torch.zeros_like(xf))
     q = torch.floor(v + 0.5).clamp_(-QMAX, QMAX).to(torch.int8)
     scale = torch.where(finite, amax / QMAX, torch.full_like(amax, float("nan")))
     return q, scale
 
 
 def int8_matmul_reference(a_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
-    """Exact int32 accumulators: int8 [M, K] x int8 [N, K] -> int32 [M, N] (via int64, no overflow)."""
-    return (a_q.long() @ w_q.long().t()).to(torch.int32)
+    """Exact int32 accumulators: int8 [M, K] x int8 [N, K] -> int32 [M, N].
+
+    Computed in fp64: every partial sum is an integer below 127 * 127 * K < 2**53, so the result
+    is exact in any summation order, and fp64 matmul exists on CPU and CUDA (int64 matmul does
+    not exist on CUDA).
+    """
+    return (a_q.double() @ w_q.double().t()).to(torch.int32)
 
 
 def dequantize_epilogue(

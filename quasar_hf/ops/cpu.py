@@ -1,0 +1,109 @@
+"""W8A8 linear through `torch._int_mm`: the portable fast path (CPU, and CUDA for M > 16).
+
+Numerics are bit-identical to `ops/reference.py`: the same per-token quantization (rewritten with
+fewer, in-place torch ops), exact int32 accumulators from `torch._int_mm`, and the same fp32
+epilogue `(acc * a_scale[m]) * w_scale[n] + bias[n]`.
+
+Why so few ops: at decode shapes (SmolLM2: K, N in 192..1536, M = 1..16) each eager torch op
+costs a few microseconds, comparable to the matmul itself, so op count is the cost model.
+
+Weight layout on CPU (measured on this machine, see NOTES.md and benchmarks/kernels_cpu.md):
+`torch._int_mm(q [M, K], w.t())` with `w` stored [N, K] is fastest at M = 1, while for M > 1 a
+contiguous [K, N] copy is about 2x faster. `prepare_cpu_weight` builds that copy once (it costs
+one more int8 copy of the weight, i.e. the same bytes as the BF16 weight); `w8a8_linear_torch`
+picks the layout per call from M.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quasar_hf.ops.reference import QMAX
+
+# Smallest row amax for which 127 / amax is still a finite fp32 (2**-121 ~ 3.8e-37). Clamping the
+# amax of all-zero rows up to it keeps `x * (127 / amax)` = 0 without a `torch.where`.
+_MIN_AMAX = 2.0**-121
+# CUDA `torch._int_mm` requires M > 16 and K, N multiples of 8.
+_CUDA_MIN_M = 17
+
+
+@dataclass(frozen=True)
+class TorchPackedWeight:
+    """The int8 weight in both layouts `torch._int_mm` likes: [N, K] for M = 1, [K, N] for M > 1."""
+
+    weight_kn: torch.Tensor  # int8 [K, N], contiguous
+
+
+def prepare_cpu_weight(weight_q: torch.Tensor) -> TorchPackedWeight:
+    """int8 [N, K] -> packed weight holding a contiguous int8 [K, N] copy (for M > 1 calls)."""
+    return TorchPackedWeight(weight_kn=weight_q.t().contiguous())
+
+
+def quantize_per_token_fast(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] float -> (int8 [M, K], fp32 scale [M, 1]); int8 values bit-identical to the reference.
+
+    Differences from `reference.quantize_per_token`, none visible in the linear's output:
+    rows holding +-Inf get scale +Inf instead of NaN (their int8 values are all zero, so the
+    epilogue computes 0 * Inf = NaN, as required).
+    """
+    xf = x2 if x2.dtype == torch.float32 else x2.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)  # [M, 1]; NaN/Inf rows -> NaN/Inf
+    inv = amax.clamp_min(_MIN_AMAX).reciprocal_().mul_(QMAX)  # [M, 1]; zero rows -> finite; Inf -> 0; NaN -> NaN
+    v = xf * inv  # [M, K]; |v| <= 127 * (1 + 2 ulp) for finite rows, so no clamp is needed
+    q = v.add_(0.5).floor_().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).to(torch.int8)
+    return q, amax / QMAX
+
+
+def _int_mm_cpu(a_q: torch.Tensor, weight_q: torch.Tensor, packed: TorchPackedWeight | None) -> torch.Tensor:
+    """int8 [M, K] x int8 [N, K] -> int32 [M, N] on CPU, choosing the faster weight layout for M."""
+    if a_q.shape[0] > 1 and packed is not None:
+        return torch._int_mm(a_q, packed.weight_kn)
+    return torch._int_mm(a_q, weight_q.t())
+
+
+def _int_mm_cuda(a_q: torch.Tensor, weight_q: torch.Tensor) -> torch.Tensor:
+    """int8 [M, K] x int8 [N, K] -> int32 [M, N] on CUDA: pads M up to 17 (the kernel needs M > 16)."""
+    m, k = a_q.shape
+    n = weight_q.shape[0]
+    if k % 8 or n % 8:  # cuBLASLt int8 constraint: fall back to an exact fp64 product
+        return (a_q.double() @ weight_q.double().t()).to(torch.int32)
+    if m >= _CUDA_MIN_M:
+        return torch._int_mm(a_q, weight_q.t())
+    padded = torch.zeros(_CUDA_MIN_M, k, dtype=torch.int8, device=a_q.device)
+    padded[:m] = a_q
+    return torch._int_mm(padded, weight_q.t())[:m]
+
+
+def int8_matmul_torch(a_q: torch.Tensor, weight_q: torch.Tensor, packed: TorchPackedWeight | None = None) -> torch.Tensor:
+    """Exact int32 accumulators via `torch._int_mm`: int8 [M, K] x int8 [N, K] -> int32 [M, N]."""
+    if a_q.is_cuda:
+        return _int_mm_cuda(a_q, weight_q)
+    return _int_mm_cpu(a_q, weight_q, packed)
+
+
+def w8a8_linear_torch(
+    x: torch.Tensor,
+    weight_q: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act_prescale: torch.Tensor | None = None,
+    packed: TorchPackedWeight | None = None,
+) -> torch.Tensor:
+    """x [..., K] -> [..., N] in x.dtype, bit-identical to `w8a8_linear_reference`.
+
+    Inputs are assumed validated (see `ops.dispatch.w8a8_linear`). `packed` (optional, from
+    `prepare_cpu_weight`) supplies the [K, N] layout used on CPU when M > 1.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if act_prescale is not None:
+        x2 = x2.float() * act_prescale
+    a_q, a_scale = quantize_per_token_fast(x2)  # int8 [M, K], fp32 [M, 1]
+    acc = int8_matmul_torch(a_q, weight_q, packed)  # int32 [M, N]
+    out = acc * a_scale  # int32 * fp32 -> fp32, the same as acc.float() * a_scale
+    out.mul_(weight_scale)
+    if bias is not None:
+        out.add_(bias)  # promoted to fp32 in place, as the reference's `+ bias.float()`
+    return out.to(x.dtype).reshape(*lead, weight_q.shape[0])

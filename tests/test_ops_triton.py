@@ -1,0 +1,100 @@
+"""The fused Triton W8A8 kernel, run on CPU in Triton's interpreter (TRITON_INTERPRET=1).
+
+Triton reads TRITON_INTERPRET when it is first imported, so the kernel tests run in a child
+pytest process started with it set (test_triton_kernel_in_interpreter); that child also runs the
+"triton" cases of tests/test_ops_backends.py (edge rows, dtypes, 3-D, prescale, ragged shapes).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quasar_hf.ops.reference import quantize_per_token, quantize_weight_per_channel, w8a8_linear_reference
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+in_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="needs TRITON_INTERPRET=1 before triton is imported: run by test_triton_kernel_in_interpreter"
+)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreter process itself")
+def test_triton_kernel_in_interpreter():
+    """Run this file's kernel tests and the triton cases of test_ops_backends.py under the interpreter."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+           "tests/test_ops_triton.py", "tests/test_ops_backends.py", "-k", "triton"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, f"interpreter run failed:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+    assert "passed" in summary and "failed" not in summary, summary
+
+
+def layer(n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w_q, w_scale = quantize_weight_per_channel(torch.randn(n, k, generator=g))
+    return w_q, w_scale, torch.randn(n, generator=g)
+
+
+def activations(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@in_interpreter
+@pytest.mark.parametrize("m,k,n", [(1, 40, 24), (3, 70, 37), (16, 64, 48), (19, 33, 17)])
+def test_triton_accumulators_are_exact(m, k, n):
+    """The kernel's int32 accumulators equal the reference's, with K, N off the block grid."""
+    from quasar_hf.ops.triton_w8a8 import w8a8_accumulators_triton
+
+    w_q, _, _ = layer(n, k)
+    x = activations(m, k)
+    x[0, : k // 2] = 0.0
+    a_q, _ = quantize_per_token(x)
+    expected = (a_q.long() @ w_q.long().t()).to(torch.int32)
+    assert torch.equal(w8a8_accumulators_triton(x, w_q), expected)
+
+
+@in_interpreter
+def test_triton_accumulators_with_prescale_and_ties():
+    """Prescaled rows and exact .5 ties (floor(v + 0.5), not half-to-even) are quantized as the reference."""
+    from quasar_hf.ops.triton_w8a8 import w8a8_accumulators_triton
+
+    w_q, _, _ = layer(20, 12)
+    x = torch.tensor([[127.0, 0.5, -1.5, 2.5, -2.5, 10.5, -0.5, 3.0, 0.0, 1.0, -126.5, 7.5]])
+    eye_prescale = torch.ones(12)
+    a_q, _ = quantize_per_token(x)
+    assert torch.equal(w8a8_accumulators_triton(x, w_q, eye_prescale), (a_q.long() @ w_q.long().t()).int())
+    prescale = torch.linspace(0.5, 2.0, 12)
+    a_q, _ = quantize_per_token(x * prescale)
+    assert torch.equal(w8a8_accumulators_triton(x, w_q, prescale), (a_q.long() @ w_q.long().t()).int())
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_outputs_bit_identical(dtype):
+    from quasar_hf.ops.triton_w8a8 import w8a8_linear_triton
+
+    w_q, w_scale, bias = layer(37, 70)
+    x = activations(5, 70).to(dtype)
+    y = w8a8_linear_triton(x, w_q, w_scale, bias.to(dtype))
+    assert y.dtype == dtype
+    assert torch.equal(y, w8a8_linear_reference(x, w_q, w_scale, bias.to(dtype)))
+
+
+@in_interpreter
+def test_triton_launch_config_covers_decode_and_prefill(monkeypatch):
+    """The CUDA tile heuristic: thin BLOCK_M=16 tiles for M <= 16, 64/128-row tiles for prefill."""
+    from quasar_hf.ops import triton_w8a8
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # ask for the GPU configs (read at call time)
+    decode = triton_w8a8._launch_config(1, 4096)
+    prefill = triton_w8a8._launch_config(512, 4096)
+    assert decode["BLOCK_M"] == 16 and prefill["BLOCK_M"] == 128
+    assert all(cfg[key] >= 16 for cfg in (decode, prefill) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
