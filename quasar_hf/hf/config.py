@@ -11,7 +11,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 QUASAR_FORMAT_VERSION = "1"
 DEFAULT_ALPHA_GRID = [round(0.1 * i, 1) for i in range(11)]
 _BACKENDS = ("auto", "reference", "torch", "triton", "bitsandbytes", "cpu_fused")
-_DRAFT_DTYPES = ("bfloat16", "int8")
+_DRAFT_DTYPES = ("model", "int8")
 # Fields that are run-time inputs only (never written to config.json).
 _RUNTIME_ONLY = ("tokenizer", "calibration_dataset")
 
@@ -32,7 +32,10 @@ class QuasarConfig(QuantizationConfigMixin):
         backend: W8A8 kernel: "auto", "torch", "triton", "bitsandbytes", "cpu_fused" or "reference".
         draft_layers: None (no draft path), decoder-layer indices kept in high precision for the
             self-draft path, or "auto".
-        draft_dtype: precision of the draft path: "bfloat16" or "int8".
+        draft_dtype: "model" keeps unquantized copies of the draft layers in the model's dtype (BF16 for a
+            BF16 model: the design card's dual-precision model); "int8" reuses the W8A8 verify layers
+            (no extra memory).
+        draft_budget: for draft_layers="auto", the largest fraction of decoder layers the draft may keep.
         tokenizer: tokenizer (or its path) for calibration; defaults to the model's own folder.
     Written by the quantizer (read back on reload): calibration_info, searched_alphas,
     quantized_modules, prescaled_modules, draft_info, measured.
@@ -51,7 +54,8 @@ class QuasarConfig(QuantizationConfigMixin):
     smoothquant_mappings: dict | None = None
     backend: str = "auto"
     draft_layers: list[int] | str | None = None
-    draft_dtype: str = "bfloat16"
+    draft_dtype: str = "model"
+    draft_budget: float = 0.5
     seed: int = 0
     tokenizer: Any = None
     version: str = QUASAR_FORMAT_VERSION
@@ -83,6 +87,8 @@ class QuasarConfig(QuantizationConfigMixin):
             raise ValueError(f"backend must be one of {_BACKENDS}; got {self.backend!r}")
         if self.draft_dtype not in _DRAFT_DTYPES:
             raise ValueError(f"draft_dtype must be one of {_DRAFT_DTYPES}; got {self.draft_dtype!r}")
+        if not isinstance(self.draft_budget, (int, float)) or not 0.0 < float(self.draft_budget) < 1.0:
+            raise ValueError(f"draft_budget must be a fraction in (0, 1); got {self.draft_budget!r}")
         if isinstance(self.draft_layers, str) and self.draft_layers != "auto":
             raise ValueError(f"draft_layers must be None, a list of layer indices or 'auto'; got {self.draft_layers!r}")
         if isinstance(self.draft_layers, (list, tuple)):

@@ -8,6 +8,13 @@ import torch
 from torch import nn
 
 from quasar_hf.hf.config import QuasarConfig
+from quasar_hf.hf.draft_path import (
+    attach_draft_layers,
+    expected_acceptance_length,
+    module_bytes,
+    select_draft_layers,
+    top1_agreement,
+)
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.smoothquant.calibration import collect_linear_input_stats
 from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibration_texts
@@ -36,7 +43,10 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def replace_with_w8a8_skeleton(model: nn.Module, config: QuasarConfig) -> None:
-    """Before loading a saved Quasar checkpoint: empty W8A8Linear modules where the config says."""
+    """Before loading a saved Quasar checkpoint: empty W8A8Linear modules (and draft copies) where the config says."""
+    draft = config.draft_info or {}
+    if draft.get("layers") and draft.get("dtype") == "model":
+        attach_draft_layers(model, draft["layers"])  # copies of float skeleton layers, before the swap below
     if not config.quantized_modules:
         raise ValueError(
             "this Quasar checkpoint's quantization_config lists no quantized_modules; it was not written by "
@@ -136,6 +146,8 @@ def quantize_model(model: nn.Module, config: QuasarConfig, progress: bool = True
     arch = resolve_mappings(model, config.smoothquant_mappings)
     names = find_quantizable_linears(model, arch.layers_path, config.modules_to_not_convert)
     stats, blocks, source = calibrate(model, config, names, progress)
+    if config.draft_layers is not None:
+        config.draft_info = build_draft_path(model, config, blocks, progress)
     float_weights, prescales, alphas = smooth_model(model, config, names, stats, arch)
     swap_in_w8a8(model, float_weights, prescales, config.backend)
 
@@ -150,3 +162,41 @@ def quantize_model(model: nn.Module, config: QuasarConfig, progress: bool = True
         "seconds": round(time.perf_counter() - started, 2),
     }
     return config.calibration_info
+
+
+DRAFT_SEARCH_BLOCKS = 2
+DRAFT_SEARCH_TOKENS = 128
+
+
+@torch.no_grad()
+def build_draft_path(model: nn.Module, config: QuasarConfig, blocks: torch.Tensor, progress: bool = True) -> dict:
+    """Choose (or check) the self-draft layers on calibration text and keep their float copies.
+
+    Runs on the float model before smoothing, so draft copies hold the original weights.
+    """
+    sample = blocks[:DRAFT_SEARCH_BLOCKS, :DRAFT_SEARCH_TOKENS]
+    num_layers = len(model.get_submodule("model.layers"))
+    if config.draft_layers == "auto":
+        found = select_draft_layers(model, sample, config.draft_budget, progress)
+        layers, agreement, selection = found["layers"], found["top1_agreement"], f"greedy removal, {found['evaluations']} evaluations"
+    else:
+        layers = list(config.draft_layers)
+        bad = [i for i in layers if i >= num_layers]
+        if bad:
+            raise ValueError(f"draft_layers {bad} are out of range: this model has {num_layers} decoder layers (0..{num_layers - 1})")
+        device = next(model.parameters()).device
+        reference = torch.stack([model(input_ids=b[None].to(device), use_cache=False).logits[0].argmax(-1).cpu() for b in sample])
+        agreement, selection = top1_agreement(model, layers, sample, reference), "user"
+    extra = 0
+    if config.draft_dtype == "model":
+        extra = module_bytes(attach_draft_layers(model, layers))
+    return {
+        "layers": layers,
+        "dtype": config.draft_dtype,
+        "selection": selection,
+        "top1_agreement": round(agreement, 4),
+        "expected_acceptance_length_k5": round(expected_acceptance_length(agreement, 5), 3),
+        "agreement_measured_on": f"{sample.shape[0]} x {sample.shape[1]} calibration tokens vs the float model",
+        "extra_bytes": extra,
+        "extra_fraction_of_model": round(extra / max(1, module_bytes(model) - extra), 4),
+    }

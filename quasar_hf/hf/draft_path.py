@@ -1,0 +1,149 @@
+"""The dual-precision model's self-draft path: a few decoder layers, sharing everything else.
+
+Draft path = shared embeddings -> chosen decoder layers -> shared final norm -> shared lm_head.
+With draft_dtype="model" the chosen layers are unquantized copies taken *before* smoothing (in
+the model's dtype: BF16 for a BF16 model, the design card's setting), registered on the model as
+`quasar_draft` so they are saved and reloaded. With "int8" the draft reuses the W8A8 verify
+layers themselves: no extra memory.
+
+The draft model is a real instance of the model's own class built on the meta device with
+`num_hidden_layers = len(layers)` whose modules are then pointed at the shared ones, so its
+forward (masks, rotary embeddings, KV cache) is Transformers' own, and its DynamicCache is
+its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+DRAFT_ATTR = "quasar_draft"
+
+
+def _renumbered(layer: nn.Module, index: int, deep: bool) -> nn.Module:
+    """A copy of a decoder layer whose attention uses KV-cache slot `index`.
+
+    deep=True copies weights; deep=False shares every submodule except the attention wrapper.
+    """
+    if deep:
+        new = copy.deepcopy(layer)
+    else:
+        new = copy.copy(layer)
+        new._modules = dict(layer._modules)
+        attn = copy.copy(layer.self_attn)
+        attn._modules = dict(layer.self_attn._modules)
+        new._modules["self_attn"] = attn
+    new.self_attn.layer_idx = index
+    return new
+
+
+def draft_config(config, layer_indices: list[int]):
+    """The model config restricted to the chosen layers, without quantization_config."""
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = len(layer_indices)
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = [config.layer_types[i] for i in layer_indices]
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    return cfg
+
+
+def build_draft_model(model: nn.Module, layer_indices: list[int], layers: list[nn.Module]) -> nn.Module:
+    """A causal LM of the same class running `layers` (in order) between the shared ends of `model`."""
+    with torch.device("meta"):
+        draft = type(model)(draft_config(model.config, layer_indices))
+    base, draft_base = model.get_submodule("model"), draft.get_submodule("model")
+    for name, child in base.named_children():
+        if name != "layers":
+            setattr(draft_base, name, child)  # embed_tokens, norm, rotary_emb: shared, never copied
+    draft_base.layers = nn.ModuleList(layers)
+    draft.lm_head = model.lm_head
+    draft.eval()
+    return draft
+
+
+def attach_draft_layers(model: nn.Module, layer_indices: list[int]) -> nn.ModuleDict:
+    """Register unquantized copies of the chosen decoder layers as `model.quasar_draft` (saved with the model)."""
+    source = model.get_submodule("model.layers")
+    bad = [i for i in layer_indices if not 0 <= i < len(source)]
+    if bad:
+        raise ValueError(f"draft_layers {bad} are out of range: this model has {len(source)} decoder layers (0..{len(source) - 1})")
+    copies = nn.ModuleDict({str(i): _renumbered(source[i], slot, deep=True) for slot, i in enumerate(layer_indices)})
+    setattr(model, DRAFT_ATTR, copies)
+    return copies
+
+
+def self_draft_model(model: nn.Module) -> nn.Module:
+    """The runnable draft path of a Quasar model quantized with draft_layers, or a clear error."""
+    qconfig = getattr(model.config, "quantization_config", None)
+    info = getattr(qconfig, "draft_info", None) or {}
+    indices = info.get("layers")
+    if not indices:
+        raise ValueError(
+            "drafter='self' needs a model quantized with a draft path: "
+            "QuasarConfig(draft_layers=[...] or 'auto'). This model was saved without one; "
+            "use drafter='ngram' or drafter='assistant' instead."
+        )
+    if info.get("dtype") == "int8":
+        verify_layers = model.get_submodule("model.layers")
+        layers = [_renumbered(verify_layers[i], slot, deep=False) for slot, i in enumerate(indices)]
+    else:
+        copies = getattr(model, DRAFT_ATTR)
+        layers = [copies[str(i)] for i in indices]
+    return build_draft_model(model, indices, layers)
+
+
+@torch.no_grad()
+def top1_agreement(model: nn.Module, layer_indices: list[int], blocks: torch.Tensor, reference: torch.Tensor) -> float:
+    """Fraction of positions where the skipped-layer model's argmax equals `reference` [N, T]."""
+    source = model.get_submodule("model.layers")
+    layers = [_renumbered(source[i], slot, deep=False) for slot, i in enumerate(layer_indices)]
+    draft = build_draft_model(model, layer_indices, layers)
+    device = next(model.parameters()).device
+    hits = 0
+    for block, ref in zip(blocks, reference):
+        hits += (draft(input_ids=block[None].to(device), use_cache=False).logits[0].argmax(-1).cpu() == ref).sum().item()
+    return hits / reference.numel()
+
+
+@torch.no_grad()
+def select_draft_layers(model: nn.Module, blocks: torch.Tensor, budget: float, progress: bool = True) -> dict:
+    """Greedy layer removal (as in Draft&Verify / SWIFT): drop, one at a time, the layer whose removal
+    keeps top-1 agreement with the full model highest, until at most `budget` of the layers remain.
+
+    Runs on the float model before smoothing. Returns {"layers", "top1_agreement", "evaluations"}.
+    """
+    from tqdm.auto import tqdm
+
+    num_layers = len(model.get_submodule("model.layers"))
+    target = max(1, math.floor(budget * num_layers))
+    device = next(model.parameters()).device
+    reference = torch.stack([model(input_ids=b[None].to(device), use_cache=False).logits[0].argmax(-1).cpu() for b in blocks])
+    kept = list(range(num_layers))
+    agreement, evaluations = 1.0, 0
+    with tqdm(total=num_layers - target, desc="Quasar draft-layer search", disable=not progress) as bar:
+        while len(kept) > target:
+            scores = {}
+            for layer in kept:
+                candidate = [i for i in kept if i != layer]
+                scores[layer] = top1_agreement(model, candidate, blocks, reference)
+                evaluations += 1
+            drop = max(scores, key=scores.__getitem__)
+            kept.remove(drop)
+            agreement = scores[drop]
+            bar.update(1)
+    return {"layers": kept, "top1_agreement": agreement, "evaluations": evaluations}
+
+
+def expected_acceptance_length(agreement: float, num_draft_tokens: int = 5) -> float:
+    """E[tokens per verify step] if each draft token is accepted independently with prob `agreement`."""
+    if agreement >= 1.0:
+        return float(num_draft_tokens + 1)
+    return (1.0 - agreement ** (num_draft_tokens + 1)) / (1.0 - agreement)
+
+
+def module_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
