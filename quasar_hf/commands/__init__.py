@@ -1,0 +1,1 @@
+"""Implementations behind the `quasar-hf` CLI, and its registration with `optimum-cli`."""

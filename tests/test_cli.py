@@ -1,0 +1,143 @@
+"""The `quasar-hf` CLI: help everywhere, a real quantize -> generate -> export -> eval on a tiny
+model, the demo path, and user errors as one line with exit code 2 (runtime failures: 1)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_hub_support import make_tiny_checkpoint
+
+from quasar_hf.cli import build_parser, main
+
+SUBCOMMANDS = ("quantize", "generate", "export", "bench", "eval", "demo")
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "base")
+
+
+@pytest.fixture(scope="module")
+def calibration_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "calib.txt"
+    path.write_text("def add(a, b):\n    return a + b\n" * 40 + "The quick brown fox jumps over the lazy dog. " * 40)
+    return path
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny, calibration_file, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("q") / "tiny-quasar"
+    code = main(["quantize", str(tiny), "--out", str(out), "--alpha", "0.5", "--num-samples", "2", "--seq-len", "32",
+                 "--calibration-dataset", str(calibration_file), "--dtype", "float32"])
+    assert code == 0
+    return out
+
+
+def test_every_subcommand_has_help(capsys):
+    for name in SUBCOMMANDS:
+        with pytest.raises(SystemExit) as exit_info:
+            main([name, "--help"])
+        assert exit_info.value.code == 0
+        assert "usage: quasar-hf " + name in capsys.readouterr().out
+    assert set(SUBCOMMANDS) <= set(build_parser()._subparsers._group_actions[0].choices)
+
+
+def test_console_script_runs():
+    result = subprocess.run([str(VENV_BIN / "quasar-hf"), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "quantize" in result.stdout
+
+
+def test_quantize_writes_a_quasar_checkpoint_with_card(quantized):
+    config = json.loads((quantized / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "quasar"
+    assert config["quantization_config"]["alpha"] == 0.5
+    card = (quantized / "README.md").read_text()
+    assert "quasar-hf:model-card" in card and "apply_chat_template" in card  # the tokenizer has a chat template
+    assert (quantized / "tokenizer.json").is_file()
+
+
+def test_generate_quasar_equals_plain_greedy(quantized, capsys):
+    prompt = ["--prompt", "abc abc abc abc", "--max-new-tokens", "16"]
+    assert main(["generate", str(quantized), *prompt]) == 0
+    with_quasar = capsys.readouterr()
+    assert main(["generate", str(quantized), *prompt, "--no-quasar"]) == 0
+    plain = capsys.readouterr()
+    assert with_quasar.out == plain.out  # greedy speculative decoding is exact
+    assert "mean acceptance length L" in with_quasar.err and "tokens/s" in plain.err
+
+
+def test_generate_streams(quantized, capsys):
+    assert main(["generate", str(quantized), "--prompt", "abc abc", "--max-new-tokens", "6", "--stream"]) == 0
+    assert "quasar: 6 tokens" in capsys.readouterr().err
+
+
+def test_export_writes_compressed_tensors(quantized, tmp_path):
+    assert main(["export", str(quantized), "--format", "compressed-tensors", "--out", str(tmp_path / "ct")]) == 0
+    config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "int-quantized"
+    assert (tmp_path / "ct" / "tokenizer.json").is_file()
+
+
+def test_eval_reports_fidelity(quantized, tiny, calibration_file, tmp_path, capsys):
+    report = tmp_path / "fidelity.json"
+    code = main(["eval", str(quantized), "--reference", str(tiny), "--text-file", str(calibration_file),
+                 "--seq-len", "32", "--max-windows", "4", "--dtype", "float32", "--json", str(report)])
+    assert code == 0
+    scores = json.loads(report.read_text())["next_token"]
+    assert 0.9 < scores["perplexity_ratio"] < 1.1  # W8A8 of a tiny random model stays close to fp32
+    assert "top-1 agreement" in capsys.readouterr().out
+
+
+def test_demo_path_on_a_tiny_model(tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("QUASAR_HF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("quasar_hf.models.smollm2_135m_instruct", lambda rebuild=False: str(tiny))
+    from quasar_hf.commands import demo
+
+    monkeypatch.setattr(demo, "quantize_options", lambda: {"alpha": 0.5, "num_calibration_samples": 2, "calibration_seq_len": 32})
+    numbers = demo.run_demo(max_new_tokens=8)
+    out = capsys.readouterr().out
+    assert "without Quasar" in out and "with Quasar" in out and "speedup:" in out
+    assert numbers["mean_acceptance_length"] >= 1.0
+    assert (tmp_path / "cache" / demo.QUANTIZED_NAME / "config.json").is_file()  # cached for the next run
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["quantize", "/definitely/missing/model", "--out", "/tmp/never"], "does not exist"),
+        (["generate", "TINY", "--prompt", "x", "--drafter", "assistant"], "needs --assistant"),
+        (["export", "TINY", "--out", "/tmp/never"], "not a Quasar W8A8 checkpoint"),
+        (["eval", "TINY", "--reference", "TINY", "--text-file", "/definitely/missing.txt"], "cannot read --text-file"),
+    ],
+)
+def test_user_errors_exit_2_with_one_line(argv, message, tiny, capsys):
+    argv = [str(tiny) if part == "TINY" else part for part in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "argv", [["quantize", "m", "--out", "o", "--alpha", "1.5"], ["generate", "m", "--prompt", "x", "--drafter", "beam"],
+             ["quantize", "m"], ["generate", "m", "--prompt", "x", "--max-new-tokens", "0"]]
+)
+def test_argparse_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+
+
+def test_runtime_failure_exits_1_and_debug_shows_traceback(tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    assert main(["generate", str(broken), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("quasar-hf generate: error:") and "Traceback" not in err
+    assert main(["generate", str(broken), "--prompt", "x", "--debug"]) == 1
+    assert "Traceback" in capsys.readouterr().err
