@@ -111,6 +111,12 @@ def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> tuple[tor
     return out["logits"], new_cache
 
 
+def _crop(cache: Any, remove: int) -> None:
+    """Drop the last `remove` positions of a DynamicCache (negative crop: Transformers 5.17 and 5.24)."""
+    if remove > 0:
+        cache.crop(-remove)
+
+
 def local_speculative_generate(
     model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, num_draft_tokens: int = 5,
     eos_token_id: int | None = None,
@@ -136,8 +142,7 @@ def local_speculative_generate(
         logits, cache = _forward(model, block, cache)
         predicted = logits[0].argmax(dim=-1).tolist()  # [1 + d]
         accepted = accepted_prefix_length(draft, predicted)
-        if accepted < len(draft):
-            cache.crop(-(len(draft) - accepted))  # drop the rejected draft tokens
+        _crop(cache, len(draft) - accepted)  # drop the rejected draft tokens
         new_tokens = draft[:accepted] + [predicted[accepted]]
         stats["draft_time_s"] += t1 - t0
         stats["verify_time_s"] += time.perf_counter() - t1
@@ -286,8 +291,8 @@ def same_draft_acceptance(
         block = torch.tensor([[trajectory[t - 1], *draft]], device=device)  # [1, 1 + d]
         logits, cache = _forward(model, block, cache)
         accepted = accepted_prefix_length(draft, logits[0].argmax(-1).tolist())
+        _crop(cache, len(draft))
         if draft:
-            cache.crop(-len(draft))
             record_step(stats, len(draft), accepted)
     return stats
 

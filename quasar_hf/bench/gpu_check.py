@@ -1,0 +1,411 @@
+"""One-shot GPU check (H200): kernels, verify-step latency and end-to-end speed, within a time budget.
+
+    python -m quasar_hf.bench.gpu_check --out DIR            # on the GPU, < 8 minutes
+    python -m quasar_hf.bench.gpu_check --out DIR --tiny     # same code paths, tiny shapes, CPU, < 2 minutes
+
+Sections (each in its own try/except: a failure is recorded and the next section still runs;
+results are rewritten to DIR/gpu_check.json and .md after every section):
+  environment   versions, device, threads
+  bandwidth     measured device copy bandwidth (the floor's denominator)
+  correctness   every available W8A8 backend vs ops.reference at decode / verify / prefill shapes
+  kernels       W8A8 linear vs BF16 linear (cuBLAS), per backend, M in 1..64, 8B shapes, GB/s
+  verify        verify-step latency of a random Qwen3-8B-shaped model, BF16 vs W8A8, 1..8 draft tokens
+  end_to_end    tokens/s with n-gram drafts: BF16 generate, BF16-verify loop, Quasar (W8A8) loop
+  targets       the issue's H200 targets, checked against the numbers above (report, not assert)
+Optional packages (bitsandbytes, datasets, gguf, optimum) are never required here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+# (name, N out_features, K in_features) of real linears
+FULL_SHAPES = [
+    ("qwen3-8b.q_proj", 4096, 4096), ("qwen3-8b.kv_proj", 1024, 4096), ("qwen3-8b.gate_proj", 12288, 4096),
+    ("qwen3-8b.down_proj", 4096, 12288), ("llama3-8b.gate_proj", 14336, 4096), ("llama3-8b.down_proj", 4096, 14336),
+    ("smollm2-135m.gate_proj", 1536, 576),
+]
+TINY_SHAPES = [("tiny.up", 256, 128), ("tiny.down", 128, 256)]
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096)
+QWEN3_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
+
+
+class Budget:
+    """A global wall-clock budget; sections ask how much is left before starting costly work."""
+
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def median_time(fn: Callable[[], Any], device: str, iters: int, warmup: int = 2) -> float:
+    """Median seconds of `fn()` over `iters` calls (synchronized on CUDA)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------- sections: bandwidth, correctness, kernels
+def measure_copy_bandwidth(device: str, tiny: bool) -> dict:
+    """Device copy bandwidth in GB/s: (bytes read + bytes written) / time of dst.copy_(src)."""
+    numel = (64 if tiny else 2048) * 2**20 // 4
+    src = torch.ones(numel, device=device)
+    dst = torch.empty_like(src)
+    seconds = median_time(lambda: dst.copy_(src), device, iters=5 if tiny else 20)
+    return {"bytes_moved": 2 * src.numel() * 4, "seconds": seconds, "gbps": 2 * src.numel() * 4 / seconds / 1e9}
+
+
+def _quantized_weight(n: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from quasar_hf.ops.reference import quantize_weight_per_channel
+
+    w = torch.randn(n, k, device=device) * 0.02
+    return quantize_weight_per_channel(w)
+
+
+def check_correctness(device: str, tiny: bool, backends: list[str]) -> list[dict]:
+    """Each backend vs the reference: max |diff| / max |ref| at decode (M=1), verify (M=6), prefill (M=512/64)."""
+    from quasar_hf.ops.dispatch import w8a8_linear
+    from quasar_hf.ops.reference import w8a8_linear_reference
+
+    n, k = (256, 128) if tiny else (4096, 4096)
+    wq, ws = _quantized_weight(n, k, device)
+    bias = torch.randn(n, device=device, dtype=torch.bfloat16)
+    rows = []
+    for phase, m in (("decode", 1), ("verify", 6), ("prefill", 64 if tiny else 512)):
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        ref = w8a8_linear_reference(x, wq, ws, bias).float()
+        for backend in backends:
+            try:
+                out = w8a8_linear(x, wq, ws, bias=bias, backend=backend).float()
+                rel = float((out - ref).abs().max() / ref.abs().max())
+                rows.append({"phase": phase, "M": m, "N": n, "K": k, "backend": backend, "max_rel_err": rel,
+                             "bit_exact_fraction": float((out == ref).float().mean()), "ok": rel < 2e-2})
+            except Exception as err:  # one backend failing must not hide the others
+                rows.append({"phase": phase, "M": m, "backend": backend, "error": f"{type(err).__name__}: {err}"})
+    return rows
+
+
+def _linear_bytes(m: int, n: int, k: int, weight_bytes_per_elem: int) -> int:
+    """Bytes a linear must move at least: weight + bf16 activations in + bf16 outputs."""
+    return n * k * weight_bytes_per_elem + 2 * m * k + 2 * m * n
+
+
+def bench_kernels(device: str, tiny: bool, backends: list[str], copy_gbps: float, budget: Budget) -> list[dict]:
+    """Median time per W8A8 linear vs BF16 F.linear for each (shape, M, backend); weights rotated past L2."""
+    from quasar_hf.ops.dispatch import w8a8_linear
+
+    shapes = TINY_SHAPES if tiny else FULL_SHAPES
+    ms = (1, 4, 16) if tiny else (1, 2, 4, 8, 16, 32, 64)
+    rows: list[dict] = []
+    for name, n, k in shapes:
+        copies = 1 if tiny else max(2, math.ceil(512 * 2**20 / (n * k)))  # > L2 for the int8 weights
+        w_bf16 = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(min(copies, 8))]
+        quantized = [_quantized_weight(n, k, device) for _ in range(copies)]
+        for m in ms:
+            if budget.left() < 30:
+                rows.append({"shape": name, "M": m, "skipped": "time budget"})
+                return rows
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            step = {"i": 0}
+
+            def bf16() -> torch.Tensor:
+                step["i"] += 1
+                return F.linear(x, w_bf16[step["i"] % len(w_bf16)])
+
+            iters = 3 if tiny else 30
+            base = median_time(bf16, device, iters)
+            rows.append({"shape": name, "M": m, "backend": "bf16", "time_us": base * 1e6, "speedup_vs_bf16": 1.0,
+                         "gbps": _linear_bytes(m, n, k, 2) / base / 1e9})
+            for backend in backends:
+                def w8a8(b: str = backend) -> torch.Tensor:
+                    step["i"] += 1
+                    wq, ws = quantized[step["i"] % len(quantized)]
+                    return w8a8_linear(x, wq, ws, backend=b)
+
+                try:
+                    t = median_time(w8a8, device, iters)
+                    gbps = _linear_bytes(m, n, k, 1) / t / 1e9
+                    rows.append({"shape": name, "M": m, "backend": backend, "time_us": t * 1e6,
+                                 "speedup_vs_bf16": base / t, "gbps": gbps, "fraction_of_copy_bw": gbps / copy_gbps})
+                except Exception as err:
+                    rows.append({"shape": name, "M": m, "backend": backend, "error": f"{type(err).__name__}: {err}"})
+        del w_bf16, quantized
+    return rows
+
+
+# ---------------------------------------------------------------- sections: model-level
+def build_model(device: str, tiny: bool) -> torch.nn.Module:
+    """A randomly initialised Qwen3 model (8B dims, or tiny) in bf16 on `device`; no download."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(**(QWEN3_TINY if tiny else QWEN3_8B), eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def quantize_in_place(model: torch.nn.Module, backend: str) -> int:
+    """Swap every decoder nn.Linear for W8A8Linear.from_linear (lm_head stays bf16); returns the count."""
+    from quasar_hf.nn import W8A8Linear
+
+    layers = model.model.layers
+    names = [n for n, mod in layers.named_modules() if isinstance(mod, torch.nn.Linear)]
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = layers.get_submodule(parent) if parent else layers
+        setattr(owner, child, W8A8Linear.from_linear(getattr(owner, child), backend=backend))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return len(names)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes read per forward: all parameters and buffers except the input embedding table."""
+    embed = model.get_input_embeddings().weight
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers()) if t is not embed}
+    if model.get_output_embeddings().weight is embed:
+        tensors[id(embed)] = embed
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _describe(model: torch.nn.Module) -> dict:
+    """What the timing sections ran on: config dims and bytes read per forward."""
+    c = model.config
+    return {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "intermediate": c.intermediate_size,
+            "vocab": c.vocab_size, "parameters": sum(p.numel() for p in model.parameters()),
+            "bytes_read_per_step_bf16": weight_bytes(model)}
+
+
+def verify_latency(model: torch.nn.Module, device: str, tiny: bool, copy_gbps: float, budget: Budget) -> list[dict]:
+    """Latency of one verify step (1 + k tokens over a cached context), k = 1..8, and its bytes/bandwidth floor."""
+    from quasar_hf.bench.fidelity import _crop, _forward
+
+    context = 64 if tiny else 1024
+    config = model.config
+    ids = torch.randint(0, config.vocab_size, (1, context + 9), device=device)
+    _, cache = _forward(model, ids[:, :context], None)
+    kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context * 2
+    floor_s = (weight_bytes(model) + kv_bytes) / (copy_gbps * 1e9)
+    rows = []
+    for k in range(1, 9):
+        if budget.left() < 20:
+            rows.append({"draft_tokens": k, "skipped": "time budget"})
+            break
+        block = ids[:, context : context + k + 1]
+
+        def step() -> None:
+            nonlocal cache
+            _, cache = _forward(model, block, cache)
+            _crop(cache, k + 1)
+
+        seconds = median_time(step, device, iters=3 if tiny else 15)
+        rows.append({"draft_tokens": k, "tokens_per_step": k + 1, "ms": seconds * 1e3, "floor_ms": floor_s * 1e3,
+                     "fraction_of_floor": floor_s / seconds})
+    return rows
+
+
+def ngram_prompt(vocab: int, device: str, tiny: bool) -> torch.Tensor:
+    """A prompt with repeated segments so that n-gram drafts find matches: [1, T]."""
+    g = torch.Generator().manual_seed(1)
+    segment = torch.randint(0, vocab, (32 if tiny else 64,), generator=g)
+    return torch.cat([segment] * 4)[None].to(device)
+
+
+def end_to_end(model: torch.nn.Module, variants: list[str], device: str, tiny: bool) -> dict:
+    """tokens/s (median of repeats) and L for the given variants on one n-gram-friendly prompt."""
+    from quasar_hf.bench.fidelity import aggregate_stats, speculative_tokens
+    from quasar_hf.bench.runner import _hf_generate
+
+    prompt = ngram_prompt(model.config.vocab_size, device, tiny)
+    max_new = 16 if tiny else 128
+    out = {}
+    for name in variants:
+        runs = []
+        for _ in range(2 if tiny else 3):
+            sync(device)
+            start = time.perf_counter()
+            if name == "bf16_generate":
+                tokens, stats = _hf_generate(model)(prompt, max_new)
+            else:
+                tokens, stats = speculative_tokens(model, prompt, max_new, "ngram", 5, "auto")
+            sync(device)
+            runs.append((len(tokens) / (time.perf_counter() - start), stats))
+        out[name] = {"tokens_per_s_median": statistics.median(r for r, _ in runs),
+                     **{k: v for k, v in aggregate_stats([s for _, s in runs]).items()
+                        if k in ("mean_acceptance_length", "time_per_verify_step_s", "acceptance_rate")}}
+    return out
+
+
+def check_targets(result: dict) -> dict:
+    """The issue's H200 targets against this run (None where the inputs are missing)."""
+    kernels = [r for r in result.get("kernels") or [] if r.get("backend") == "triton" and r.get("M", 99) <= 16
+               and "time_us" in r and "qwen3" in r.get("shape", "")]
+    verify = {r["draft_tokens"]: r for r in (result.get("verify_bf16") or []) if "ms" in r}
+    verify_q = {r["draft_tokens"]: r for r in (result.get("verify_w8a8") or []) if "ms" in r}
+    ratios = [verify[k]["ms"] / verify_q[k]["ms"] for k in verify if k in verify_q]
+    e2e = result.get("end_to_end") or {}
+    e2e_ratio = None
+    if "bf16_verify_ngram" in e2e and "quasar_ngram" in e2e:
+        e2e_ratio = e2e["quasar_ngram"]["tokens_per_s_median"] / e2e["bf16_verify_ngram"]["tokens_per_s_median"]
+    return {
+        "triton_min_speedup_m_le_16 (target >= 1.7)": min((r["speedup_vs_bf16"] for r in kernels), default=None),
+        "triton_min_fraction_of_copy_bw_m_le_16 (target >= 0.75)": min((r["fraction_of_copy_bw"] for r in kernels), default=None),
+        "verify_step_min_speedup (target >= 1.6)": min(ratios, default=None),
+        "end_to_end_speedup_vs_bf16_verify (target >= 1.4)": e2e_ratio,
+    }
+
+
+# ---------------------------------------------------------------- orchestration
+def to_markdown(result: dict) -> str:
+    """Human-readable summary of every section present (errors included)."""
+    from quasar_hf.bench.report import _table, kernels_table
+
+    env = result.get("environment", {})
+    lines = ["# quasar_hf GPU check", "", f"Command: `{result.get('command')}`", "",
+             f"Device: {(env.get('cuda') or {}).get('device', 'cpu')}; torch {env.get('versions', {}).get('torch')}, "
+             f"triton {env.get('versions', {}).get('triton')}, transformers {env.get('versions', {}).get('transformers')}; "
+             f"wall time {result.get('wall_s', 0):.0f} s.", ""]
+    bw = result.get("bandwidth")
+    if bw:
+        lines += [f"Measured copy bandwidth: {bw['gbps']:.0f} GB/s.", ""]
+    if result.get("correctness"):
+        lines += ["## Correctness vs reference", ""]
+        lines += _table(["phase", "M", "backend", "max rel err", "bit-exact fraction", "ok / error"],
+                        [[r["phase"], r["M"], r["backend"], r.get("max_rel_err"), r.get("bit_exact_fraction"),
+                          r.get("error", r.get("ok"))] for r in result["correctness"]]) + [""]
+    if result.get("kernels"):
+        lines += ["## Kernels", ""] + kernels_table([r for r in result["kernels"] if "time_us" in r]) + [""]
+    for key in ("verify_bf16", "verify_w8a8"):
+        if result.get(key):
+            lines += [f"## Verify step ({key.split('_')[1].upper()})", ""]
+            lines += _table(["draft tokens", "ms", "floor ms", "fraction of floor"],
+                            [[r["draft_tokens"], r.get("ms"), r.get("floor_ms"), r.get("fraction_of_floor")]
+                             for r in result[key]]) + [""]
+    if result.get("end_to_end"):
+        lines += ["## End to end (n-gram drafts, random weights)", ""]
+        lines += _table(["variant", "tokens/s", "L", "ms / verify step"],
+                        [[n, s["tokens_per_s_median"], s.get("mean_acceptance_length"),
+                          s["time_per_verify_step_s"] * 1e3 if s.get("time_per_verify_step_s") else None]
+                         for n, s in result["end_to_end"].items()]) + [""]
+    if result.get("targets"):
+        lines += ["## Targets", ""] + _table(["target", "measured"], [[k, v] for k, v in result["targets"].items()]) + [""]
+    if result.get("errors"):
+        lines += ["## Errors", ""] + [f"- **{k}**: `{v.splitlines()[-1]}`" for k, v in result["errors"].items()] + [""]
+    return "\n".join(lines)
+
+
+def _save(result: dict, out_dir: str) -> None:
+    """Rewrite gpu_check.json and gpu_check.md (called after every section)."""
+    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
+        f.write(to_markdown(result))
+
+
+def _section(result: dict, out_dir: str, name: str, fn: Callable[[], Any], budget: Budget, min_s: float) -> Any:
+    """Run one section into result[name]; record errors/skips instead of raising; save after."""
+    if budget.left() < min_s:
+        result.setdefault("skipped", {})[name] = f"time budget ({budget.left():.0f} s left, needs ~{min_s:.0f} s)"
+        _save(result, out_dir)
+        return None
+    start = time.monotonic()
+    try:
+        result[name] = fn()
+    except Exception:
+        result.setdefault("errors", {})[name] = traceback.format_exc(limit=6)
+    result.setdefault("section_s", {})[name] = time.monotonic() - start
+    _save(result, out_dir)
+    return result.get(name)
+
+
+def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 450.0, backend: str = "auto",
+                  command: str = "") -> dict:
+    """Run every section within `budget_s` seconds; write DIR/gpu_check.{json,md}; return the result."""
+    from quasar_hf.bench.report import environment
+    from quasar_hf.ops.dispatch import available_backends
+
+    os.makedirs(out_dir, exist_ok=True)
+    device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
+    if not tiny and device == "cpu":
+        raise RuntimeError("no CUDA device: run with --tiny for the CPU check, or on a GPU machine")
+    budget = Budget(budget_s)
+    started = time.monotonic()
+    result: dict = {"command": command, "tiny": tiny, "device": device, "budget_s": budget_s}
+    _section(result, out_dir, "environment", environment, budget, 0)
+    backends = [b for b in available_backends(device) if b != "reference" or tiny]
+    result["backends"] = backends
+    bw = _section(result, out_dir, "bandwidth", lambda: measure_copy_bandwidth(device, tiny), budget, 5)
+    copy_gbps = bw["gbps"] if bw else float("nan")
+    _section(result, out_dir, "correctness", lambda: check_correctness(device, tiny, backends), budget, 10)
+    timed = [b for b in backends if b != "reference"]
+    _section(result, out_dir, "kernels", lambda: bench_kernels(device, tiny, timed, copy_gbps, budget), budget, 60)
+    holder: dict = {}
+    _section(result, out_dir, "model", lambda: _describe(holder.setdefault("model", build_model(device, tiny))), budget, 60)
+    model = holder.pop("model", None)
+    if model is not None:
+        _section(result, out_dir, "verify_bf16", lambda: verify_latency(model, device, tiny, copy_gbps, budget), budget, 30)
+        e2e = _section(result, out_dir, "end_to_end",
+                       lambda: end_to_end(model, ["bf16_generate", "bf16_verify_ngram"], device, tiny), budget, 60)
+        if _section(result, out_dir, "quantized_linears", lambda: quantize_in_place(model, backend), budget, 20):
+            result["model"]["bytes_read_per_step_w8a8"] = weight_bytes(model)
+            _section(result, out_dir, "verify_w8a8", lambda: verify_latency(model, device, tiny, copy_gbps, budget), budget, 30)
+            quasar = _section(result, out_dir, "end_to_end_w8a8",
+                              lambda: end_to_end(model, ["quasar_ngram"], device, tiny), budget, 30)
+            if e2e is not None and quasar is not None:
+                result["end_to_end"] = {**e2e, **quasar}
+                del result["end_to_end_w8a8"]
+        del model
+    result["targets"] = check_targets(result)
+    result["wall_s"] = time.monotonic() - started
+    _save(result, out_dir)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: python -m quasar_hf.bench.gpu_check --out DIR [--tiny] [--budget-s 450] [--backend auto]."""
+    import shlex
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m quasar_hf.bench.gpu_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.md")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (a test of the code paths)")
+    parser.add_argument("--budget-s", type=float, default=None, help="global time budget (default 450, tiny 100)")
+    parser.add_argument("--backend", default="auto", help="W8A8 backend of the quantized model (default auto)")
+    args = parser.parse_args(argv)
+    budget = args.budget_s if args.budget_s is not None else (100.0 if args.tiny else 450.0)
+    command = "python -m quasar_hf.bench.gpu_check " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    result = run_gpu_check(args.out, tiny=args.tiny, budget_s=budget, backend=args.backend, command=command)
+    print(to_markdown(result))
+    return 1 if result.get("errors") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
