@@ -129,22 +129,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from quasar_hf.bench.report import write_reports
-    from quasar_hf.bench.runner import run_bench
-    from quasar_hf.commands.loading import load_model, load_tokenizer, quantize_checkpoint, resolve_model
+    """Pass every option through to the benchmark runner (`python -m quasar_hf.bench.runner`)."""
+    from quasar_hf.bench.runner import bench_main
 
-    path = resolve_model(args.model)
-    reference = load_model(path, dtype=args.dtype)
-    tokenizer = load_tokenizer(path)
-    quantized = load_model(resolve_model(args.quantized)) if args.quantized else quantize_checkpoint(path, {}, args.dtype)
-    result = run_bench(reference, quantized, tokenizer, suites=args.suites, limit_per_suite=args.limit,
-                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
-                       num_draft_tokens=args.num_draft_tokens, log=lambda m: print(m, file=sys.stderr))
-    for name, speedup in result["headline"].items():
-        print(f"{name}: {speedup:.2f}x vs bf16_verify_ngram")
-    if args.out:
-        for written in write_reports(result, args.out):
-            print(f"wrote {written}")
+    passthrough = [arg for arg in args.bench_args if arg != "--debug"]
+    for written in bench_main(passthrough):
+        print(f"wrote {written}")
     return 0
 
 
@@ -236,17 +226,15 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--out", required=True, help="output folder")
     export.add_argument("--no-fold-prescale", action="store_true", help="refuse layers with an unfolded act_prescale instead of folding it")
 
-    bench = command("bench", cmd_bench, "Benchmark plain, BF16-verified and W8A8-verified (Quasar) generation")
-    bench.add_argument("model", help="the unquantized model: " + model_help)
-    bench.add_argument("--quantized", help="its Quasar checkpoint (default: quantize in memory)")
-    bench.add_argument("--suites", default="all", help="prompt suites: code, grounded, chat or all")
-    bench.add_argument("--limit", type=positive_int, help="prompts per suite")
-    bench.add_argument("--max-new-tokens", type=positive_int, default=64)
-    bench.add_argument("--repeats", type=positive_int, default=3)
-    bench.add_argument("--warmup", type=int, default=1)
-    bench.add_argument("--num-draft-tokens", type=positive_int, default=5)
-    bench.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    bench.add_argument("--out", help="folder for the JSON/Markdown/plot reports")
+    # The benchmark runner owns its options: everything after `bench` goes to it verbatim
+    # (prefix_chars="+" keeps argparse from reading its --options here; `bench --help` is the runner's).
+    bench = subparsers.add_parser(
+        "bench", help="Benchmark plain, BF16-verified and W8A8-verified (Quasar) generation; "
+        "options of `python -m quasar_hf.bench.runner` (see `quasar-hf bench --help`)",
+        add_help=False, prefix_chars="+",
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(handler=cmd_bench, command="bench", debug=False)
 
     evaluate = command("eval", cmd_eval, "Perplexity, top-1 agreement and KL of a Quasar model vs its unquantized reference")
     evaluate.add_argument("model", help="the Quasar checkpoint")
@@ -275,6 +263,8 @@ def build_parser(prog: str = "quasar-hf") -> argparse.ArgumentParser:
 
 def run_parsed(args: argparse.Namespace, prog: str = "quasar-hf") -> int:
     """Run a parsed subcommand with the exit-code and one-line-error conventions."""
+    if "--debug" in getattr(args, "bench_args", ()):
+        args.debug = True
     try:
         return int(args.handler(args) or 0)
     except UsageError as error:

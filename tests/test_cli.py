@@ -43,7 +43,8 @@ def test_every_subcommand_has_help(capsys):
         with pytest.raises(SystemExit) as exit_info:
             main([name, "--help"])
         assert exit_info.value.code == 0
-        assert "usage: quasar-hf " + name in capsys.readouterr().out
+        expected = "usage: python -m quasar_hf.bench.runner" if name == "bench" else "usage: quasar-hf " + name
+        assert expected in capsys.readouterr().out  # bench passes its options through to the runner
     assert set(SUBCOMMANDS) <= set(build_parser()._subparsers._group_actions[0].choices)
 
 
@@ -91,6 +92,16 @@ def test_eval_reports_fidelity(quantized, tiny, calibration_file, tmp_path, caps
     scores = json.loads(report.read_text())["next_token"]
     assert 0.9 < scores["perplexity_ratio"] < 1.1  # W8A8 of a tiny random model stays close to fp32
     assert "top-1 agreement" in capsys.readouterr().out
+
+
+def test_bench_passes_options_through(quantized, tiny, tmp_path, capsys):
+    code = main(["bench", "--model", str(tiny), "--quantized", str(quantized), "--suites", "grounded",
+                 "--limit-per-suite", "1", "--max-new-tokens", "4", "--repeats", "1", "--warmup", "0",
+                 "--variants", "bf16_generate,quasar_ngram", "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "bench_cpu.json").read_text())
+    assert set(result["variants"]) == {"bf16_generate", "quasar_ngram"}
+    assert "wrote" in capsys.readouterr().out
 
 
 def test_demo_path_on_a_tiny_model(tiny, tmp_path, monkeypatch, capsys):
