@@ -1,0 +1,45 @@
+"""device_map placement of a Quasar checkpoint (Accelerate): on CPU the multi-device mechanics are
+tested with a map over "cpu" and "disk" (offload_folder); logits and Quasar generation must match
+the model loaded in one piece."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_hub_support import make_tiny_checkpoint, quantize_tiny
+from transformers import AutoModelForCausalLM
+
+pytest.importorskip("accelerate", reason="device_map needs accelerate")
+
+DEVICE_MAP = {
+    "model.embed_tokens": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "cpu",
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("quasar")
+    quantize_tiny(make_tiny_checkpoint(tmp_path_factory.mktemp("base"))).save_pretrained(folder)
+    return folder
+
+
+def test_cpu_and_disk_map_gives_identical_logits_and_generation(saved, tmp_path):
+    whole = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+    spread = AutoModelForCausalLM.from_pretrained(
+        saved, dtype=torch.float32, device_map=DEVICE_MAP, offload_folder=str(tmp_path / "offload")
+    ).eval()
+    assert spread.hf_device_map == DEVICE_MAP
+    assert spread.model.layers[1].input_layernorm.weight.device.type == "meta"  # really offloaded
+    assert type(spread.model.layers[1].mlp.down_proj).__name__ == "W8A8Linear"
+    ids = torch.randint(0, 250, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(spread(ids).logits, whole(ids).logits)
+        assert torch.equal(
+            spread.generate(ids, max_new_tokens=8, do_sample=False, quasar=True),
+            whole.generate(ids, max_new_tokens=8, do_sample=False, quasar=True),
+        )
