@@ -40,7 +40,8 @@ class PreparedGeneration:
     input_ids: torch.Tensor  # [B, T] left-padded prompts
     attention_mask: torch.Tensor  # [B, T] long, 1 = real token
     generation_config: GenerationConfig
-    logits_processor: LogitsProcessorList
+    logits_processor: LogitsProcessorList  # for the whole batch [B, ...]
+    row_logits_processors: list[LogitsProcessorList]  # one per row, for calls on a single row [1, ...]
     stopping_criteria: StoppingCriteriaList
     pad_token_id: int | None
     max_length: int
@@ -76,14 +77,14 @@ def prepare_generation(
         inputs_tensor=input_ids,
     )
     model._validate_generated_length(config, prompt_length, has_default_max_length)
-    processors = model._get_logits_processor(
-        generation_config=config,
-        input_ids_seq_length=prompt_length,
-        encoder_input_ids=input_ids,
-        logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
-        device=input_ids.device,
-        model_kwargs={"attention_mask": attention_mask},
-    )
+    user_processors = logits_processor if logits_processor is not None else LogitsProcessorList()
+    processors = _build_processors(model, config, input_ids, attention_mask, user_processors)
+    # Some processors hold per-row state (e.g. repetition penalty's prompt_ignore_length = padding
+    # lengths), so rows processed alone need their own list, built from their own prompt row.
+    row_processors = [processors] if batch_size == 1 else [
+        _build_processors(model, config, input_ids[b : b + 1], attention_mask[b : b + 1], user_processors)
+        for b in range(batch_size)
+    ]
     criteria = model._get_stopping_criteria(
         generation_config=config,
         stopping_criteria=stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(),
@@ -95,9 +96,21 @@ def prepare_generation(
         attention_mask=attention_mask.long(),
         generation_config=config,
         logits_processor=processors,
+        row_logits_processors=row_processors,
         stopping_criteria=criteria,
         pad_token_id=None if pad is None else int(pad),
         max_length=int(config.max_length),
+    )
+
+
+def _build_processors(model, config, input_ids, attention_mask, user_processors) -> LogitsProcessorList:
+    return model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=input_ids.shape[1],
+        encoder_input_ids=input_ids,
+        logits_processor=user_processors,
+        device=input_ids.device,
+        model_kwargs={"attention_mask": attention_mask},
     )
 
 

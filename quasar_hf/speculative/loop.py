@@ -104,7 +104,7 @@ class _SpeculativeRun:
         logits = self.verifier.forward(self.prepared.input_ids, self.prepared.attention_mask, last_only=True)[:, -1]
         if len(self.rows) > 1:
             self.verifier.check_holes_supported()
-        scores = self._scores(self.rows, logits)  # [B, V]
+        scores = self._scores(self.active, self.rows, logits)  # [B, V]
         first = scores.argmax(-1) if not self.do_sample else self._sample(scores)
         self.drafter.start([r[p:] for r, p in zip(self.rows, self.pad_lengths)], self._draft_setup())
         self.stats.prefill_time_s += time.perf_counter() - started
@@ -151,18 +151,24 @@ class _SpeculativeRun:
         columns = []
         for j in range(logits.shape[1]):
             prefixes = [torch.cat([self.rows[b], draft_tokens[i, :j]]) for i, b in enumerate(self.active)]
-            columns.append(self._scores(prefixes, logits[:, j]))
+            columns.append(self._scores(self.active, prefixes, logits[:, j]))
         return torch.stack(columns, dim=1)
 
-    def _scores(self, prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
-        """Apply the logits processors to logits [B, V] given each row's prefix (1-D)."""
+    def _scores(self, rows: list[int], prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+        """Apply the logits processors to logits [B, V] given each row's prefix (1-D, padded prompt + tokens)."""
         processors = self.prepared.logits_processor
         if len(processors) == 0:
             return logits
-        if len({p.shape[0] for p in prefixes}) == 1:
-            return processors(torch.stack(prefixes), logits.clone())
-        # Rows of different lengths: process one by one so each sees its own exact prefix.
-        return torch.cat([processors(p[None], logits[i : i + 1].clone()) for i, p in enumerate(prefixes)])
+        if len(rows) == len(self.rows) and len({p.shape[0] for p in prefixes}) == 1:
+            return processors(torch.stack(prefixes), logits.clone())  # the whole batch, as plain generate calls it
+        # Rows of different lengths (or a subset of rows): one call per row, with that row's processors.
+        per_row = self.prepared.row_logits_processors
+        return torch.cat([per_row[b](p[None], logits[i : i + 1].clone()) for i, (b, p) in enumerate(zip(rows, prefixes))])
+
+    def _draft_scores(self, prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+        """Processed scores for a drafter, whose prefixes are the active rows without their left padding."""
+        padded = [torch.cat([self.rows[b][: self.pad_lengths[b]], p]) for b, p in zip(self.active, prefixes)]
+        return self._scores(self.active, padded, logits)
 
     def _sample(self, scores: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(scores, dim=-1)
@@ -195,7 +201,7 @@ class _SpeculativeRun:
         return pending[keep_index]
 
     def _draft_setup(self) -> DraftSetup:
-        return DraftSetup(do_sample=self.do_sample, score_fn=self._scores, generator=self.generator, device=self.device)
+        return DraftSetup(do_sample=self.do_sample, score_fn=self._draft_scores, generator=self.generator, device=self.device)
 
     def _padded_sequences(self) -> torch.Tensor:
         """[B, longest] like plain generate: rows that stopped early are right-padded with pad_token_id."""
