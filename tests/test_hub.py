@@ -104,3 +104,19 @@ def test_push_keeps_a_remote_readme_we_did_not_write(quantized, hub):
 def test_push_rejects_positional_options(quantized):
     with pytest.raises(TypeError, match="keywords"):
         quantized.push_to_hub("x", True)
+
+
+def test_card_usage_snippet_runs_as_written(quantized, tmp_path):
+    """The card's snippet (chat template, generate(quasar=True), decode) executes as written."""
+    import re
+
+    from test_hub_support import byte_level_tokenizer
+
+    from quasar_hf.hf.model_card import model_card_for
+
+    quantized.save_pretrained(tmp_path)
+    tokenizer = byte_level_tokenizer()
+    tokenizer.save_pretrained(tmp_path)
+    card = model_card_for(quantized, repo_id=str(tmp_path), tokenizer=tokenizer)
+    snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    exec(compile(snippet, "model-card-snippet", "exec"), {})
