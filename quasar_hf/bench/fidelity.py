@@ -16,6 +16,7 @@ project's built-in Python-docs split (`quasar_hf.smoothquant.data.builtin_texts`
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import time
@@ -357,9 +358,7 @@ def evaluate_fidelity(
     """
     source = "caller"
     if texts is None:
-        from quasar_hf.smoothquant.data import builtin_texts
-
-        texts, source = builtin_texts("heldout"), "builtin:python-docs (heldout split)"
+        texts, source = heldout_texts(), "builtin:python-docs (heldout split)"
     windows = token_windows(tokenizer, texts, seq_len, max_windows)
     result = {
         "config": {"text_source": source, "seq_len": seq_len, "windows": len(windows),
@@ -372,3 +371,49 @@ def evaluate_fidelity(
             model, reference_model, acceptance_prompts, max_new_tokens, num_draft_tokens, loop
         )
     return result
+
+
+def fidelity_main(argv: list[str] | None = None) -> list[str]:
+    """CLI: W8A8 vs BF16 (and BF16 vs FP32, for scale) on held-out text + L comparison; write reports."""
+    import argparse
+    import shlex
+    import sys
+
+    from quasar_hf.bench.report import write_reports
+    from quasar_hf.bench.runner import load_bench_models
+    from quasar_hf.bench.suites import load_suites, render_prompt
+
+    parser = argparse.ArgumentParser(prog="python -m quasar_hf.bench.fidelity", description=fidelity_main.__doc__)
+    parser.add_argument("--model", default=None, help="checkpoint (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--quantized", default=None, help="saved Quasar checkpoint (default: quantize now)")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--max-windows", type=int, default=16)
+    parser.add_argument("--suites", default="all")
+    parser.add_argument("--limit-per-suite", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out", default="benchmarks")
+    parser.add_argument("--name", default="fidelity_cpu")
+    args = parser.parse_args(argv)
+    reference, quantized, tokenizer, info = load_bench_models(args.model, args.quantized)
+    prompts = [torch.tensor([render_prompt(it, tokenizer)]) for it in load_suites(args.suites, args.limit_per_suite)]
+    result = {"models": info, "fidelity": evaluate_fidelity(
+        quantized, reference, tokenizer, None, seq_len=args.seq_len, max_windows=args.max_windows,
+        acceptance_prompts=prompts, max_new_tokens=args.max_new_tokens)}
+    fp32 = copy.deepcopy(reference).float()
+    windows = token_windows(tokenizer, heldout_texts(), args.seq_len, args.max_windows)
+    result["bf16_vs_fp32"] = compare_next_token(reference, fp32, windows)
+    result["w8a8_vs_fp32"] = compare_next_token(quantized, fp32, windows)
+    result["command"] = "python -m quasar_hf.bench.fidelity " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    return write_reports(result, args.out, args.name, title="quasar_hf fidelity: W8A8 vs unquantized")
+
+
+def heldout_texts() -> list[str]:
+    """The default held-out texts (the built-in split not used for calibration)."""
+    from quasar_hf.smoothquant.data import builtin_texts
+
+    return builtin_texts("heldout")
+
+
+if __name__ == "__main__":
+    for path in fidelity_main():
+        print(path)

@@ -9,6 +9,7 @@ results are rewritten to DIR/gpu_check.json and .md after every section):
   bandwidth     measured device copy bandwidth (the floor's denominator)
   correctness   every available W8A8 backend vs ops.reference at decode / verify / prefill shapes
   kernels       W8A8 linear vs BF16 linear (cuBLAS), per backend, M in 1..64, 8B shapes, GB/s
+                (`quasar_hf.bench.kernels.run_kernel_benchmark`, the ops helper's micro-benchmark)
   verify        verify-step latency of a random Qwen3-8B-shaped model, BF16 vs W8A8, 1..8 draft tokens
   end_to_end    tokens/s with n-gram drafts: BF16 generate, BF16-verify loop, Quasar (W8A8) loop
   targets       the issue's H200 targets, checked against the numbers above (report, not assert)
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import time
@@ -27,15 +27,8 @@ import traceback
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
-# (name, N out_features, K in_features) of real linears
-FULL_SHAPES = [
-    ("qwen3-8b.q_proj", 4096, 4096), ("qwen3-8b.kv_proj", 1024, 4096), ("qwen3-8b.gate_proj", 12288, 4096),
-    ("qwen3-8b.down_proj", 4096, 12288), ("llama3-8b.gate_proj", 14336, 4096), ("llama3-8b.down_proj", 4096, 14336),
-    ("smollm2-135m.gate_proj", 1536, 576),
-]
-TINY_SHAPES = [("tiny.up", 256, 128), ("tiny.down", 128, 256)]
+TINY_SHAPES = [("tiny.up 128x256", 128, 256), ("tiny.down 256x128", 256, 128)]  # (label, K, N) as bench.kernels
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096)
 QWEN3_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -73,12 +66,11 @@ def median_time(fn: Callable[[], Any], device: str, iters: int, warmup: int = 2)
 
 # ---------------------------------------------------------------- sections: bandwidth, correctness, kernels
 def measure_copy_bandwidth(device: str, tiny: bool) -> dict:
-    """Device copy bandwidth in GB/s: (bytes read + bytes written) / time of dst.copy_(src)."""
-    numel = (64 if tiny else 2048) * 2**20 // 4
-    src = torch.ones(numel, device=device)
-    dst = torch.empty_like(src)
-    seconds = median_time(lambda: dst.copy_(src), device, iters=5 if tiny else 20)
-    return {"bytes_moved": 2 * src.numel() * 4, "seconds": seconds, "gbps": 2 * src.numel() * 4 / seconds / 1e9}
+    """Device copy bandwidth in GB/s (bytes read + written), as `bench.kernels` measures it."""
+    from quasar_hf.bench.kernels import measure_copy_bandwidth as copy_gbps
+
+    mebibytes = 64 if tiny else 2048
+    return {"mebibytes": mebibytes, "gbps": copy_gbps(torch.device(device), mebibytes, samples=5 if tiny else 20)}
 
 
 def _quantized_weight(n: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,51 +103,20 @@ def check_correctness(device: str, tiny: bool, backends: list[str]) -> list[dict
     return rows
 
 
-def _linear_bytes(m: int, n: int, k: int, weight_bytes_per_elem: int) -> int:
-    """Bytes a linear must move at least: weight + bf16 activations in + bf16 outputs."""
-    return n * k * weight_bytes_per_elem + 2 * m * k + 2 * m * n
-
-
 def bench_kernels(device: str, tiny: bool, backends: list[str], copy_gbps: float, budget: Budget) -> list[dict]:
-    """Median time per W8A8 linear vs BF16 F.linear for each (shape, M, backend); weights rotated past L2."""
-    from quasar_hf.ops.dispatch import w8a8_linear
+    """`bench.kernels.run_kernel_benchmark` shape by shape (so the budget is checked between shapes)."""
+    from quasar_hf.bench.kernels import SHAPES, run_kernel_benchmark
 
-    shapes = TINY_SHAPES if tiny else FULL_SHAPES
-    ms = (1, 4, 16) if tiny else (1, 2, 4, 8, 16, 32, 64)
     rows: list[dict] = []
-    for name, n, k in shapes:
-        copies = 1 if tiny else max(2, math.ceil(512 * 2**20 / (n * k)))  # > L2 for the int8 weights
-        w_bf16 = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(min(copies, 8))]
-        quantized = [_quantized_weight(n, k, device) for _ in range(copies)]
-        for m in ms:
-            if budget.left() < 30:
-                rows.append({"shape": name, "M": m, "skipped": "time budget"})
-                return rows
-            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            step = {"i": 0}
-
-            def bf16() -> torch.Tensor:
-                step["i"] += 1
-                return F.linear(x, w_bf16[step["i"] % len(w_bf16)])
-
-            iters = 3 if tiny else 30
-            base = median_time(bf16, device, iters)
-            rows.append({"shape": name, "M": m, "backend": "bf16", "time_us": base * 1e6, "speedup_vs_bf16": 1.0,
-                         "gbps": _linear_bytes(m, n, k, 2) / base / 1e9})
-            for backend in backends:
-                def w8a8(b: str = backend) -> torch.Tensor:
-                    step["i"] += 1
-                    wq, ws = quantized[step["i"] % len(quantized)]
-                    return w8a8_linear(x, wq, ws, backend=b)
-
-                try:
-                    t = median_time(w8a8, device, iters)
-                    gbps = _linear_bytes(m, n, k, 1) / t / 1e9
-                    rows.append({"shape": name, "M": m, "backend": backend, "time_us": t * 1e6,
-                                 "speedup_vs_bf16": base / t, "gbps": gbps, "fraction_of_copy_bw": gbps / copy_gbps})
-                except Exception as err:
-                    rows.append({"shape": name, "M": m, "backend": backend, "error": f"{type(err).__name__}: {err}"})
-        del w_bf16, quantized
+    for shape in TINY_SHAPES if tiny else SHAPES:
+        if budget.left() < 45:
+            rows.append({"shape": shape[0], "skipped": "time budget"})
+            continue
+        part = run_kernel_benchmark(device, [shape], [1, 4, 16] if tiny else [1, 2, 4, 8, 16, 32, 64], backends,
+                                    samples=3 if tiny else 15, copy_mebibytes=16)
+        for row in part["rows"]:
+            row["fraction_of_copy_bw"] = row["gbps"] / copy_gbps
+        rows += part["rows"]
     return rows
 
 

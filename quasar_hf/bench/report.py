@@ -139,6 +139,12 @@ def to_markdown(result: dict, title: str = "quasar_hf benchmark") -> str:
         lines += ["## Generation (interleaved variants)", ""] + variants_table(result) + [""]
     if result.get("fidelity"):
         lines += ["## Fidelity", ""] + fidelity_table(result["fidelity"]) + [""]
+    scale = {k: v for k, v in result.items() if k.endswith("_vs_fp32") and isinstance(v, dict)}
+    if scale:
+        lines += ["## Against FP32 (for scale)", ""]
+        lines += _table(["comparison", "perplexity", "FP32 perplexity", "ratio", "top-1 agreement", "mean KL (nats)"],
+                        [[k, v["perplexity_model"], v["perplexity_reference"], v["perplexity_ratio"],
+                          v["top1_agreement"], v["mean_kl_nats"]] for k, v in scale.items()]) + [""]
     if result.get("kernels"):
         lines += ["## Kernels", ""] + kernels_table(result["kernels"]) + [""]
     for plot in result.get("plots", []):

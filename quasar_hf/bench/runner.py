@@ -297,12 +297,30 @@ def load_bench_models(
     return reference, quantized, tokenizer, info
 
 
+def quantization_config_from_args(args: Any) -> Any:
+    """QuasarConfig from --alpha / --calibration-samples / --calibration-seq-len (None: the defaults)."""
+    from quasar_hf import QuasarConfig
+
+    overrides = {}
+    if args.alpha is not None:
+        overrides["alpha"] = args.alpha if args.alpha == "auto" else float(args.alpha)
+    if args.calibration_samples is not None:
+        overrides["num_calibration_samples"] = args.calibration_samples
+    if args.calibration_seq_len is not None:
+        overrides["calibration_seq_len"] = args.calibration_seq_len
+    return QuasarConfig(**overrides) if overrides else None
+
+
 def _parse_args(argv: list[str] | None) -> Any:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m quasar_hf.bench.runner", description=bench_main.__doc__)
     parser.add_argument("--model", default=None, help="checkpoint dir or Hub id (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--quantized", default=None, help="a saved Quasar W8A8 checkpoint (default: quantize now)")
+    parser.add_argument("--alpha", default=None, help='SmoothQuant alpha when quantizing now (float or "auto")')
+    parser.add_argument("--calibration-samples", type=int, default=None, help="calibration blocks when quantizing now")
+    parser.add_argument("--calibration-seq-len", type=int, default=None, help="tokens per calibration block")
+    parser.add_argument("--save-quantized", default=None, help="save the W8A8 model quantized now into this folder")
     parser.add_argument("--suites", default="all", help='comma-separated suite names or "all"')
     parser.add_argument("--limit-per-suite", type=int, default=None)
     parser.add_argument("--variants", default=None, help="comma-separated variant names (default: all available)")
@@ -328,7 +346,11 @@ def bench_main(argv: list[str] | None = None) -> list[str]:
     args = _parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    reference, quantized, tokenizer, info = load_bench_models(args.model, args.quantized)
+    reference, quantized, tokenizer, info = load_bench_models(args.model, args.quantized,
+                                                              quantization_config=quantization_config_from_args(args))
+    if args.save_quantized:
+        quantized.save_pretrained(args.save_quantized)
+        tokenizer.save_pretrained(args.save_quantized)
     default_variants = ["bf16_generate", "bf16_prompt_lookup", BASELINE, *available_quasar_variants(args.loop)]
     variants = args.variants.split(",") if args.variants else default_variants
     result = run_bench(reference, quantized, tokenizer, suites=args.suites, limit_per_suite=args.limit_per_suite,
