@@ -98,6 +98,20 @@ def test_special_rows_zero_nan_inf_huge(dtype):
     assert torch.equal(cpu_fused.int8_accumulators_cpu_fused(x, weight_q), int8_matmul_reference(a_q, weight_q))
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_subnormal_rows_match_reference(dtype):
+    """amax below 2**-126: 127 / amax overflows to inf, and zeros in the row hit 0 * inf = NaN."""
+    x, weight_q, weight_scale, bias = random_case(3, 70, 24, torch.float32, seed=11)
+    x[0] = x[0] * 1e-40
+    x[1, ::2] = 0.0
+    x[1] = x[1] * 1e-41
+    x = x.to(dtype)
+    a_q, _ = quantize_per_token(x)
+    assert torch.equal(cpu_fused.int8_accumulators_cpu_fused(x, weight_q), int8_matmul_reference(a_q, weight_q))
+    assert_bitwise_equal(cpu_fused.w8a8_linear_cpu_fused(x, weight_q, weight_scale, bias),
+                         w8a8_linear_reference(x, weight_q, weight_scale, bias))
+
+
 def test_extreme_weights_and_activations_stay_exact():
     """All +-127 weights and activations: the largest accumulators the int8 range allows."""
     k, n = 4099, 33

@@ -91,7 +91,10 @@ static float quantize_row(const void *x, int dtype, const float *prescale, int64
     for (int64_t k = 0; k < K; k += 16) {
         __mmask16 m = tail_mask(K - k);
         __m512 v = _mm512_add_ps(_mm512_mul_ps(row16(x, dtype, prescale, k, m), inv), half);
-        v = _mm512_min_ps(_mm512_max_ps(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), lo), hi);
+        v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        /* subnormal amax: 1 / amax = inf and 0 * inf = NaN, which torch's int8 cast turns into 0 */
+        v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);
+        v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
         __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(v), shift);
         _mm_mask_storeu_epi8(aq + k, m, _mm512_cvtepi32_epi8(q));
     }
