@@ -112,3 +112,12 @@ def test_bad_arguments_raise_clear_errors():
         run_bench(reference, quantized, CharTokenizer(), prompts=PROMPTS, repeats=0)
     with pytest.raises(TypeError, match="result"):
         write_reports([1, 2], "/tmp/unused")
+
+
+def test_a_variant_that_cannot_run_is_reported_not_fatal():
+    reference, quantized = tiny_pair()
+    result = run_bench(reference, quantized, CharTokenizer(), prompts=PROMPTS[:1], max_new_tokens=4, repeats=1,
+                       warmup=0, variants=[BASELINE, "quasar_ngram", "quasar_self"], loop="local")
+    assert "quasar_self" in result["unavailable_variants"] and "ngram" in result["unavailable_variants"]["quasar_self"]
+    assert set(result["variants"]) == {BASELINE, "quasar_ngram"}
+    assert "`quasar_self` not run" in to_markdown(result)

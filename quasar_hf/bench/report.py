@@ -137,6 +137,10 @@ def to_markdown(result: dict, title: str = "quasar_hf benchmark") -> str:
                   f"{env['versions'].get('transformers')}, load average at end {env.get('load_average')}.", ""]
     if result.get("variants"):
         lines += ["## Generation (interleaved variants)", ""] + variants_table(result) + [""]
+        for name, error in (result.get("unavailable_variants") or {}).items():
+            lines += [f"- `{name}` not run: {error}"]
+        if result.get("unavailable_variants"):
+            lines += [""]
     if result.get("fidelity"):
         lines += ["## Fidelity", ""] + fidelity_table(result["fidelity"]) + [""]
     scale = {k: v for k, v in result.items() if k.endswith("_vs_fp32") and isinstance(v, dict)}

@@ -121,6 +121,17 @@ def build_variants(
     return variants
 
 
+def _probe_variants(generators: dict[str, Generate], input_ids: torch.Tensor) -> dict[str, str]:
+    """Run each variant for 2 tokens; those that raise (e.g. a drafter not built yet) are reported, not run."""
+    failed = {}
+    for name, generate in generators.items():
+        try:
+            generate(input_ids, 2)
+        except Exception as err:  # a broken optional variant must not sink the whole benchmark
+            failed[name] = f"{type(err).__name__}: {err}"
+    return failed
+
+
 def _interleaved_order(names: list[str], step: int) -> list[str]:
     """Rotate the variant order by `step` so no variant always runs first (or right after another)."""
     shift = step % len(names)
@@ -179,6 +190,10 @@ def run_bench(
     encoded = [torch.tensor([render_prompt(item, tokenizer)], device=device) for item in items]
     say = log or (lambda message: None)
 
+    unavailable = _probe_variants(generators, encoded[0])
+    names = [n for n in names if n not in unavailable]
+    if not names:
+        raise RuntimeError(f"every variant failed on the first prompt: {unavailable}")
     for _ in range(warmup):
         for input_ids in encoded[:1]:
             for name in names:
@@ -209,6 +224,7 @@ def run_bench(
             "interleaving": "repeat -> prompt -> variant order rotated by one each prompt",
         },
         "variants": summaries,
+        "unavailable_variants": unavailable,
         "headline": headline_ratios(summaries),
         "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
     }
