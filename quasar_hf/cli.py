@@ -157,9 +157,11 @@ def _eval_texts(args: argparse.Namespace) -> list[str] | None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from quasar_hf.bench.fidelity import evaluate_fidelity
-    from quasar_hf.commands.loading import load_model, load_tokenizer, resolve_model
+    from quasar_hf.commands.loading import is_quasar_checkpoint, load_model, load_tokenizer, resolve_model
 
     path, reference_path = resolve_model(args.model), resolve_model(args.reference)
+    if args.record and not is_quasar_checkpoint(path):
+        raise UsageError(f"--record writes into a local Quasar checkpoint folder; {args.model} is not one")
     texts = _eval_texts(args)
     model = load_model(path)
     reference = load_model(reference_path, dtype=args.dtype)
@@ -173,7 +175,26 @@ def cmd_eval(args: argparse.Namespace) -> int:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2, default=str)
         print(f"wrote {args.json}")
+    if args.record:
+        from quasar_hf.hf.model_card import record_measurements
+
+        card = record_measurements(path, fidelity_measurements(result, args))
+        print(f"recorded the numbers in {path}/config.json and refreshed {card}")
     return 0
+
+
+def fidelity_measurements(result: dict, args: argparse.Namespace) -> dict:
+    """The eval result as QuasarConfig.measured keys (what the model card renders), with its command."""
+    scores = result["next_token"]
+    argv = ["quasar-hf", "eval", args.model, "--reference", args.reference, "--seq-len", str(args.seq_len),
+            "--max-windows", str(args.max_windows), "--dtype", args.dtype]
+    argv += ["--text-file", args.text_file] if args.text_file else (["--dataset", args.dataset] if args.dataset else [])
+    return {
+        "perplexity": scores["perplexity_model"], "reference_perplexity": scores["perplexity_reference"],
+        "perplexity_ratio": scores["perplexity_ratio"], "top1_agreement": scores["top1_agreement"],
+        "kl_divergence": scores["mean_kl_nats"], "num_tokens": scores["tokens_evaluated"],
+        "fidelity_dataset": result["config"]["text_source"], "command": " ".join(argv + ["--record"]),
+    }
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -248,6 +269,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--max-windows", type=positive_int, default=16)
     evaluate.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the reference model")
     evaluate.add_argument("--json", help="also write the full result as JSON here")
+    evaluate.add_argument("--record", action="store_true",
+                          help="write the numbers into MODEL's config (quantization_config.measured) and refresh its model card")
 
     demo = command("demo", cmd_demo, "Quantize the embedded SmolLM2-135M-Instruct and compare generation with and without Quasar")
     demo.add_argument("--max-new-tokens", type=positive_int, default=128)

@@ -94,6 +94,21 @@ def test_eval_reports_fidelity(quantized, tiny, calibration_file, tmp_path, caps
     assert "top-1 agreement" in capsys.readouterr().out
 
 
+def test_eval_record_puts_numbers_in_config_and_card(quantized, tiny, calibration_file, tmp_path):
+    import shutil
+
+    folder = tmp_path / "copy"
+    shutil.copytree(quantized, folder)
+    code = main(["eval", str(folder), "--reference", str(tiny), "--text-file", str(calibration_file),
+                 "--seq-len", "32", "--max-windows", "2", "--dtype", "float32", "--record"])
+    assert code == 0
+    measured = json.loads((folder / "config.json").read_text())["quantization_config"]["measured"]
+    assert measured["command"].startswith("quasar-hf eval") and measured["num_tokens"] > 0
+    card = (folder / "README.md").read_text()
+    assert "## Measured fidelity" in card and f"{measured['perplexity_ratio']:.4g}" in card
+    assert main(["eval", str(tiny), "--reference", str(tiny), "--record"]) == 2  # not a Quasar folder
+
+
 def test_bench_passes_options_through(quantized, tiny, tmp_path, capsys):
     code = main(["bench", "--model", str(tiny), "--quantized", str(quantized), "--suites", "grounded",
                  "--limit-per-suite", "1", "--max-new-tokens", "4", "--repeats", "1", "--warmup", "0",

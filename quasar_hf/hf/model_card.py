@@ -72,9 +72,14 @@ def quantization_dict(source: Any) -> dict:
 
 def guess_base_model(model: Any) -> str | None:
     """The Hub repo id the model came from, when its name says so (local paths give None)."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or getattr(model, "name_or_path", "")
+    return base_model_from_name(str(name or ""))
+
+
+def base_model_from_name(name: str) -> str | None:
+    """'owner/name' -> itself; known embedded checkpoints -> their Hub id; local paths -> None."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    name = str(getattr(getattr(model, "config", None), "_name_or_path", "") or getattr(model, "name_or_path", ""))
     for known, repo_id in KNOWN_BASE_MODELS.items():
         if Path(name).name.startswith(known):
             return repo_id
@@ -220,3 +225,25 @@ def write_model_card(directory: str | os.PathLike, text: str) -> Path:
         target = readme
     target.write_text(text, encoding="utf-8")
     return target
+
+
+def record_measurements(folder: str | os.PathLike, measured: dict, base_model: str | None = None) -> Path:
+    """Merge `measured` into a saved Quasar checkpoint's quantization_config.measured and refresh its card."""
+    import json
+
+    config_path = Path(folder) / "config.json"
+    config = json.loads(config_path.read_text())
+    qconfig = config.get("quantization_config") or {}
+    if qconfig.get("quant_method") != "quasar":
+        raise ValueError(f"{folder} is not a Quasar checkpoint (quant_method={qconfig.get('quant_method')!r})")
+    qconfig["measured"] = {**(qconfig.get("measured") or {}), **measured}
+    config["quantization_config"] = qconfig
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    has_chat_template = (Path(folder) / "chat_template.jinja").exists() or '"chat_template"' in _read(Path(folder) / "tokenizer_config.json")
+    base_model = base_model or base_model_from_name(str(config.get("_name_or_path", "")))
+    text = render_model_card(qconfig, repo_id=str(folder), base_model=base_model, has_chat_template=has_chat_template)
+    return write_model_card(folder, text)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
