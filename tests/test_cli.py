@@ -62,6 +62,26 @@ def test_quantize_writes_a_quasar_checkpoint_with_card(quantized):
     assert (quantized / "tokenizer.json").is_file()
 
 
+def test_quantize_push_to_hub(tiny, calibration_file, tmp_path, capsys):
+    import httpx2
+    import huggingface_hub
+    from huggingface_hub.utils._http import default_client_factory
+    from test_hub_support import HubStandIn
+
+    hub = HubStandIn()
+    huggingface_hub.set_client_factory(lambda: httpx2.Client(transport=httpx2.MockTransport(hub.handler)))
+    try:
+        code = main(["quantize", str(tiny), "--out", str(tmp_path / "q"), "--alpha", "0.5", "--num-samples", "1",
+                     "--seq-len", "32", "--calibration-dataset", str(calibration_file), "--dtype", "float32",
+                     "--push-to-hub", "tiny-cli", "--token", "hf_test_token"])
+    finally:
+        huggingface_hub.set_client_factory(default_client_factory)
+    assert code == 0
+    files = hub.repos["tester/tiny-cli"]
+    assert {"README.md", "config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+    assert b"tester/tiny-cli" in files["README.md"] and "pushed to" in capsys.readouterr().out
+
+
 def test_generate_quasar_equals_plain_greedy(quantized, capsys):
     prompt = ["--prompt", "abc abc abc abc", "--max-new-tokens", "16"]
     assert main(["generate", str(quantized), *prompt]) == 0
