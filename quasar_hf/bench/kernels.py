@@ -55,27 +55,39 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn: Callable[[int], object], device: torch.device, samples: int, batch: int) -> float:
-    """Median over `samples` of the mean time of `batch` calls `fn(i)` (i counts up, to cycle weights)."""
-    fn(0)
-    fn(1)  # warm-up: lazy builds, Triton compilation, allocator
-    times, step = [], 2
-    for _ in range(samples):
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(batch):
-            fn(step)
-            step += 1
-        _sync(device)
-        times.append((time.perf_counter() - start) / batch)
-    return statistics.median(times)
+def _time_batch(fn: Callable[[int], object], device: torch.device, first: int, batch: int) -> float:
+    """Mean seconds per call of `fn(first) ... fn(first + batch - 1)` (the index cycles weight copies)."""
+    _sync(device)
+    start = time.perf_counter()
+    for i in range(first, first + batch):
+        fn(i)
+    _sync(device)
+    return (time.perf_counter() - start) / batch
+
+
+def interleaved_medians(
+    variants: dict[str, Callable[[int], object]], device: torch.device, samples: int, batch: int
+) -> dict[str, float]:
+    """Median seconds per call of each variant, timing them round-robin.
+
+    Interleaving puts every variant under the same background load (this matters on a shared
+    machine), so their ratios stay meaningful even when absolute times drift.
+    """
+    for fn in variants.values():
+        fn(0)
+        fn(1)  # warm-up: lazy builds, Triton compilation, allocator
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for sample in range(samples):
+        for name, fn in variants.items():
+            times[name].append(_time_batch(fn, device, 2 + sample * batch, batch))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def measure_copy_bandwidth(device: torch.device, mebibytes: int = 512, samples: int = 5) -> float:
     """GB/s of `dst.copy_(src)` on a large tensor, counting bytes read + written."""
     src = torch.ones(mebibytes * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
-    seconds = median_seconds(lambda _: dst.copy_(src), device, samples, batch=1)
+    seconds = interleaved_medians({"copy": lambda _: dst.copy_(src)}, device, samples, batch=1)["copy"]
     return 2 * src.numel() * 4 / seconds / 1e9
 
 
@@ -103,15 +115,16 @@ def _bench_shape(
     rows = []
     for m in ms:
         x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
-        batch = min(copies, 8)
-        base = median_seconds(lambda i: F.linear(x, bf16[i % copies]), device, samples, batch)
-        rows.append(_row(label, k, n, m, "bf16", base, base, weight_bytes_per_elem=2))
+        variants = {"bf16": lambda i: F.linear(x, bf16[i % copies])}
         for backend in backends:
             def call(i: int, b: str = backend) -> torch.Tensor:
                 w_q, w_scale = int8[i % copies]
                 return w8a8_linear(x, w_q, w_scale, backend=b, packed=packs[b][i % copies])
 
-            rows.append(_row(label, k, n, m, backend, median_seconds(call, device, samples, batch), base, 1))
+            variants[backend] = call
+        medians = interleaved_medians(variants, device, samples, batch=min(copies, 8))
+        for name, seconds in medians.items():
+            rows.append(_row(label, k, n, m, name, seconds, medians["bf16"], 2 if name == "bf16" else 1))
     return rows
 
 
@@ -204,10 +217,11 @@ def to_markdown(result: dict) -> str:
         f"Command: `{result.get('command', 'run_kernel_benchmark(...)')}`", "",
         f"torch {env['torch']}, {env['cpu_count']} CPUs, {env['torch_threads']} torch threads"
         + (f", GPU {env['gpu']}" if "gpu" in env else "")
-        + f"; load average {env['load_average']}; measured copy bandwidth {result['copy_gbps']:.1f} GB/s"
-        f" (read + write). Median of {result['samples']} samples, weights cycled past the cache.", "",
+        + f"; load average {_fmt_load(env['load_average'])}; measured copy bandwidth {result['copy_gbps']:.1f} GB/s"
+        f" (read + write). Median of {result['samples']} samples, variants timed round-robin, weights cycled past the cache.", "",
         "Cells: time in us / speedup vs BF16 F.linear / achieved GB/s (weight + activation bytes read).", "",
     ]  # fmt: skip
+    lines += _load_caution(env)
     names = ["bf16", *result["backends"]]
     for label in dict.fromkeys(r["shape"] for r in result["rows"]):
         lines += [f"## {label}", "", "| M | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
@@ -219,6 +233,22 @@ def to_markdown(result: dict) -> str:
     for key, s in result["summary"].items():
         lines.append(f"| {key} | {s['min_speedup']:.2f}x | {s['median_speedup']:.2f}x | {s['n']} |")
     return "\n".join(lines) + "\n"
+
+
+def _fmt_load(load: list[float] | None) -> str:
+    return "n/a" if not load else " / ".join(f"{v:.1f}" for v in load) + " (1 / 5 / 15 min)"
+
+
+def _load_caution(env: dict) -> list[str]:
+    """A warning paragraph when the machine was busier than its CPU count (shared machine)."""
+    load, cpus = env.get("load_average"), env.get("cpu_count") or 1
+    if env.get("device", "cpu") != "cpu" or not load or load[0] <= cpus:
+        return []
+    return [
+        f"**Caution:** the 1-minute load average was {load[0]:.1f} on {cpus} CPUs during this run (other jobs "
+        "shared the machine): absolute times are inflated and noisy. Variants were timed round-robin, so "
+        "the speedup columns compare them under the same load, but single cells can still be outliers.", "",
+    ]  # fmt: skip
 
 
 def _cell(row: dict | None) -> str:

@@ -103,12 +103,17 @@ def _jitted_kernel(interpret: bool):
     return triton.jit(_w8a8_kernel)
 
 
+# Decode/verify launches want at least this many column programs (about 2 per SM on an H100/H200)
+# so that enough weight loads are in flight to approach memory bandwidth.
+_DECODE_MIN_PROGRAMS = 264
+
+
 def _launch_config(m: int, n: int) -> dict[str, int]:
     """Block sizes and warps for an [M, N] output: decode/verify (M <= 16) vs prefill tiles."""
     if interpret_mode():
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 1}
-    if m <= 16:  # weight-streaming: many thin column programs to cover every SM
-        block_n = 32 if n <= 8192 else 64
+    if m <= 16:  # weight streaming: the widest column tile that still gives ~2 programs per SM
+        block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= _DECODE_MIN_PROGRAMS), 16)
         return {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 256, "num_warps": 4}
     if m <= 64:
         return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4}
