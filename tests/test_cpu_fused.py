@@ -3,6 +3,8 @@ bit-identical outputs (NaN positions equal), plus input validation."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from quasar_hf.ops.reference import (
     w8a8_linear_reference,
 )
 
-pytestmark = pytest.mark.skipif(
+requires_kernel = pytest.mark.skipif(
     not cpu_fused.is_available(), reason=f"fused CPU kernel unavailable: {cpu_fused.unavailable_reason()}"
 )
 
@@ -47,6 +49,7 @@ SHAPES = [(1, 64, 16), (2, 577, 193), (4, 576, 192), (6, 1000, 1000), (9, 3, 5),
           (16, 576, 1536), (17, 96, 64), (20, 193, 577)]
 
 
+@requires_kernel
 @pytest.mark.parametrize("m,k,n", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_accumulators_are_exact(m, k, n, dtype):
@@ -56,6 +59,7 @@ def test_accumulators_are_exact(m, k, n, dtype):
     assert torch.equal(cpu_fused.int8_accumulators_cpu_fused(x, weight_q), expected)
 
 
+@requires_kernel
 @pytest.mark.parametrize("m,k,n", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -66,6 +70,7 @@ def test_output_matches_reference_bitwise(m, k, n, dtype, with_bias):
     assert_bitwise_equal(cpu_fused.w8a8_linear_cpu_fused(x, weight_q, weight_scale, bias), expected)
 
 
+@requires_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_act_prescale_and_low_precision_bias(dtype):
     x, weight_q, weight_scale, bias = random_case(5, 577, 193, dtype, seed=3)
@@ -79,6 +84,7 @@ def test_act_prescale_and_low_precision_bias(dtype):
     assert torch.equal(acc, int8_matmul_reference(a_q, weight_q))
 
 
+@requires_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_special_rows_zero_nan_inf_huge(dtype):
     x, weight_q, weight_scale, bias = random_case(7, 200, 40, torch.float32, seed=5)
@@ -98,6 +104,7 @@ def test_special_rows_zero_nan_inf_huge(dtype):
     assert torch.equal(cpu_fused.int8_accumulators_cpu_fused(x, weight_q), int8_matmul_reference(a_q, weight_q))
 
 
+@requires_kernel
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_subnormal_rows_match_reference(dtype):
     """amax below 2**-126: 127 / amax overflows to inf, and zeros in the row hit 0 * inf = NaN."""
@@ -112,6 +119,7 @@ def test_subnormal_rows_match_reference(dtype):
                          w8a8_linear_reference(x, weight_q, weight_scale, bias))
 
 
+@requires_kernel
 def test_extreme_weights_and_activations_stay_exact():
     """All +-127 weights and activations: the largest accumulators the int8 range allows."""
     k, n = 4099, 33
@@ -124,6 +132,7 @@ def test_extreme_weights_and_activations_stay_exact():
     assert torch.equal(cpu_fused.int8_accumulators_cpu_fused(x, weight_q), int8_matmul_reference(a_q, weight_q))
 
 
+@requires_kernel
 def test_3d_input_noncontiguous_input_and_packed_weight_agree():
     x, weight_q, weight_scale, bias = random_case(2 * 3, 96, 80, torch.bfloat16, seed=6)
     x3 = x.reshape(2, 3, 96)
@@ -138,6 +147,7 @@ def test_3d_input_noncontiguous_input_and_packed_weight_agree():
                          w8a8_linear_reference(x, weight_q, weight_scale, bias))
 
 
+@requires_kernel
 def test_thread_count_does_not_change_results():
     # 1040 x 640 int8 weight = 650 KiB: above the kernel's per-thread minimum, so 2 threads split it
     x, weight_q, weight_scale, bias = random_case(9, 640, 1040, torch.float32, seed=7)
@@ -153,6 +163,7 @@ def test_thread_count_does_not_change_results():
     assert_bitwise_equal(single, w8a8_linear_reference(x, weight_q, weight_scale, bias))
 
 
+@requires_kernel
 def test_empty_batch_returns_empty_output():
     _, weight_q, weight_scale, _ = random_case(1, 32, 16, torch.float32, seed=8)
     out = cpu_fused.w8a8_linear_cpu_fused(torch.empty(0, 32, dtype=torch.bfloat16), weight_q, weight_scale)
@@ -189,3 +200,26 @@ def test_bad_inputs_raise_clear_errors():
         cpu_fused.w8a8_linear_cpu_fused(x, weight_q, weight_scale, packed=other)
     with pytest.raises(TypeError, match="pack_weight expects an int8"):
         cpu_fused.pack_weight(weight_q.float())
+
+
+def test_missing_cpu_feature_is_reported_not_raised(monkeypatch):
+    monkeypatch.setattr(cpu_fused, "_missing_cpu_flags", lambda: ["avx512_vnni"])
+    cpu_fused._library.cache_clear()
+    try:
+        assert cpu_fused.is_available() is False
+        assert "avx512_vnni" in cpu_fused.unavailable_reason()
+        x, weight_q, weight_scale, _ = random_case(1, 8, 4, torch.float32, seed=12)
+        with pytest.raises(RuntimeError, match="unavailable: this CPU lacks avx512_vnni"):
+            cpu_fused.w8a8_linear_cpu_fused(x, weight_q, weight_scale)
+    finally:
+        monkeypatch.undo()
+        cpu_fused._library.cache_clear()
+
+
+def test_smoke_test_rejects_a_kernel_that_computes_wrong_values():
+    def zero_filling_kernel(*args):  # writes zeros where the output belongs
+        out_ptr, m, n = args[13], args[2], args[8]
+        ctypes.memset(out_ptr, 0, m * n * 2)
+        return 0
+
+    assert "disagrees with ops/reference.py" in cpu_fused._smoke_test(zero_filling_kernel)

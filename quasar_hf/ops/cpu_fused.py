@@ -131,7 +131,24 @@ def _library() -> _Library:
     fn = lib.qhf_w8a8_linear
     fn.restype = _INT
     fn.argtypes = [_P, _INT, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _INT, _P, _INT, _I64, _P, _INT]
-    return _Library(fn, None)
+    mismatch = _smoke_test(fn)
+    return _Library(None, mismatch) if mismatch else _Library(fn, None)
+
+
+def _smoke_test(fn) -> str | None:
+    """One small call against the reference, so a miscompiled kernel is never reported available."""
+    from quasar_hf.ops.reference import w8a8_linear_reference  # local: keeps import time low
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 37, generator=gen).bfloat16()  # [M, K]: 2 row blocks, ragged K
+    weight_q = torch.randint(-127, 128, (20, 37), generator=gen, dtype=torch.int8)  # ragged N
+    weight_scale = torch.rand(20, generator=gen) / 100
+    bias = torch.randn(20, generator=gen)
+    expected = w8a8_linear_reference(x, weight_q, weight_scale, bias)
+    actual = _call(fn, x, weight_q, weight_scale, bias, None, pack_weight(weight_q), want_output=True)
+    if not torch.equal(actual, expected):
+        return "the built kernel disagrees with ops/reference.py on a smoke test (compiler or CPU problem)"
+    return None
 
 
 def unavailable_reason() -> str | None:
@@ -240,10 +257,15 @@ def _thread_count(weight_bytes: int) -> int:
 
 
 def _run(x, weight_q, weight_scale, bias, act_prescale, packed, want_output: bool) -> torch.Tensor:
-    """Shared driver: returns y [..., N] in x.dtype (want_output) or int32 accumulators [M, N]."""
+    """Validated entry: y [..., N] in x.dtype (want_output) or int32 accumulators [M, N]."""
     _check_inputs(x, weight_q, weight_scale, bias, act_prescale, packed)
     fn = _require_library()
     packed = packed if packed is not None else pack_weight(weight_q)
+    return _call(fn, x, weight_q, weight_scale, bias, act_prescale, packed, want_output)
+
+
+def _call(fn, x, weight_q, weight_scale, bias, act_prescale, packed: PackedWeight, want_output: bool) -> torch.Tensor:
+    """Lay the (already validated) tensors out for the C entry point and call it."""
     n, k = weight_q.shape
     x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]; raw pointers below, so no autograd
     if x2.stride(-1) != 1:
