@@ -42,7 +42,7 @@ _CFLAGS = (
     "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
 )
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
-_MIN_BYTES_PER_THREAD = 256 * 1024  # see _thread_count and benchmarks/cpu_fused.md
+_MIN_BYTES_PER_THREAD = 32 * 1024  # see _thread_count and benchmarks/cpu_fused.md
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
