@@ -81,9 +81,16 @@ def test_dtypes_and_3d_input(backend, dtype):
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS, indirect=True)
 def test_edge_rows(backend):
-    """Zero row -> bias exactly; NaN / +Inf / -Inf rows -> all-NaN; huge and tiny rows -> finite, as reference."""
+    """Zero row -> bias exactly; NaN / +Inf / -Inf rows -> all-NaN; huge and tiny rows -> finite, as reference.
+
+    Rows 7 and 8 have amax below 127 / FLT_MAX, where the reference's 127 / amax overflows to Inf
+    (nonzero entries quantize to +-127, zeros to 0): every backend must reproduce that too.
+    """
     w_q, w_scale, bias = make_layer(n=24, k=40)
-    x = make_x((7, 40))
+    x = make_x((9, 40))
+    x[7] *= 1e-38
+    x[8, ::3] = 0.0
+    x[8] *= 1e-41
     x[1] = 0.0
     x[2, 5] = float("nan")
     x[3, 0] = float("inf")
@@ -93,7 +100,7 @@ def test_edge_rows(backend):
     y = dispatch.w8a8_linear(x, w_q, w_scale, bias, backend=backend)
     assert torch.equal(y[1], bias), "an all-zero row must give exactly the bias"
     assert torch.isnan(y[2:5]).all(), "rows holding NaN/Inf must be NaN in every column"
-    assert torch.isfinite(y[[0, 5, 6]]).all()
+    assert torch.isfinite(y[[0, 5, 6, 7, 8]]).all()
     assert_matches_reference(y, w8a8_linear_reference(x, w_q, w_scale, bias), backend)
 
 
@@ -177,3 +184,15 @@ def test_bitsandbytes_error_is_explained():
     assert q_diff[2].sum() >= 4, "the planted .5 ties must round differently (half-to-even vs half-up)"
     bound = a_scale * w_scale * (q_diff.double() @ w_q.abs().double().t()).float() + 3e-5 * (ref - bias).abs() + 1e-5
     assert ((y - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("scale", [1e-38, 3e-37, 1e-41])
+def test_fast_quantizer_matches_reference_on_tiny_rows(scale):
+    """Rows whose amax makes 127 / amax overflow: same int8 values (+-127 and 0) as the reference."""
+    from quasar_hf.ops.cpu import quantize_per_token_fast
+
+    x = make_x((2, 30)) * scale
+    x[1, ::2] = 0.0
+    q, s = quantize_per_token_fast(x)
+    ref_q, ref_s = quantize_per_token(x)
+    assert torch.equal(q, ref_q) and torch.equal(s, ref_s)

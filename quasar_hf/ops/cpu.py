@@ -24,9 +24,6 @@ import torch
 
 from quasar_hf.ops.reference import QMAX
 
-# Smallest row amax for which 127 / amax is still a finite fp32 (2**-121 ~ 3.8e-37). Clamping the
-# amax of all-zero rows up to it keeps `x * (127 / amax)` = 0 without a `torch.where`.
-_MIN_AMAX = 2.0**-121
 # CUDA `torch._int_mm` requires M > 16 and K, N multiples of 8.
 _CUDA_MIN_M = 17
 
@@ -46,15 +43,20 @@ def prepare_cpu_weight(weight_q: torch.Tensor) -> TorchPackedWeight:
 def quantize_per_token_fast(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] float -> (int8 [M, K], fp32 scale [M, 1]); int8 values bit-identical to the reference.
 
-    Differences from `reference.quantize_per_token`, none visible in the linear's output:
-    rows holding +-Inf get scale +Inf instead of NaN (their int8 values are all zero, so the
-    epilogue computes 0 * Inf = NaN, as required).
+    One `nan_to_num_` replaces the reference's masks, row by row:
+      * finite rows with amax >= 127 / FLT_MAX: |v| <= 127 * (1 + 2 ulp), nothing to fix;
+      * all-zero rows: inv = Inf, 0 * Inf = NaN -> 0 (the reference's zeros);
+      * tiny rows (0 < amax < 127 / FLT_MAX ~ 3.7e-37): inv overflows to Inf, so nonzero
+        entries become +-Inf -> +-127 and zeros NaN -> 0, exactly the reference's values;
+      * NaN rows: inv = NaN -> 0; +-Inf rows: inv = 0, Inf * 0 = NaN -> 0 (reference: zeros).
+    The only difference, invisible in the linear's output: rows holding +-Inf get scale +Inf
+    instead of NaN (their int8 values are all zero, so the epilogue computes 0 * Inf = NaN).
     """
     xf = x2 if x2.dtype == torch.float32 else x2.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)  # [M, 1]; NaN/Inf rows -> NaN/Inf
-    inv = amax.clamp_min(_MIN_AMAX).reciprocal_().mul_(QMAX)  # [M, 1]; zero rows -> finite; Inf -> 0; NaN -> NaN
-    v = xf * inv  # [M, K]; |v| <= 127 * (1 + 2 ulp) for finite rows, so no clamp is needed
-    q = v.add_(0.5).floor_().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).to(torch.int8)
+    inv = amax.reciprocal().mul_(QMAX)  # [M, 1], bit-identical to the reference's inv
+    v = xf * inv  # [M, K]
+    q = v.add_(0.5).floor_().nan_to_num_(nan=0.0, posinf=QMAX, neginf=-QMAX).to(torch.int8)
     return q, amax / QMAX
 
 

@@ -81,7 +81,9 @@ def _w8a8_kernel(
         if HAS_PRESCALE:
             xt = xt * tl.load(pre_ptr + kk, mask=k_ok, other=0.0)[None, :]
         v = tl.where(usable[:, None], xt * inv[:, None], 0.0)
-        q = tl.minimum(tl.maximum(tl.floor(v + 0.5), -127.0), 127.0).to(tl.int8)  # [BM, BK]
+        qf = tl.floor(v + 0.5)  # rows with amax < 127 / FLT_MAX: inv = Inf, so +-Inf, and NaN for zeros
+        qf = tl.where(qf != qf, 0.0, tl.minimum(tl.maximum(qf, -127.0), 127.0))  # as the reference: NaN -> 0
+        q = qf.to(tl.int8)  # [BM, BK]
         wt = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0)
         acc = tl.dot(q, wt, acc, out_dtype=tl.int32)  # [BM, BN] int32
 
