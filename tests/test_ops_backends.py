@@ -196,3 +196,16 @@ def test_fast_quantizer_matches_reference_on_tiny_rows(scale):
     q, s = quantize_per_token_fast(x)
     ref_q, ref_s = quantize_per_token(x)
     assert torch.equal(q, ref_q) and torch.equal(s, ref_s)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 64, 48), (5, 64, 48), (20, 64, 48), (3, 70, 48), (3, 64, 37)])
+def test_cuda_int_mm_workarounds_are_exact(m, k, n):
+    """The CUDA path's M-padding (M <= 16) and fp64 fallback (K or N not multiples of 8) keep exact
+    accumulators; run here on CPU tensors, where torch._int_mm accepts the same padded shapes."""
+    from quasar_hf.ops.cpu import _int_mm_cuda
+
+    w_q, _, _ = make_layer(n=n, k=k)
+    a_q, _ = quantize_per_token(make_x((m, k)))
+    acc = _int_mm_cuda(a_q, w_q)
+    assert acc.dtype == torch.int32 and acc.shape == (m, n)
+    assert torch.equal(acc.long(), a_q.long() @ w_q.long().t())
