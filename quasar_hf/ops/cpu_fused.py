@@ -16,8 +16,9 @@ Public API (used lazily by `ops/dispatch.py`):
     w8a8_linear_cpu_fused(x, weight_q, weight_scale, bias=None, act_prescale=None, packed=None)
     int8_accumulators_cpu_fused(x, weight_q, act_prescale=None, packed=None)   (tests/debug)
 
-Inference only: no autograd. Any M works (row blocks of 4 share each weight chunk in cache);
-the kernel is tuned for M <= 16.
+Inference only: no autograd. Any M works (row blocks of 6 share each weight chunk in L2); the
+kernel is tuned for M <= 16. Threads: torch.get_num_threads() (OpenMP, the same libgomp pool as
+torch), at most one per 32 KiB of int8 weight. Per-call overhead of this wrapper: ~10 us CPU.
 """
 
 from __future__ import annotations
@@ -264,6 +265,11 @@ def _run(x, weight_q, weight_scale, bias, act_prescale, packed, want_output: boo
     return _call(fn, x, weight_q, weight_scale, bias, act_prescale, packed, want_output)
 
 
+def _fp32_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous fp32, without a copy (or an op dispatch) when it already is."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
 def _call(fn, x, weight_q, weight_scale, bias, act_prescale, packed: PackedWeight, want_output: bool) -> torch.Tensor:
     """Lay the (already validated) tensors out for the C entry point and call it."""
     n, k = weight_q.shape
@@ -271,9 +277,9 @@ def _call(fn, x, weight_q, weight_scale, bias, act_prescale, packed: PackedWeigh
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    prescale = None if act_prescale is None else act_prescale.float().contiguous()
-    w_scale = weight_scale.float().contiguous()
-    bias_c = None if bias is None else bias.contiguous()
+    prescale = None if act_prescale is None else _fp32_contiguous(act_prescale)
+    w_scale = _fp32_contiguous(weight_scale)
+    bias_c = bias if bias is None or bias.is_contiguous() else bias.contiguous()
     shape = (*x.shape[:-1], n) if want_output else (m, n)
     result = torch.empty(shape, dtype=x.dtype if want_output else torch.int32)
     if m == 0 or n == 0:
