@@ -141,6 +141,10 @@ def test_3d_input_noncontiguous_input_and_packed_weight_agree():
     actual = cpu_fused.w8a8_linear_cpu_fused(x3, weight_q, weight_scale, bias, packed=packed)
     assert actual.shape == (2, 3, 80)
     assert_bitwise_equal(actual, expected)
+    x_wide = torch.cat([x, torch.full((6, 5), float("nan"), dtype=x.dtype)], dim=1)[:, :96]  # row stride 101
+    assert x_wide.stride() == (101, 1)
+    assert_bitwise_equal(cpu_fused.w8a8_linear_cpu_fused(x_wide, weight_q, weight_scale, bias, packed=packed),
+                         w8a8_linear_reference(x, weight_q, weight_scale, bias))
     x_t = x.t().contiguous().t()  # same values, column-major storage
     assert not x_t.is_contiguous()
     assert_bitwise_equal(cpu_fused.w8a8_linear_cpu_fused(x_t, weight_q, weight_scale, bias),
