@@ -15,6 +15,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .attention import rowwise_verification
+
 
 class RowAlignedCache:
     """KV cache + slot mask [B, S] + real-token count [B] for one causal LM."""
@@ -42,14 +44,16 @@ class RowAlignedCache:
         # Like plain generate: an all-ones mask is dropped so attention takes the same (maskless) path.
         attention_mask = None if bool(full_mask.all()) else full_mask
         kwargs = {"logits_to_keep": 1} if (last_only and self._takes_logits_to_keep) else {}
-        outputs = self.model(
-            input_ids=tokens,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            cache=self.cache,
-            use_cache=True,
-            **kwargs,
-        )
+        verifying = tokens.shape[1] > 1 and self.slot_mask.shape[1] > 0  # several tokens over a cache
+        with rowwise_verification(self.model, enabled=verifying):
+            outputs = self.model(
+                input_ids=tokens,
+                attention_mask=attention_mask,
+                position_ids=positions,
+                cache=self.cache,
+                use_cache=True,
+                **kwargs,
+            )
         self.slot_mask = full_mask
         self.valid_len = self.valid_len + token_mask.sum(-1)
         logits = outputs.logits
