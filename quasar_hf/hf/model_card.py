@@ -27,7 +27,7 @@ FIDELITY_LABELS = {
     "reference_perplexity": "Perplexity (unquantized reference)",
     "perplexity_ratio": "Perplexity ratio (W8A8 / reference)",
     "top1_agreement": "Top-1 agreement with the reference",
-    "kl_divergence": "Mean KL(reference || W8A8) per token (nats)",
+    "kl_divergence": "Mean KL divergence of W8A8 from the reference per token (nats)",
     "num_tokens": "Evaluated tokens",
     "fidelity_dataset": "Evaluation text",
 }
@@ -107,6 +107,13 @@ def _other_rows(measured: dict) -> list[tuple[str, str]]:
     return [(f"`{key}`", _format(value)) for key, value in measured.items() if key not in known and value is not None]
 
 
+def _natural_key(name: str) -> list:
+    """'10.mlp' sorts after '2.mlp': digit runs compare as numbers."""
+    import re
+
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def _calibration_text(qconfig: dict) -> str:
     info = qconfig.get("calibration_info") or {}
     source = info.get("source", qconfig.get("calibration_dataset")) or "built-in offline text"
@@ -161,7 +168,7 @@ def render_model_card(
         has_chat_template=has_chat_template,
         bits=qconfig.get("bits", 8),
         alpha=_format(qconfig.get("alpha")) + (" (searched per layer)" if searched else ""),
-        searched_alphas=[(layer, _format(value)) for layer, value in searched.items()],
+        searched_alphas=[(layer, _format(searched[layer])) for layer in sorted(searched, key=_natural_key)],
         calibration=_calibration_text(qconfig),
         excluded=", ".join(f"`{m}`" for m in (qconfig.get("modules_to_not_convert") or ["lm_head"])),
         draft_path=_draft_path_text(qconfig),
