@@ -149,7 +149,14 @@ def test_demo_path_on_a_tiny_model(tiny, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "without Quasar" in out and "with Quasar" in out and "speedup:" in out
     assert numbers["mean_acceptance_length"] >= 1.0
-    assert (tmp_path / "cache" / demo.QUANTIZED_NAME / "config.json").is_file()  # cached for the next run
+    cached = tmp_path / "cache" / demo.QUANTIZED_NAME / "config.json"
+    assert cached.is_file()  # cached for the next run
+
+    config = json.loads(cached.read_text())  # a cache from an incompatible version is rebuilt, not fatal
+    config["quantization_config"]["draft_dtype"] = "no-such-dtype"
+    cached.write_text(json.dumps(config))
+    demo.run_demo(max_new_tokens=4)
+    assert json.loads(cached.read_text())["quantization_config"]["draft_dtype"] != "no-such-dtype"
 
 
 @pytest.mark.parametrize(

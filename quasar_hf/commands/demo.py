@@ -60,8 +60,13 @@ def run_demo(max_new_tokens: int = 128, num_draft_tokens: int = 5, rebuild: bool
         print(message, file=sys.stderr, flush=True)
 
     quantized_dir = quantized_demo_checkpoint(log, rebuild)
+    try:
+        verifier = load_model(quantized_dir)
+    except (ValueError, OSError, KeyError) as error:  # e.g. a cache written by an older quasar_hf
+        log(f"the cached checkpoint does not load ({str(error).splitlines()[0]}); rebuilding it")
+        quantized_dir = quantized_demo_checkpoint(log, rebuild=True)
+        verifier = load_model(quantized_dir)
     reference = load_model(smollm2_135m_instruct(), dtype="bfloat16")
-    verifier = load_model(quantized_dir)
     tokenizer = load_tokenizer(quantized_dir)
     input_ids = encode_prompt(tokenizer, DEMO_PROMPT)
     quasar = QuasarGenerationConfig(drafter="ngram", num_draft_tokens=num_draft_tokens)
