@@ -391,20 +391,26 @@ def fidelity_main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--suites", default="all")
     parser.add_argument("--limit-per-suite", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--skip-fp32", action="store_true", help="skip the BF16/W8A8 vs FP32 comparison")
     parser.add_argument("--out", default="benchmarks")
     parser.add_argument("--name", default="fidelity_cpu")
     args = parser.parse_args(argv)
+    command = "python -m quasar_hf.bench.fidelity " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     reference, quantized, tokenizer, info = load_bench_models(args.model, args.quantized)
     prompts = [torch.tensor([render_prompt(it, tokenizer)]) for it in load_suites(args.suites, args.limit_per_suite)]
-    result = {"models": info, "fidelity": evaluate_fidelity(
-        quantized, reference, tokenizer, None, seq_len=args.seq_len, max_windows=args.max_windows,
-        acceptance_prompts=prompts, max_new_tokens=args.max_new_tokens)}
-    fp32 = copy.deepcopy(reference).float()
-    windows = token_windows(tokenizer, heldout_texts(), args.seq_len, args.max_windows)
-    result["bf16_vs_fp32"] = compare_next_token(reference, fp32, windows)
-    result["w8a8_vs_fp32"] = compare_next_token(quantized, fp32, windows)
-    result["command"] = "python -m quasar_hf.bench.fidelity " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    return write_reports(result, args.out, args.name, title="quasar_hf fidelity: W8A8 vs unquantized")
+    result = {"command": command, "models": info, "fidelity": evaluate_fidelity(
+        quantized, reference, tokenizer, None, seq_len=args.seq_len, max_windows=args.max_windows)}
+    write = lambda: write_reports(result, args.out, args.name, title="quasar_hf fidelity: W8A8 vs unquantized")  # noqa: E731
+    write()  # partial results first: the acceptance comparison is the slow part
+    if not args.skip_fp32:
+        fp32 = copy.deepcopy(reference).float()
+        windows = token_windows(tokenizer, heldout_texts(), args.seq_len, args.max_windows)
+        result["bf16_vs_fp32"] = compare_next_token(reference, fp32, windows)
+        result["w8a8_vs_fp32"] = compare_next_token(quantized, fp32, windows)
+        del fp32
+        write()
+    result["fidelity"]["acceptance"] = compare_acceptance(quantized, reference, prompts, args.max_new_tokens)
+    return write()
 
 
 def heldout_texts() -> list[str]:
