@@ -49,8 +49,9 @@ def _wrap(original: Callable) -> Callable:
     @functools.wraps(original)
     def generate(self, *args: Any, **kwargs: Any):
         quasar = kwargs.pop("quasar", None)
-        wants_quasar = quasar is not None and quasar is not False
-        if not wants_quasar:
+        if quasar is False:  # explicit opt-out: Transformers' own decoding, untouched
+            return original(self, *args, **kwargs)
+        if quasar is None:
             if is_quasar_model(self) and _assistant_of(signature, self, args, kwargs) is not None:
                 return _speculative(self, signature, args, kwargs, True)  # W8A8 verification of assistant drafts
             return original(self, *args, **kwargs)

@@ -1,0 +1,101 @@
+"""SmolLM2-135M W8A8: greedy generate(quasar=...) equals plain greedy generate of the same model.
+
+float32: identical token for token. bfloat16: a divergence is allowed only at a near-tie of the
+plain run. Why that bound: during verification the KV cache and hidden states are bit-identical
+to decode steps (INT8 GEMMs with per-token scales are row-independent, attention runs row by row:
+quasar_hf.speculative.attention); only the bf16 lm_head GEMM sees M = k+1 rows instead of 1. Its
+fp32 accumulation order may then differ by ~1e-6 relative, which can move each bf16-rounded
+logit by at most one ulp, so the argmax can only change where the plain run's top-2 gap is at
+most 2 ulps of bf16 at the top logit's magnitude (ulp(x) = 2**(floor(log2|x|) - 7)).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+# The acceptance size (10 prompts x 128 tokens); overridable for a quick look on a loaded machine.
+NUM_PROMPTS = int(os.environ.get("QUASAR_SPEC_SLOW_PROMPTS", "10"))
+NEW_TOKENS = int(os.environ.get("QUASAR_SPEC_SLOW_TOKENS", "128"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A quickly calibrated Quasar W8A8 SmolLM2 (alpha fixed: equality does not depend on quality)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import quasar_hf  # noqa: F401
+    from quasar_hf import QuasarConfig
+    from quasar_hf.models import smollm2_135m_instruct
+
+    source = smollm2_135m_instruct()
+    config = QuasarConfig(alpha=0.7, num_calibration_samples=2, calibration_seq_len=64)
+    model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, dtype=torch.bfloat16)
+    path = tmp_path_factory.mktemp("smollm2_w8a8")
+    model.save_pretrained(path)
+    return {"path": path, "source": source, "tokenizer": AutoTokenizer.from_pretrained(source)}
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoint):
+    from quasar_hf.bench.suites import load_suite, render_prompt
+
+    items = load_suite("grounded")[:NUM_PROMPTS]
+    return [torch.tensor([render_prompt(item, checkpoint["tokenizer"])]) for item in items]
+
+
+def load(checkpoint, dtype):
+    from transformers import AutoModelForCausalLM
+
+    from quasar_hf.hf.generate_hook import install_generate_hook
+
+    install_generate_hook()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint["path"], dtype=dtype).eval()
+    assert model.config._attn_implementation == "sdpa"
+    return model
+
+
+def drafters(checkpoint, dtype):
+    """Every available drafter: n-gram, and the BF16 SmolLM2 as assistant (it shares the tokenizer)."""
+    from transformers import AutoModelForCausalLM
+
+    assistant = AutoModelForCausalLM.from_pretrained(checkpoint["source"], dtype=dtype).eval()
+    return {"ngram": {"drafter": "ngram"}, "assistant": {"drafter": "assistant", "assistant_model": assistant}}
+
+
+def bf16_ulp(x: float) -> float:
+    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x != 0 else 2.0**-133
+
+
+def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
+    n = min(a.shape[0], b.shape[0])
+    diff = (a[:n] != b[:n]).nonzero()
+    if diff.numel():
+        return int(diff[0])
+    return None if a.shape[0] == b.shape[0] else n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_greedy_quasar_equals_plain_w8a8(checkpoint, prompts, dtype):
+    model = load(checkpoint, dtype)
+    plain_runs = [model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True) for ids in prompts]
+    near_ties = []
+    for name, quasar in drafters(checkpoint, torch.bfloat16).items():
+        for index, (ids, plain) in enumerate(zip(prompts, plain_runs)):
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, quasar=quasar,
+                                 return_dict_in_generate=True)
+            assert out.quasar_stats.verify_steps > 0
+            plain_tokens, spec_tokens = plain.sequences[0, ids.shape[1] :], out.sequences[0, ids.shape[1] :]
+            step = first_divergence(plain_tokens, spec_tokens)
+            if step is None:
+                continue
+            assert dtype == torch.bfloat16, f"{name} prompt {index}: float32 run diverged at step {step}"
+            top2 = plain.logits[step][0].float().topk(2).values
+            gap, bound = float(top2[0] - top2[1]), 2 * bf16_ulp(float(top2[0]))
+            assert gap <= bound, f"{name} prompt {index}: diverged at step {step} with top-2 gap {gap} > {bound}"
+            near_ties.append((name, index, step, gap))
+    print(f"{dtype}: near-tie divergences {near_ties}")
