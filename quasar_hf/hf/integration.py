@@ -6,6 +6,7 @@ import time
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.draft_path import (
@@ -89,7 +90,9 @@ def _load_tokenizer(model: nn.Module, config: QuasarConfig):
 
 
 @torch.no_grad()
-def smooth_model(model: nn.Module, config: QuasarConfig, names: list[str], stats, arch) -> tuple[dict, dict, dict]:
+def smooth_model(
+    model: nn.Module, config: QuasarConfig, names: list[str], stats, arch, progress: bool = True
+) -> tuple[dict, dict, dict]:
     """Apply SmoothQuant to every decoder layer; the float function is unchanged.
 
     Returns (float_weights: full name -> smoothed fp32 weight [out, in], prescales: full name -> [in],
@@ -100,7 +103,9 @@ def smooth_model(model: nn.Module, config: QuasarConfig, names: list[str], stats
     smoothed: dict[str, torch.Tensor] = {}
     alphas: dict[str, float] = {}
     prescales: dict[str, torch.Tensor] = {}
-    for index, layer in enumerate(decoder_layers(model, arch)):
+    layers = decoder_layers(model, arch)
+    desc = "Quasar alpha search + smoothing" if config.alpha == "auto" else "Quasar smoothing"
+    for index, layer in enumerate(tqdm(layers, desc=desc, disable=not progress, unit="layer")):
         prefix = f"{arch.layers_path}.{index}."
         float_weights = {
             path[len(prefix):]: module.weight.detach().float().clone()
@@ -148,7 +153,7 @@ def quantize_model(model: nn.Module, config: QuasarConfig, progress: bool = True
     stats, blocks, source = calibrate(model, config, names, progress)
     if config.draft_layers is not None:
         config.draft_info = build_draft_path(model, config, blocks, progress)
-    float_weights, prescales, alphas = smooth_model(model, config, names, stats, arch)
+    float_weights, prescales, alphas = smooth_model(model, config, names, stats, arch, progress)
     swap_in_w8a8(model, float_weights, prescales, config.backend)
 
     config.quantized_modules = names
