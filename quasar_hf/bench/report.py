@@ -169,6 +169,7 @@ def plot_tokens_per_s(result: dict, path: str) -> str:
         ratio = result.get("headline", {}).get(name)
         if ratio is not None:
             ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    ax.set_ylim(0, max(rates) * 1.15)  # headroom for the ratio labels
     ax.set_ylabel("tokens/s (median of repeats)")
     ax.set_title("Generation throughput by variant")
     ax.tick_params(axis="x", labelrotation=20)
@@ -187,6 +188,8 @@ def plot_acceptance(result: dict, path: str) -> str:
         per_position = s.get("acceptance_per_position")
         if per_position:
             ax.plot(range(1, len(per_position) + 1), per_position, marker="o", label=name)
+    longest = max((len(s.get("acceptance_per_position") or []) for s in result["variants"].values()), default=0)
+    ax.set_xticks(range(1, longest + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance probability")
     ax.set_ylim(0, 1)
