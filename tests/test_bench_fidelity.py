@@ -9,14 +9,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from quasar_hf.bench import fidelity
 from quasar_hf.bench.fidelity import (
-    accepted_prefix_length,
     aggregate_stats,
     evaluate_fidelity,
-    local_speculative_generate,
     new_stats,
     next_token_sums,
-    ngram_draft,
     record_step,
+    same_draft_acceptance,
+    speculative_tokens,
 )
 
 
@@ -35,18 +34,6 @@ def tiny_model(seed=0, vocab=64):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def test_ngram_draft_takes_latest_match_of_longest_suffix():
-    assert ngram_draft([5, 6, 7, 9, 5, 6, 7, 8, 1, 5, 6, 7], 3) == [8, 1, 5]
-    assert ngram_draft([1, 2, 3, 4], 3) == []
-    assert ngram_draft([4, 2, 9, 4], 2) == [2, 9]
-
-
-def test_accepted_prefix_length():
-    assert accepted_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert accepted_prefix_length([], [7]) == 0
-    assert accepted_prefix_length([3], [4, 3]) == 0
-
-
 def test_stats_aggregate_to_L_and_per_position_rates():
     stats = new_stats()
     record_step(stats, 3, 2)
@@ -58,14 +45,32 @@ def test_stats_aggregate_to_L_and_per_position_rates():
     assert agg["acceptance_rate"] == pytest.approx(2 / 5)
 
 
-def test_local_loop_reproduces_greedy_generate_exactly():
+def test_speculative_tokens_reproduce_greedy_generate_exactly():
     model = tiny_model()
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 7, 8, 9, 3, 4]])
     expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False,
                               pad_token_id=0)[0, prompt.shape[1]:].tolist()
-    tokens, stats = local_speculative_generate(model, prompt, 30, num_draft_tokens=4)
+    tokens, stats = speculative_tokens(model, prompt, 30, "ngram", 4, "auto")
     assert tokens == expected[: len(tokens)] and (len(tokens) == 30 or tokens[-1] == 1)
     assert stats["verify_steps"] < len(tokens)  # some drafts were accepted
+
+
+def test_same_draft_acceptance_on_the_models_own_greedy_trajectory_accepts_every_matching_draft():
+    model = tiny_model()
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)[0].tolist()
+    stats = same_draft_acceptance(model, out, len(prompt) + 1, 4)
+    # along its own greedy trajectory a verifier accepts a draft token exactly when it equals the next token
+    from quasar_hf.speculative.drafters import NgramDrafter
+
+    drafter, expected = NgramDrafter(4), 0
+    for t in range(len(prompt) + 1, len(out)):
+        draft = drafter.lookup(torch.tensor(out[:t]), 4).tolist()
+        for i, token in enumerate(draft):
+            if t + i >= len(out) or out[t + i] != token:
+                break
+            expected += 1
+    assert stats["accepted_tokens"] == expected
 
 
 def test_next_token_sums_match_hand_computation():
@@ -83,7 +88,7 @@ def test_identical_models_have_ratio_one_agreement_one_kl_zero_same_L():
     model = tiny_model()
     prompts = [torch.tensor([[3, 4, 5, 3, 4, 5, 6, 7, 3, 4]])]
     result = evaluate_fidelity(model, model, CharTokenizer(), ["abcabd abcabd " * 20], seq_len=32,
-                               acceptance_prompts=prompts, max_new_tokens=16, loop="local")
+                               acceptance_prompts=prompts, max_new_tokens=16)
     nt = result["next_token"]
     assert nt["perplexity_ratio"] == pytest.approx(1.0) and nt["top1_agreement"] == 1.0
     assert nt["mean_kl_nats"] == pytest.approx(0.0, abs=1e-6)
@@ -108,7 +113,5 @@ def test_bad_inputs_raise_clear_errors():
         evaluate_fidelity(model, model, CharTokenizer(), "just a string")
     with pytest.raises(ValueError, match="seq_len"):
         evaluate_fidelity(model, model, CharTokenizer(), ["x"], seq_len=1)
-    with pytest.raises(ValueError, match="one prompt"):
-        local_speculative_generate(model, torch.zeros(2, 3, dtype=torch.long), 4)
     with pytest.raises(ValueError, match="loop"):
         fidelity.resolve_loop("fast")

@@ -45,7 +45,7 @@ PROMPTS = [
 def bench_result():
     reference, quantized = tiny_pair()
     return run_bench(reference, quantized, CharTokenizer(), prompts=PROMPTS, max_new_tokens=12, repeats=2,
-                     warmup=0, num_draft_tokens=3, loop="local")
+                     warmup=0, num_draft_tokens=3, loop="auto")
 
 
 def test_every_variant_runs_on_every_prompt_every_repeat(bench_result):
@@ -117,7 +117,7 @@ def test_bad_arguments_raise_clear_errors():
 def test_a_variant_that_cannot_run_is_reported_not_fatal():
     reference, quantized = tiny_pair()
     result = run_bench(reference, quantized, CharTokenizer(), prompts=PROMPTS[:1], max_new_tokens=4, repeats=1,
-                       warmup=0, variants=[BASELINE, "quasar_ngram", "quasar_self"], loop="local")
+                       warmup=0, variants=[BASELINE, "quasar_ngram", "quasar_self"], loop="auto")
     assert "quasar_self" in result["unavailable_variants"] and "ngram" in result["unavailable_variants"]["quasar_self"]
     assert set(result["variants"]) == {BASELINE, "quasar_ngram"}
     assert "`quasar_self` not run" in to_markdown(result)

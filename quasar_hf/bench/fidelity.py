@@ -27,30 +27,7 @@ import torch.nn.functional as F
 
 
 
-# ---------------------------------------------------------------- pure speculative pieces
-def ngram_draft(tokens: list[int], num_draft_tokens: int, min_ngram: int = 1, max_ngram: int = 3) -> list[int]:
-    """Prompt-lookup draft: the tokens that followed the latest earlier match of the longest suffix n-gram.
-
-    Tries n = max_ngram .. min_ngram; returns up to `num_draft_tokens` tokens, or [] when nothing matches.
-    """
-    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
-        suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):  # latest match first, never the suffix itself
-            if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + num_draft_tokens]
-    return []
-
-
-def accepted_prefix_length(draft: list[int], verifier_tokens: list[int]) -> int:
-    """Greedy verification: how many leading draft tokens equal the verifier's argmax tokens."""
-    accepted = 0
-    for drafted, verified in zip(draft, verifier_tokens):
-        if drafted != verified:
-            break
-        accepted += 1
-    return accepted
-
-
+# ---------------------------------------------------------------- speculative counters
 def new_stats() -> dict:
     """Counters of one speculative run (the same names as quasar_hf.speculative's QuasarStats)."""
     return {"verify_steps": 0, "drafted_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 0,
@@ -102,7 +79,7 @@ def aggregate_stats(stats_list: list[dict]) -> dict:
     }
 
 
-# ---------------------------------------------------------------- the local reference loop
+# ---------------------------------------------------------------- cached forward for fixed trajectories
 def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
     """One cached forward; works with Transformers 5.17 (`past_key_values`) and 5.24 (`cache`)."""
     cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -118,54 +95,11 @@ def _crop(cache: Any, remove: int) -> None:
         cache.crop(-remove)
 
 
-def local_speculative_generate(
-    model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, num_draft_tokens: int = 5,
-    eos_token_id: int | None = None,
-) -> tuple[list[int], dict]:
-    """Greedy speculative decoding, n-gram drafts, batch 1: new tokens [<= max_new_tokens] + stats.
-
-    Invariant: the KV cache holds every token of `out` except the last one.
-    """
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"the reference loop takes one prompt, input_ids [1, T]; got shape {tuple(input_ids.shape)}")
-    stats = new_stats()
-    out = input_ids[0].tolist()
-    start = time.perf_counter()
-    logits, cache = _forward(model, input_ids, None)  # prefill: [1, T, V]
-    out.append(int(logits[0, -1].argmax()))
-    stats["prefill_time_s"] = time.perf_counter() - start
-    produced = 1
-    while produced < max_new_tokens and out[-1] != eos_token_id:
-        t0 = time.perf_counter()
-        draft = ngram_draft(out, min(num_draft_tokens, max_new_tokens - produced - 1))
-        t1 = time.perf_counter()
-        block = torch.tensor([[out[-1], *draft]], device=input_ids.device)  # [1, 1 + d]
-        logits, cache = _forward(model, block, cache)
-        predicted = logits[0].argmax(dim=-1).tolist()  # [1 + d]
-        accepted = accepted_prefix_length(draft, predicted)
-        _crop(cache, len(draft) - accepted)  # drop the rejected draft tokens
-        new_tokens = draft[:accepted] + [predicted[accepted]]
-        stats["draft_time_s"] += t1 - t0
-        stats["verify_time_s"] += time.perf_counter() - t1
-        record_step(stats, len(draft), accepted)
-        if eos_token_id in new_tokens:
-            new_tokens = new_tokens[: new_tokens.index(eos_token_id) + 1]
-        out.extend(new_tokens)
-        produced += len(new_tokens)
-    return out[input_ids.shape[1] :][:max_new_tokens], stats
-
-
-# ---------------------------------------------------------------- the project's loop, when present
+# ---------------------------------------------------------------- the project's speculative loop
 def resolve_loop(loop: str) -> str:
-    """"auto" -> "project" when quasar_hf.speculative.speculative_generate imports, else "local"."""
-    if loop not in ("auto", "project", "local"):
-        raise ValueError(f"loop must be 'auto', 'project' or 'local', got {loop!r}")
-    if loop != "auto":
-        return loop
-    try:
-        from quasar_hf.speculative import speculative_generate  # noqa: F401
-    except ImportError:
-        return "local"
+    """Validate the `loop` option: the project's speculative loop is the only one ("auto" = "project")."""
+    if loop not in ("auto", "project"):
+        raise ValueError(f"loop must be 'auto' or 'project', got {loop!r}")
     return "project"
 
 
@@ -191,10 +125,7 @@ def speculative_tokens(
     """Run one greedy speculative generation with `model` as verifier, via the chosen loop."""
     eos = getattr(model.generation_config, "eos_token_id", None)
     eos = eos[0] if isinstance(eos, list) else eos
-    if resolve_loop(loop) == "local":
-        if drafter != "ngram":
-            raise ValueError(f"the local reference loop only has the 'ngram' drafter, not {drafter!r}")
-        return local_speculative_generate(model, input_ids, max_new_tokens, num_draft_tokens, eos)
+    resolve_loop(loop)
     from quasar_hf.speculative import QuasarGenerationConfig, speculative_generate
 
     config = QuasarGenerationConfig(drafter=drafter, num_draft_tokens=num_draft_tokens)
@@ -284,17 +215,21 @@ def same_draft_acceptance(
     The cache holds trajectory[:t-1] before position t; we feed trajectory[t-1] + draft, count the
     accepted prefix, then crop the draft away so the cache holds trajectory[:t].
     """
+    from quasar_hf.speculative.drafters import NgramDrafter
+    from quasar_hf.speculative.verify import greedy_accept
+
     device = next(model.parameters()).device
+    drafter = NgramDrafter(num_draft_tokens)
+    tokens = torch.tensor(trajectory, device=device)
     stats = new_stats()
-    _, cache = _forward(model, torch.tensor([trajectory[: start - 1]], device=device), None)
+    _, cache = _forward(model, tokens[None, : start - 1], None)
     for t in range(start, len(trajectory)):
-        draft = ngram_draft(trajectory[:t], num_draft_tokens)
-        block = torch.tensor([[trajectory[t - 1], *draft]], device=device)  # [1, 1 + d]
-        logits, cache = _forward(model, block, cache)
-        accepted = accepted_prefix_length(draft, logits[0].argmax(-1).tolist())
-        _crop(cache, len(draft))
-        if draft:
-            record_step(stats, len(draft), accepted)
+        draft = drafter.lookup(tokens[:t], num_draft_tokens)  # [d]: the same draft for every verifier
+        logits, cache = _forward(model, torch.cat([tokens[t - 1 : t], draft])[None], cache)  # [1, 1 + d, V]
+        accepted, _ = greedy_accept(draft[None], logits.float())
+        _crop(cache, draft.shape[0])
+        if draft.numel():
+            record_step(stats, draft.shape[0], int(accepted[0]))
     return stats
 
 

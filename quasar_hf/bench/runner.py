@@ -172,8 +172,7 @@ def run_bench(
     reference_model: the unquantized (BF16) model; quantized_model: its W8A8 copy (None skips the
     quasar_* variants). prompts: suite items (see `suites.load_suite`), default `suites` loaded
     with `limit_per_suite`. Each (prompt, variant) runs `warmup` untimed then `repeats` timed times.
-    loop: "auto" (the project's `quasar_hf.speculative` loop when installed, else the local
-    reference loop), "project" or "local".
+    loop: "auto" or "project": the project's `quasar_hf.speculative` loop (kept for CLI compatibility).
     Returns {"config", "variants": {name: summary}, "headline": {name: speedup vs bf16_verify_ngram},
     "runs": [...]}; feed it to `report.write_reports`.
     """
@@ -268,8 +267,7 @@ def _mark_token_agreement(summaries: dict[str, dict], runs: list[dict]) -> None:
 # ---------------------------------------------------------------- end to end (CLI level)
 def available_quasar_variants(loop: str = "auto") -> list[str]:
     """quasar_<drafter> for every drafter that needs no extra model ("assistant" needs one: skipped)."""
-    if resolve_loop(loop) == "local":
-        return ["quasar_ngram"]
+    resolve_loop(loop)
     from quasar_hf.speculative import DRAFTER_FACTORIES
 
     return [f"quasar_{name}" for name in DRAFTER_FACTORIES if name != "assistant"]
@@ -344,7 +342,7 @@ def _parse_args(argv: list[str] | None) -> Any:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--num-draft-tokens", type=int, default=5)
-    parser.add_argument("--loop", default="auto", choices=["auto", "project", "local"])
+    parser.add_argument("--loop", default="auto", choices=["auto", "project"])
     parser.add_argument("--fidelity", action="store_true", help="also evaluate fidelity (held-out ppl, top-1, KL, L)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--out", default="benchmarks", help="output folder for JSON, markdown and plots")
