@@ -213,7 +213,7 @@ def test_unsupported_options_raise_clear_errors():
         speculative_generate(model, ids, mask, streamer=RecordingStreamer(), max_new_tokens=4)
     with pytest.raises(ValueError, match="left padding"):
         speculative_generate(model, prompt, torch.cat([torch.ones(1, prompt.shape[1] - 1), torch.zeros(1, 1)], 1).long())
-    with pytest.raises(NotImplementedError, match=r"draft_layers"):
+    with pytest.raises(ValueError, match=r"draft_layers"):
         speculative_generate(model, prompt, quasar_config={"drafter": "self"}, max_new_tokens=4)
     with pytest.raises(ValueError, match="Unknown drafter"):
         speculative_generate(model, prompt, quasar_config={"drafter": "eagle"}, max_new_tokens=4)

@@ -184,18 +184,6 @@ def _right_to_left(chunk: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tenso
     return chunk.gather(1, index), mask.gather(1, index)
 
 
-class _SelfDrafterUnavailable:
-    """Placeholder for the dual-precision BF16 self-draft path (its own issue)."""
-
-    def __init__(self, verifier: torch.nn.Module, **_: object) -> None:
-        draft_layers = getattr(getattr(verifier.config, "quantization_config", None), "draft_layers", None)
-        raise NotImplementedError(
-            "drafter='self' needs a model quantized with QuasarConfig(draft_layers=...) and the dual-precision "
-            f"self-draft path, which is not implemented yet (this model's draft_layers: {draft_layers!r}). "
-            "Use drafter='ngram' or drafter='assistant' with assistant_model=..."
-        )
-
-
 DrafterFactory = Callable[..., Drafter]
 
 
@@ -208,7 +196,10 @@ def _assistant_factory(verifier: torch.nn.Module, config) -> Drafter:
 
 
 def _self_factory(verifier: torch.nn.Module, config) -> Drafter:
-    return _SelfDrafterUnavailable(verifier, **config.drafter_kwargs)
+    """The dual-precision model's own draft path (QuasarConfig(draft_layers=...)), drafting like an assistant."""
+    from quasar_hf.hf.draft_path import self_draft_model
+
+    return AssistantDrafter(self_draft_model(verifier), config.num_draft_tokens, **config.drafter_kwargs)
 
 
 DRAFTER_FACTORIES: dict[str, DrafterFactory] = {
