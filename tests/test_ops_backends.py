@@ -4,8 +4,8 @@ Exact backends ("torch", "cpu_fused", and "triton" in Triton's CPU interpreter) 
 reference bit for bit (NaN where it has NaN); "bitsandbytes" rounds ties differently, so it gets
 an error bound derived from its own int8 values (see test_bitsandbytes_error_is_explained).
 
-"triton" joins the parametrization only in a process started with TRITON_INTERPRET=1 (Triton
-reads it when it is first imported): tests/test_ops_triton.py launches that process.
+"triton" joins the parametrization when TRITON_INTERPRET=1 was set before Triton was imported
+(tests/conftest.py does so on machines without CUDA).
 """
 
 from __future__ import annotations
