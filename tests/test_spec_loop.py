@@ -241,3 +241,18 @@ def test_generate_hook_routes_quasar_models_and_refuses_plain_ones():
     assert torch.equal(out.sequences, plain) and out.quasar_stats is not None  # assistant drafts, our verifier loop
     out = model.generate(prompt, max_new_tokens=20, do_sample=False, quasar={"drafter": "ngram", "num_draft_tokens": 3})
     assert torch.equal(out, plain)
+
+
+def test_batched_attention_mode_verifies_the_same_way_and_counts_the_same_steps():
+    """shape_stable_attention=False (one batched attention call per layer): on a float32 model the
+    output still equals plain greedy here, and the drafts/acceptances it records are real."""
+    model = tiny_model("llama")
+    for seed in range(2):
+        prompt = repetitive_prompt(seed)
+        plain = model.generate(prompt, max_new_tokens=32, do_sample=False)
+        fast = speculative_generate(
+            model, prompt, max_new_tokens=32, do_sample=False, return_dict_in_generate=True,
+            quasar_config=QuasarGenerationConfig(shape_stable_attention=False),
+        )
+        assert torch.equal(fast.sequences, plain)
+        assert fast.quasar_stats.drafted_tokens > 0

@@ -21,8 +21,11 @@ from .attention import rowwise_verification
 class RowAlignedCache:
     """KV cache + slot mask [B, S] + real-token count [B] for one causal LM."""
 
-    def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, batch_size: int, device: torch.device, shape_stable: bool = True
+    ) -> None:
         self.model = model
+        self.shape_stable = shape_stable  # row-wise attention when verifying (see attention.py)
         self.cache = DynamicCache(config=model.config)
         self.slot_mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, S]
         self.valid_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
@@ -44,7 +47,7 @@ class RowAlignedCache:
         # Like plain generate: an all-ones mask is dropped so attention takes the same (maskless) path.
         attention_mask = None if bool(full_mask.all()) else full_mask
         kwargs = {"logits_to_keep": 1} if (last_only and self._takes_logits_to_keep) else {}
-        verifying = tokens.shape[1] > 1 and self.slot_mask.shape[1] > 0  # several tokens over a cache
+        verifying = self.shape_stable and tokens.shape[1] > 1 and self.slot_mask.shape[1] > 0  # several tokens over a cache
         with rowwise_verification(self.model, enabled=verifying):
             outputs = self.model(
                 input_ids=tokens,

@@ -62,7 +62,7 @@ def speculative_generate(
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("streamer= supports batch size 1 only (as in plain generate); drop the streamer or the batch.")
     drafter = make_drafter(model, quasar_config)
-    run = _SpeculativeRun(model, prepared, drafter, streamer, generator)
+    run = _SpeculativeRun(model, prepared, drafter, streamer, generator, quasar_config.shape_stable_attention)
     sequences, stats = run.run()
     if prepared.generation_config.return_dict_in_generate:
         return QuasarGenerateOutput(sequences=sequences, quasar_stats=stats)
@@ -72,7 +72,9 @@ def speculative_generate(
 class _SpeculativeRun:
     """State of one call: per-row token lists, the verifier cache, pending tokens, stats."""
 
-    def __init__(self, model, prepared: PreparedGeneration, drafter: Drafter, streamer, generator) -> None:
+    def __init__(
+        self, model, prepared: PreparedGeneration, drafter: Drafter, streamer, generator, shape_stable: bool = True
+    ) -> None:
         self.model = model
         self.prepared = prepared
         self.drafter = drafter
@@ -84,7 +86,7 @@ class _SpeculativeRun:
         self.pad_lengths = (prepared.attention_mask == 0).sum(-1).tolist()
         self.active = list(range(len(self.rows)))  # original indices of unfinished rows
         self.stats = QuasarStats(prefill_tokens=int(prepared.attention_mask.sum()))
-        self.verifier = RowAlignedCache(model, len(self.rows), self.device)
+        self.verifier = RowAlignedCache(model, len(self.rows), self.device, shape_stable)
 
     def run(self) -> tuple[torch.Tensor, QuasarStats]:
         started = time.perf_counter()
