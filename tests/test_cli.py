@@ -194,3 +194,15 @@ def test_runtime_failure_exits_1_and_debug_shows_traceback(tmp_path, capsys):
     assert err.startswith("quasar-hf generate: error:") and "Traceback" not in err
     assert main(["generate", str(broken), "--prompt", "x", "--debug"]) == 1
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_generate_without_tokenizer_files_is_a_usage_error(quantized, tmp_path, capsys):
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(quantized / name, bare / name)
+    assert main(["generate", str(bare), "--prompt", "abc", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer files" in err and "Traceback" not in err

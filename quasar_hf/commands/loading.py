@@ -43,8 +43,18 @@ def torch_dtype(name: str) -> Any:
 
 
 def load_tokenizer(path: str) -> Any:
+    """The checkpoint's tokenizer, or a one-line usage error saying how to provide one."""
+    import os
+
     from transformers import AutoTokenizer
 
+    if os.path.isdir(path) and not any(
+        os.path.exists(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
+        raise UsageError(
+            f"{path} has no tokenizer files; save one next to the model (tokenizer.save_pretrained({path!r})), "
+            "or quantize with `quasar-hf quantize`, which saves it"
+        )
     return AutoTokenizer.from_pretrained(path)
 
 
