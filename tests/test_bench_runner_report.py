@@ -102,7 +102,7 @@ def test_peak_memory_sees_a_large_allocation():
     assert memory.peak_bytes is None or memory.peak_bytes > 64 * 2**20
 
 
-def test_bad_arguments_raise_clear_errors():
+def test_bad_arguments_raise_clear_errors(tmp_path):
     reference, quantized = tiny_pair()
     with pytest.raises(ValueError, match="unknown variant"):
         build_variants(["turbo"], reference, quantized)
@@ -111,7 +111,7 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="repeats"):
         run_bench(reference, quantized, CharTokenizer(), prompts=PROMPTS, repeats=0)
     with pytest.raises(TypeError, match="result"):
-        write_reports([1, 2], "/tmp/unused")
+        write_reports([1, 2], tmp_path / "unused")
 
 
 def test_a_variant_that_cannot_run_is_reported_not_fatal():
