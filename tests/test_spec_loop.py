@@ -6,18 +6,27 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from quasar_hf.hf.generate_hook import install_generate_hook
 from quasar_hf.speculative import NgramDrafter, QuasarGenerationConfig, speculative_generate
+from quasar_hf.speculative.attention import QUASAR_ATTENTION, use_rowstable_attention
 
 ARCHS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
 VOCAB = 256
 
 
-def tiny_model(arch="llama", seed=0, vocab=VOCAB, **overrides):
+# Both ways verification rows are made equal to decode steps: SDPA one row at a time, and the
+# row-stable attention kernel that Quasar models get (quasar_hf.speculative.attention).
+ATTENTIONS = ["sdpa", QUASAR_ATTENTION]
+
+
+def tiny_model(arch="llama", seed=0, vocab=VOCAB, attention="sdpa", **overrides):
     torch.manual_seed(seed)
     config = ARCHS[arch](
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides,
     )
-    return AutoModelForCausalLM.from_config(config).float().eval()
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    if attention == QUASAR_ATTENTION:
+        assert use_rowstable_attention(model)
+    return model
 
 
 def repetitive_prompt(seed, length=24):
@@ -35,10 +44,11 @@ def drafter_configs(verifier):
     }
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("drafter", ["ngram", "assistant_other", "assistant_self"])
-def test_greedy_equals_plain_generate(arch, drafter):
-    model = tiny_model(arch)
+def test_greedy_equals_plain_generate(arch, drafter, attention):
+    model = tiny_model(arch, attention=attention)
     quasar = drafter_configs(model)[drafter]
     for seed in range(2):
         prompt = repetitive_prompt(seed)
@@ -60,8 +70,9 @@ def left_padded_batch(prompts, pad=0):
 @pytest.mark.parametrize(
     "arch,drafter", [("llama", "ngram"), ("llama", "assistant_other"), ("llama", "assistant_self"), ("qwen3", "ngram")]
 )
-def test_batch_rows_equal_single_row_runs_and_plain_batched_generate(arch, drafter):
-    model = tiny_model(arch)
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_batch_rows_equal_single_row_runs_and_plain_batched_generate(arch, drafter, attention):
+    model = tiny_model(arch, attention=attention)
     quasar = drafter_configs(model)[drafter]
     prompts = [repetitive_prompt(s, length) for s, length in [(0, 24), (1, 10), (2, 16), (3, 6)]]
     ids, mask = left_padded_batch(prompts)

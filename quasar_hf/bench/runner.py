@@ -23,6 +23,7 @@ import torch
 
 from quasar_hf.bench.fidelity import aggregate_stats, resolve_loop, speculative_tokens
 from quasar_hf.bench.suites import load_suites, render_prompt
+from quasar_hf.speculative.attention import rowstable_attention_for
 
 BASELINE = "bf16_verify_ngram"
 DEFAULT_VARIANTS = ("bf16_generate", "bf16_prompt_lookup", "bf16_verify_ngram", "quasar_ngram")
@@ -84,10 +85,15 @@ def _hf_generate(model: torch.nn.Module, **extra: Any) -> Generate:
 
 
 def _speculative(model: torch.nn.Module, drafter: str, num_draft_tokens: int, loop: str) -> Generate:
-    """A variant running the speculative loop with `model` as the verifier."""
+    """A variant running the speculative loop with `model` as the verifier.
+
+    Both verifiers run the same attention (the row-stable kernel Quasar models carry; an SDPA
+    model is switched for the call only), so BF16-verify vs W8A8-verify differ in the linears alone.
+    """
 
     def run(input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
-        return speculative_tokens(model, input_ids, max_new_tokens, drafter, num_draft_tokens, loop)
+        with rowstable_attention_for(model):
+            return speculative_tokens(model, input_ids, max_new_tokens, drafter, num_draft_tokens, loop)
 
     return run
 

@@ -14,6 +14,7 @@ from transformers.quantizers.base import HfQuantizer
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.integration import quantize_model, replace_with_w8a8_skeleton
 from quasar_hf.nn import W8A8Linear
+from quasar_hf.speculative.attention import use_rowstable_attention
 
 _EXPECTED_DTYPES = {"weight": "I8", "weight_scale": "F32", "act_prescale": "F32"}
 
@@ -51,6 +52,9 @@ class QuasarHfQuantizer(HfQuantizer):
         else:
             quantize_model(model, config)
         model.config.quantization_config = config
+        # Decode and verification attention rows bit-identical (CPU kernel; SDPA elsewhere), so
+        # generate(quasar=True) equals plain greedy generate of this model without row-wise calls.
+        use_rowstable_attention(model)
         return model
 
     def is_serializable(self, **kwargs) -> bool:

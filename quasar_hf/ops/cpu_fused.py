@@ -25,23 +25,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).parent / "csrc" / "w8a8_vnni.c"
-# Never -ffast-math; -ffp-contract=off forbids FMA contraction (both would change rounding).
-_CFLAGS = (
-    "-O3", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math",
-    "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni",
-)
+from .c_build import PORTABLE_CFLAGS, build_and_load, find_compiler, missing_cpu_flags
+
+_CFLAGS = PORTABLE_CFLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 _MIN_BYTES_PER_THREAD = 32 * 1024  # see _thread_count and benchmarks/cpu_fused.md
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -61,72 +51,17 @@ class _Library:
     error: str | None
 
 
-def _missing_cpu_flags() -> list[str]:
-    """CPU flags the kernel needs that /proc/cpuinfo does not list (all of them if unreadable)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return list(_REQUIRED_CPU_FLAGS)
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return list(_REQUIRED_CPU_FLAGS)
-    flags_line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    flags = set(flags_line.split(":", 1)[-1].split())
-    return [f for f in _REQUIRED_CPU_FLAGS if f not in flags]
-
-
-def _cache_dir() -> Path:
-    """Where built kernels live (created on demand)."""
-    root = os.environ.get("QUASAR_HF_KERNEL_CACHE")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "quasar_hf" / "kernels"
-
-
-def _compile(compiler: str, flags: tuple[str, ...], target: Path) -> None:
-    """Compile the C source into `target` atomically (temp file + rename; safe across processes)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        cmd = [compiler, *flags, "-o", tmp, str(_SOURCE)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _build(compiler: str) -> Path:
-    """Path of the built library: OpenMP build if the compiler has it, else single-threaded."""
-    source = _SOURCE.read_bytes()
-    errors = []
-    for flags in (_CFLAGS + ("-fopenmp",), _CFLAGS):
-        key = hashlib.sha256(source + repr((compiler, flags)).encode()).hexdigest()[:16]
-        target = _cache_dir() / key / "libqhf_w8a8_vnni.so"
-        if target.exists():
-            return target
-        try:
-            _compile(compiler, flags, target)
-            return target
-        except (RuntimeError, OSError, subprocess.SubprocessError) as err:
-            errors.append(str(err))
-    raise RuntimeError("\n".join(errors))
-
-
 @functools.lru_cache(maxsize=1)
 def _library() -> _Library:
     """Build (once per source version) and load the kernel; failures become a reason string."""
-    missing = _missing_cpu_flags()
+    missing = missing_cpu_flags(_REQUIRED_CPU_FLAGS)
     if missing:
         return _Library(None, f"this CPU lacks {', '.join(missing)} (needs x86-64 with AVX-512 VNNI)")
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    compiler = find_compiler()
     if not compiler:
         return _Library(None, "no C compiler found (install gcc or set $CC)")
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = build_and_load("w8a8_vnni.c", _CFLAGS, compiler)
     except (RuntimeError, OSError) as err:
         return _Library(None, f"building the fused kernel failed: {err}")
     fn = lib.qhf_w8a8_linear

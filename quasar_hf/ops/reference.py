@@ -97,3 +97,29 @@ def w8a8_linear_reference(
     acc = int8_matmul_reference(a_q, weight_q)
     out = dequantize_epilogue(acc, a_scale, weight_scale, bias, x.dtype)
     return out.reshape(*lead, weight_q.shape[0])
+
+
+def attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention in float64, the oracle for `ops.attention_cpu`: returns [B, Q, H, D] float64.
+
+    query [B, H, Q, D], key/value [B, KVH, N, D] (GQA: head h uses kv head h // (H // KVH));
+    visible bool [B, Q, N] or None for bottom-right causal. Rows with no visible key are zeros.
+    """
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if visible is None:
+        rows = torch.arange(q_len)[:, None] + (kv_len - q_len)
+        visible = (torch.arange(kv_len)[None, :] <= rows).expand(batch, q_len, kv_len)
+    scale = head_dim**-0.5 if scale is None else scale
+    k = key.double().repeat_interleave(heads // kv_heads, dim=1)  # [B, H, N, D]
+    v = value.double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = (query.double() @ k.transpose(-1, -2)) * scale  # [B, H, Q, N]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> zeros
+    return (probs @ v).transpose(1, 2)  # [B, Q, H, D]

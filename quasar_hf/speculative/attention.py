@@ -1,15 +1,22 @@
-"""Shape-stable verification: each verified query row gets the attention call a decode step makes.
+"""Attention that makes verification rows bit-identical to decode steps (the one shape-dependent op).
 
-Why: SDPA with q_len = k+1 uses another kernel path than decode's q_len = 1, so its outputs
+Why: torch's SDPA with q_len = k+1 takes another code path than decode's q_len = 1, so its outputs
 differ in the last bits. In a W8A8 model such a difference can flip the INT8 rounding of a
 per-token activation, and the flipped K/V of one position then shifts every later logit
-(measured on SmolLM2-135M W8A8: up to 2 logits in bf16). The INT8 GEMMs (per-token scales,
-exact int32 accumulation), norms, rotary and MLP are row-independent already; attention was
-the one shape-dependent op that feeds the KV cache. Inside `rowwise_verification(model)` a
-multi-token forward over a non-empty cache runs SDPA once per query row, on exactly the keys
-that a one-token decode step would see, so the KV cache and hidden states are bit-identical to
-plain decoding. The lm_head GEMM stays batched (its M-dependent rounding reaches only the
-logits, never the cache: the source of the near-ties the bf16 tests allow).
+(measured on SmolLM2-135M W8A8: up to 2 logits in bf16). The INT8 GEMMs (per-token scales, exact
+int32 accumulation), norms, rotary and MLP are row-independent already.
+
+Two ways to close the gap, chosen per model:
+* `QUASAR_ATTENTION` ("quasar_rowstable", installed on Quasar models by the quantizer, or on any
+  model with `use_rowstable_attention`): on CPU in float32/bfloat16 every decode and verify call
+  runs `ops.attention_cpu.rowstable_attention`, which computes each query row alone, so a
+  verified row equals its decode step by construction, at the cost of one batched call.
+  Elsewhere (GPU, float16, prefill of long prompts) it is plain SDPA.
+* Row-wise verification (`rowwise_verification`, for SDPA where the kernel does not apply): a
+  multi-token forward over a cache runs SDPA once per query row, on exactly the keys that a
+  decode step would see. Exact, but each extra SDPA call costs ~0.2 ms on CPU.
+The lm_head GEMM stays batched (its M-dependent rounding reaches only the logits, never the
+cache: the source of the near-ties the bf16 tests allow).
 """
 
 from __future__ import annotations
@@ -22,7 +29,47 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from quasar_hf.ops import attention_cpu
+
+QUASAR_ATTENTION = "quasar_rowstable"
 ROWWISE_SDPA = "quasar_rowwise_sdpa"
+ROWWISE_QUASAR = "quasar_rowwise_rowstable"
+# A fresh prefill longer than this goes to SDPA (multi-threaded, flash-style): it is the same call
+# in plain and speculative generation, so it needs no row stability, only speed.
+LONG_PREFILL_ROWS = 64
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+
+
+def _visible_keys(attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor):
+    """bool [B, Q, N] from SDPA's mask [B, 1, Q, >=N] (None stays None: bottom-right causal); False if unusable."""
+    if attention_mask is None:
+        return None
+    batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+        return False
+    if attention_mask.shape[2] != q_len or attention_mask.shape[3] < kv_len:
+        return False
+    return attention_mask[:, 0, :, :kv_len].expand(batch, q_len, kv_len)
+
+
+def _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs):
+    """(True, visible) when the row-stable kernel computes this call; (False, None) otherwise."""
+    if dropout or not getattr(module, "is_causal", True) or any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS):
+        return False, None
+    if not attention_cpu.supports(query, key, value):
+        return False, None
+    visible = _visible_keys(attention_mask, query, key)
+    return (visible is not False), (None if visible is False else visible)
+
+
+def rowstable_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """AttentionInterface function: the row-stable CPU kernel where it applies, else SDPA."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if not (q_len == kv_len and q_len > LONG_PREFILL_ROWS):
+        usable, visible = _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs)
+        if usable:
+            return attention_cpu.rowstable_attention(query, key, value, visible, scaling), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def rowwise_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
@@ -43,24 +90,73 @@ def rowwise_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
     return torch.cat(outputs, dim=1), None
 
 
-def _register() -> None:
-    """Register the attention and its mask builder (the SDPA one) under ROWWISE_SDPA; idempotent."""
-    if ROWWISE_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ROWWISE_SDPA, rowwise_sdpa_attention)
-    if ROWWISE_SDPA not in AttentionMaskInterface._global_mapping:
-        AttentionMaskInterface.register(ROWWISE_SDPA, sdpa_mask)
+def rowwise_rowstable_attention(module, query, key, value, attention_mask, **kwargs):
+    """Verification for a QUASAR_ATTENTION model: the kernel where it applies (already row-stable),
+    else what its decode steps ran (SDPA), one row at a time."""
+    usable, visible = _kernel_inputs(module, query, key, value, attention_mask, kwargs.get("dropout", 0.0), kwargs)
+    if usable and query.shape[2] != key.shape[2]:
+        return attention_cpu.rowstable_attention(query, key, value, visible, kwargs.get("scaling")), None
+    if query.shape[2] == key.shape[2]:  # a prefill: exactly what the model itself runs
+        return rowstable_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return rowwise_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+_FUNCTIONS = {
+    QUASAR_ATTENTION: rowstable_attention_forward,
+    ROWWISE_SDPA: rowwise_sdpa_attention,
+    ROWWISE_QUASAR: rowwise_rowstable_attention,
+}
+_ROWWISE_FOR = {"sdpa": ROWWISE_SDPA, QUASAR_ATTENTION: ROWWISE_QUASAR}
+
+
+def register_attention() -> None:
+    """Register our attention functions and their mask builder (SDPA's) with Transformers; idempotent."""
+    for name, function in _FUNCTIONS.items():
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, function)
+        if name not in AttentionMaskInterface._global_mapping:
+            AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def use_rowstable_attention(model: torch.nn.Module) -> bool:
+    """Switch an SDPA model to QUASAR_ATTENTION (decode and verification rows bit-identical on CPU).
+
+    Returns True if switched. Models on another attention implementation (eager, flash, ...) are
+    left alone: the user chose it, and row-wise verification or none applies to them.
+    """
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", QUASAR_ATTENTION):
+        return False
+    register_attention()
+    model.set_attn_implementation(QUASAR_ATTENTION)
+    return model.config._attn_implementation == QUASAR_ATTENTION
 
 
 @contextlib.contextmanager
 def rowwise_verification(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
-    """Within the block, an SDPA model verifies row by row; other attention implementations are left as they are."""
+    """Within the block, an SDPA or QUASAR_ATTENTION model verifies with rows equal to decode steps."""
     config = model.config
-    if not enabled or config._attn_implementation != "sdpa":
+    original = config._attn_implementation
+    if not enabled or original not in _ROWWISE_FOR:
         yield
         return
-    _register()
-    config._attn_implementation = ROWWISE_SDPA
+    register_attention()
+    config._attn_implementation = _ROWWISE_FOR[original]
     try:
         yield
     finally:
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = original
+
+
+@contextlib.contextmanager
+def rowstable_attention_for(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block an SDPA model runs QUASAR_ATTENTION (e.g. a BF16 verifier benchmarked like
+    for like with a Quasar model); its own implementation is restored afterwards."""
+    original = getattr(model.config, "_attn_implementation", None)
+    if original != "sdpa":
+        yield
+        return
+    use_rowstable_attention(model)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(original)

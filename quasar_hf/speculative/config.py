@@ -18,11 +18,14 @@ class QuasarGenerationConfig:
     max_ngram_size / min_ngram_size: n-gram sizes tried by the prompt-lookup drafter, longest first.
     assistant_model: the causal LM drafting for drafter="assistant" (must share the tokenizer).
     drafter_kwargs: extra keyword arguments for the drafter factory.
-    shape_stable_attention: True (default) verifies with one attention call per query row, so the
-        KV cache and logits are bit-identical to plain decode steps (greedy output equals plain
-        greedy token for token). False runs one batched attention call per layer: faster on CPU
-        (measured: a 6-token SmolLM2 verify step 35 ms instead of 74 ms), but attention rounding
-        then differs from decode steps, which W8A8 rounding can amplify into different tokens.
+    shape_stable_attention: True (default) makes every verified row's attention equal to the decode
+        step's, so the KV cache and logits are bit-identical to plain decoding (greedy output equals
+        plain greedy token for token). Quasar models on CPU get this for free from their row-stable
+        attention kernel (one batched call); SDPA models (GPU, float16, or a user's choice) verify
+        with one SDPA call per query row instead, which costs ~0.2 ms per extra call on CPU.
+        False runs one batched call per layer whatever the attention: with SDPA that is faster,
+        but its rounding then differs from decode steps, which W8A8 rounding can amplify into
+        different tokens.
     """
 
     drafter: Any = "ngram"

@@ -1,0 +1,159 @@
+"""Row-stable CPU attention (C, built at first use): decode and verification rows bit-identical.
+
+Why: speculative verification runs attention over k+1 query rows, plain decoding over one. Torch's
+SDPA takes a different code path for each shape, so a verified row differs from the decode step
+in the last bits, and in a W8A8 model that can flip an INT8 rounding and change later tokens. This
+kernel computes every (batch, head, row) alone, over exactly the keys it may see, in a summation
+order that depends on the head size only (see csrc/rowstable_attention.c), so a row's output is
+the same whatever the number of rows in the call. The plain-PyTorch oracle is
+`ops.reference.attention_reference`.
+
+Public API:
+    is_available() -> bool / unavailable_reason() -> str | None     never raise
+    supports(query, key, value) -> bool                             dtype/device/layout check
+    rowstable_attention(query, key, value, visible=None, scale=None) -> [B, Q, H, D]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+
+import torch
+
+from .c_build import PORTABLE_CFLAGS, build_and_load, find_compiler, missing_cpu_flags
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_ARGTYPES = [_P, _I64, _I64, _I64] * 3 + [_P, _I64, _I64, _P] + [_I64] * 6 + [_F32, _INT, _INT]
+
+
+def _flags() -> tuple[str, ...]:
+    """AVX-512 code generation where the CPU has it (the summation order is fixed either way)."""
+    return PORTABLE_CFLAGS + (("-mavx512f",) if not missing_cpu_flags(("avx512f",)) else ())
+
+
+def load_variant(flags: tuple[str, ...]) -> tuple[object | None, str | None]:
+    """Build with `flags` and load: (entry point, None) or (None, why it is unavailable)."""
+    compiler = find_compiler()
+    if not compiler:
+        return None, "no C compiler found (install gcc or set $CC)"
+    try:
+        fn = build_and_load("rowstable_attention.c", flags, compiler).qhf_rowstable_attention
+    except (RuntimeError, OSError) as err:
+        return None, f"building the row-stable attention kernel failed: {err}"
+    fn.restype = _INT
+    fn.argtypes = _ARGTYPES
+    mismatch = _smoke_test(fn)
+    return (None, mismatch) if mismatch else (fn, None)
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> tuple[object | None, str | None]:
+    """The build for this CPU, loaded once per process."""
+    return load_variant(_flags())
+
+
+def _smoke_test(fn) -> str | None:
+    """A small GQA call against the fp64 reference, so a miscompiled kernel is never used."""
+    from .reference import attention_reference  # local: keeps import time low
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 3, 20, generator=gen)
+    k, v = torch.randn(2, 2, 7, 20, generator=gen), torch.randn(2, 2, 7, 20, generator=gen)
+    out = torch.empty(2, 3, 4, 20)
+    _call(fn, q, k, v, None, 0.25, out)
+    if not torch.allclose(out, attention_reference(q, k, v, None, 0.25).float(), rtol=1e-4, atol=1e-5):
+        return "the built attention kernel disagrees with ops/reference.py on a smoke test (compiler problem)"
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """None when the kernel can run here, else why not."""
+    try:
+        return _library()[1]
+    except Exception as err:  # noqa: BLE001 - this must never raise
+        return f"unexpected error while loading the attention kernel: {err!r}"
+
+
+def is_available() -> bool:
+    """True if the kernel built, loaded and passed its smoke test. Never raises."""
+    return unavailable_reason() is None
+
+
+def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """True if these tensors can go to the kernel: CPU, one of fp32/bf16 for all, 4-D, GQA-compatible."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype in _DTYPE_CODES
+        and key.dtype == query.dtype == value.dtype
+        and query.dim() == key.dim() == value.dim() == 4
+        and key.shape == value.shape
+        and key.shape[1] > 0
+        and query.shape[1] % key.shape[1] == 0
+        and query.shape[3] == key.shape[3]
+        and is_available()
+    )
+
+
+def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _call(fn, query, key, value, visible, scale: float, out: torch.Tensor) -> None:
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    mask_args = (None, 0, 0) if visible is None else (visible.data_ptr(), visible.stride(0), visible.stride(1))
+    status = fn(
+        query.data_ptr(), query.stride(0), query.stride(1), query.stride(2),
+        key.data_ptr(), key.stride(0), key.stride(1), key.stride(2),
+        value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
+        *mask_args, out.data_ptr(), batch, heads, kv_heads, q_len, kv_len, head_dim,
+        scale, _DTYPE_CODES[query.dtype], max(1, torch.get_num_threads()),
+    )
+    if status == 1:
+        raise MemoryError(f"row-stable attention could not allocate scratch for {kv_len} keys")
+    if status != 0:
+        raise ValueError(f"row-stable attention rejected shapes q {tuple(query.shape)}, k {tuple(key.shape)}")
+
+
+def rowstable_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor | None = None,
+    scale: float | None = None,
+    *,
+    kernel: object | None = None,
+) -> torch.Tensor:
+    """softmax(scale * q k^T over visible keys) v; returns [B, Q, H, D] in query.dtype.
+
+    query [B, H, Q, D], key/value [B, KVH, N, D] with N >= Q; visible: bool [B, Q, N] (True =
+    may attend) or None for bottom-right causal (row i sees keys 0 .. N - Q + i).
+    kernel: an entry point from `load_variant` (tests compare builds); default: this CPU's build.
+    """
+    fn, error = (kernel, None) if kernel is not None else _library()
+    if fn is None:
+        raise RuntimeError(f"row-stable CPU attention is unavailable: {error}")
+    if not supports(query, key, value):
+        raise ValueError(
+            "row-stable attention needs CPU tensors of one dtype (float32 or bfloat16), query [B, H, Q, D] and "
+            f"key/value [B, KVH, N, D] with H divisible by KVH; got q {tuple(query.shape)} {query.dtype}, "
+            f"k {tuple(key.shape)} {key.dtype}, v {tuple(value.shape)} {value.dtype}"
+        )
+    batch, heads, q_len, head_dim = query.shape
+    kv_len = key.shape[2]
+    if kv_len < q_len:
+        raise ValueError(f"row-stable attention needs at least as many keys ({kv_len}) as query rows ({q_len})")
+    if visible is not None:
+        if visible.dtype != torch.bool or tuple(visible.shape) != (batch, q_len, kv_len):
+            raise ValueError(f"visible must be a bool tensor [{batch}, {q_len}, {kv_len}], got "
+                             f"{visible.dtype} {tuple(visible.shape)}")
+        visible = _inner_contiguous(visible).view(torch.uint8)
+    out = torch.empty(batch, q_len, heads, head_dim, dtype=query.dtype)
+    if out.numel() == 0:
+        return out
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    _call(fn, _inner_contiguous(query), _inner_contiguous(key), _inner_contiguous(value), visible, scale, out)
+    return out

@@ -1,0 +1,231 @@
+/*
+ * Row-stable attention for decode and verification shapes (few query rows over a KV cache).
+ *
+ * Each (batch, head, query row) is computed alone, over exactly the keys that row may see, in
+ * ascending key order, with a fixed summation order that depends only on the head size:
+ *   s_j = scale * dot(q, k_j)      16 lane partial sums over d, then a fixed pairwise tree
+ *   p_j = e^(s_j - max_j s_j)      our own polynomial exp (libm's expf is scalar and slow)
+ *   l   = sum_j p_j                16 lane partial sums over the visible keys, fixed tree
+ *   o   = (sum_j p_j * v_j) / l     per-element sum in key order
+ * So a row's output does not depend on how many other rows are in the call, on keys it may not
+ * see (masked or beyond its causal limit are skipped, never added as zeros), nor on the thread
+ * count: one-token decode and a (k+1)-token verification give bit-identical rows.
+ *
+ * Layouts (strides in elements, head dim contiguous):
+ *   q    [B, H, Q, D]       k, v [B, KVH, N, D]   (GQA: head h reads kv head h / (H / KVH))
+ *   mask [B, Q, N] uint8 (1 = visible) or NULL: row i sees keys 0 .. N - Q + i (bottom-right causal)
+ *   out  [B, Q, H, D] contiguous, same dtype as q (a row with no visible key gets zeros)
+ * dtype: 0 = float32, 1 = bfloat16. Accumulation is fp32; bf16 output is rounded to nearest even.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define LANES 16
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* Element d of row `offset` of a float32 (dtype 0) or bfloat16 (dtype 1) tensor, as float32. */
+static inline float element(const void *base, int64_t offset, int64_t d, int dtype) {
+    return dtype == 0 ? ((const float *)base)[offset + d] : bf16_to_f32(((const uint16_t *)base)[offset + d]);
+}
+
+#ifdef __AVX512F__
+static inline __m512 load16(const void *base, int64_t offset, int dtype) {
+    if (dtype == 0) return _mm512_loadu_ps((const float *)base + offset);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* acc[0] + ... + acc[15] by the fixed tree (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1). */
+static inline float tree_sum16(__m512 v) {
+    __m256 lo = _mm512_castps512_ps256(v);
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+    return _mm_cvtss_f32(s1);
+}
+#endif
+
+/* dot(q, row): element d goes to lane d % LANES (multiply then add, never fused), then the fixed
+ * tree. The AVX-512 path computes exactly the scalar path's lanes and tree (used when D % 16 == 0). */
+static inline float dot_row(const float *q, const void *base, int64_t offset, int64_t D, int dtype) {
+#ifdef __AVX512F__
+    if (D % LANES == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += LANES)
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + d), load16(base, offset + d, dtype)));
+        return tree_sum16(acc);
+    }
+#endif
+    float acc[LANES] = {0};
+    for (int64_t d = 0; d < D; ++d) acc[d % LANES] += q[d] * element(base, offset, d, dtype);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
+    return acc[0];
+}
+
+/* acc[d] += p * row[d] for every d (the same per-element operation on every path). */
+static inline void axpy_row(float *acc, float p, const void *base, int64_t offset, int64_t D, int dtype) {
+    int64_t d = 0;
+#ifdef __AVX512F__
+    const __m512 vp = _mm512_set1_ps(p);
+    for (; d + LANES <= D; d += LANES)
+        _mm512_storeu_ps(acc + d, _mm512_add_ps(_mm512_loadu_ps(acc + d), _mm512_mul_ps(vp, load16(base, offset + d, dtype))));
+#endif
+    for (; d < D; ++d) acc[d] += p * element(base, offset, d, dtype);
+}
+
+/* e^x for x <= 0 (softmax after subtracting the max): Cody-Waite reduction x = n ln2 + r and a
+ * degree-6 polynomial for e^r (|rel err| < 2e-7). Pure float arithmetic with a fixed order, so a
+ * loop over it vectorises and every lane computes the same bits as a scalar call would. */
+static inline float exp_nonpositive(float x) {
+    if (x != x) return x; /* NaN in a score propagates to the output, never a silent number */
+    if (x < -87.0f) return 0.0f;
+    const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding then subtracting rounds to nearest */
+    float n = (x * 1.44269504088896341f + round_magic) - round_magic;
+    float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23; /* 2^n; n >= -126 here */
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* p_j = e^(s_j - max) in place; returns sum_j p_j in LANES partial sums (lane = j % LANES) and a
+ * fixed tree: depends only on the (compacted) visible scores, never on other rows. */
+static float softmax_numerators(float *s, int64_t count) {
+    float m = s[0];
+    for (int64_t j = 1; j < count; ++j) m = s[j] > m ? s[j] : m;
+    float acc[LANES] = {0};
+    int64_t j = 0;
+    for (; j + LANES <= count; j += LANES)
+        for (int l = 0; l < LANES; ++l) {
+            s[j + l] = exp_nonpositive(s[j + l] - m);
+            acc[l] += s[j + l];
+        }
+    for (int l = 0; j + l < count; ++l) {
+        s[j + l] = exp_nonpositive(s[j + l] - m);
+        acc[l] += s[j + l];
+    }
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
+    return acc[0];
+}
+
+#define MAX_ROWS 16 /* query rows handled per pass over the keys (bounds the scratch memory) */
+
+typedef struct {
+    const void *q, *k, *v;
+    const uint8_t *mask;
+    int64_t q_sb, q_sh, q_sq, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, m_sb, m_sq;
+    int64_t H, Q, N, D, group;
+    float scale;
+    int dtype;
+    void *out;
+} Problem;
+
+static inline int sees(const Problem *P, int64_t b, int64_t i, int64_t j) {
+    return P->mask ? P->mask[b * P->m_sb + i * P->m_sq + j] != 0 : j <= P->N - P->Q + i;
+}
+
+/* Rows i0 .. i0 + rows - 1 of head h, batch b. Each row's arithmetic is that of the row alone:
+ * walking the keys once for all rows changes no result. scratch holds MAX_ROWS * N scores and
+ * MAX_ROWS * D query and accumulator floats. */
+static void attend_rows(const Problem *P, int64_t b, int64_t h, int64_t i0, int64_t rows, float *scratch) {
+    const int64_t N = P->N, D = P->D, kvh = h / P->group;
+    float *scores = scratch;                 /* [rows][N], compacted visible scores */
+    float *qf = scores + MAX_ROWS * N;       /* [rows][D] */
+    float *acc = qf + MAX_ROWS * D;          /* [rows][D] */
+    int64_t count[MAX_ROWS], used[MAX_ROWS];
+    const int64_t k_base = b * P->k_sb + kvh * P->k_sh, v_base = b * P->v_sb + kvh * P->v_sh;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t q_off = b * P->q_sb + h * P->q_sh + (i0 + r) * P->q_sq;
+        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = element(P->q, q_off, d, P->dtype);
+        count[r] = used[r] = 0;
+        for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
+    }
+    for (int64_t j = 0; j < N; ++j) { /* scores, key order */
+        for (int64_t r = 0; r < rows; ++r) {
+            if (!sees(P, b, i0 + r, j)) continue;
+            scores[r * N + count[r]++] = dot_row(qf + r * D, P->k, k_base + j * P->k_sn, D, P->dtype) * P->scale;
+        }
+    }
+    float inv[MAX_ROWS];
+    for (int64_t r = 0; r < rows; ++r)
+        inv[r] = count[r] ? 1.0f / softmax_numerators(scores + r * N, count[r]) : 0.0f;
+    for (int64_t j = 0; j < N; ++j) { /* weighted values, key order */
+        for (int64_t r = 0; r < rows; ++r) {
+            if (!sees(P, b, i0 + r, j)) continue;
+            axpy_row(acc + r * D, scores[r * N + used[r]++], P->v, v_base + j * P->v_sn, D, P->dtype);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t out_off = ((b * P->Q + i0 + r) * P->H + h) * D;
+        const float *a = acc + r * D;
+        if (P->dtype == 0) {
+            float *o = (float *)P->out + out_off;
+            for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv[r];
+        } else {
+            uint16_t *o = (uint16_t *)P->out + out_off;
+            for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(a[d] * inv[r]);
+        }
+    }
+}
+
+int qhf_rowstable_attention(
+    const void *q, int64_t q_sb, int64_t q_sh, int64_t q_sq,
+    const void *k, int64_t k_sb, int64_t k_sh, int64_t k_sn,
+    const void *v, int64_t v_sb, int64_t v_sh, int64_t v_sn,
+    const uint8_t *mask, int64_t m_sb, int64_t m_sq,
+    void *out, int64_t B, int64_t H, int64_t KVH, int64_t Q, int64_t N, int64_t D,
+    float scale, int dtype, int n_threads) {
+    if (KVH <= 0 || H % KVH != 0 || N < Q || (dtype != 0 && dtype != 1)) return 2;
+    const Problem P = {q, k, v, mask, q_sb, q_sh, q_sq, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, m_sb, m_sq,
+                       H, Q, N, D, H / KVH, scale, dtype, out};
+    const int64_t blocks = (Q + MAX_ROWS - 1) / MAX_ROWS, tasks = B * H * blocks;
+    int failed = 0;
+#pragma omp parallel num_threads(n_threads) if (n_threads > 1 && tasks > 1) reduction(| : failed)
+    {
+        float *scratch = (float *)malloc((size_t)(MAX_ROWS * N + 2 * MAX_ROWS * D) * sizeof(float));
+        if (!scratch) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; ++t) {
+            if (!scratch) continue;
+            const int64_t blk = t % blocks, h = (t / blocks) % H, b = t / (blocks * H);
+            const int64_t i0 = blk * MAX_ROWS, rows = Q - i0 < MAX_ROWS ? Q - i0 : MAX_ROWS;
+            attend_rows(&P, b, h, i0, rows, scratch);
+        }
+        free(scratch);
+    }
+    return failed ? 1 : 0;
+}
