@@ -121,3 +121,22 @@ def test_a_variant_that_cannot_run_is_reported_not_fatal():
     assert "quasar_self" in result["unavailable_variants"] and "ngram" in result["unavailable_variants"]["quasar_self"]
     assert set(result["variants"]) == {BASELINE, "quasar_ngram"}
     assert "`quasar_self` not run" in to_markdown(result)
+
+
+def test_acceptance_length_ratio_pools_prompts_and_brackets_the_estimate(bench_result):
+    from quasar_hf.bench.runner import acceptance_length_ratio
+
+    def run(variant, prompt, emitted, steps):
+        return {"variant": variant, "prompt_index": prompt, "repeat": 0,
+                "stats": {"emitted_tokens": emitted, "verify_steps": steps}}
+
+    # Pooled L: baseline (10 + 30) / (10 + 10) = 2.0, variant (12 + 30) / (10 + 10) = 2.1.
+    runs = [run(BASELINE, 0, 10, 10), run(BASELINE, 1, 30, 10), run("quasar_ngram", 0, 12, 10), run("quasar_ngram", 1, 30, 10)]
+    out = acceptance_length_ratio(runs, "quasar_ngram")
+    assert out["ratio"] == pytest.approx(1.05) and out["prompts"] == 2
+    low, high = out["ci95"]
+    assert low <= out["ratio"] <= high and high > low  # prompts disagree (1.2 vs 1.0): a real interval
+    assert acceptance_length_ratio(runs, "quasar_other") is None
+    reported = bench_result["variants"]["quasar_ngram"]["L_ratio_vs_baseline"]
+    assert reported["prompts"] == len(PROMPTS) and reported["ci95"][0] <= reported["ratio"] <= reported["ci95"][1]
+    assert "paired bootstrap 95% interval" in to_markdown(bench_result)

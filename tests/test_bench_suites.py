@@ -20,9 +20,9 @@ class CharTokenizer:
 @pytest.mark.parametrize("name", SUITE_NAMES)
 def test_each_suite_is_small_versioned_and_states_origin_and_licence(name):
     items = load_suite(name)
-    assert 8 <= len(items) <= 16
+    assert 8 <= len(items) <= 40
     assert len({it["id"] for it in items}) == len(items)
-    assert {it["version"] for it in items} == {1}
+    assert len({it["version"] for it in items}) == 1  # one version per file (bumped on any change)
     assert all(it["suite"] == name and it["origin"] and it["licence"] for it in items)
 
 

@@ -137,6 +137,11 @@ def to_markdown(result: dict, title: str = "quasar_hf benchmark") -> str:
                   f"{env['versions'].get('transformers')}, load average at end {env.get('load_average')}.", ""]
     if result.get("variants"):
         lines += ["## Generation (interleaved variants)", ""] + variants_table(result) + [""]
+        for name, s in result["variants"].items():
+            lr = s.get("L_ratio_vs_baseline")
+            if lr:
+                lines += [f"- L of `{name}` / L of `{lr['baseline']}`: {lr['ratio']:.3f} (paired bootstrap 95% "
+                          f"interval over the {lr['prompts']} prompts: {lr['ci95'][0]:.3f} - {lr['ci95'][1]:.3f})"]
         for name, error in (result.get("unavailable_variants") or {}).items():
             lines += [f"- `{name}` not run: {error}"]
         if result.get("unavailable_variants"):

@@ -215,6 +215,10 @@ def run_bench(
         say(f"repeat {repeat + 1}/{repeats} done")
     summaries = {name: summarize_variant([r for r in runs if r["variant"] == name]) for name in names}
     _mark_token_agreement(summaries, runs)
+    if BASELINE in names:
+        for name in names:
+            if name.startswith("quasar_"):
+                summaries[name]["L_ratio_vs_baseline"] = acceptance_length_ratio(runs, name)
     return {
         "config": {
             "variants": names,
@@ -257,6 +261,35 @@ def headline_ratios(summaries: dict[str, dict]) -> dict[str, float]:
         return {}
     base = summaries[BASELINE]["tokens_per_s_median"]
     return {name: s["tokens_per_s_median"] / base for name, s in summaries.items()}
+
+
+def acceptance_length_ratio(runs: list[dict], variant: str, baseline: str = BASELINE,
+                            resamples: int = 2000, seed: int = 0) -> dict | None:
+    """L(variant) / L(baseline) with L = emitted tokens / verify steps summed over prompts, and a
+    paired bootstrap 95% interval over prompts (the spread that which prompts were chosen causes:
+    per-prompt L ranges widely, because the two models write different continuations)."""
+    def totals(name: str) -> dict[int, tuple[int, int]]:
+        out: dict[int, tuple[int, int]] = {}
+        for r in runs:
+            if r["variant"] == name and r.get("stats") and r["repeat"] == 0:
+                out[r["prompt_index"]] = (r["stats"]["emitted_tokens"], r["stats"]["verify_steps"])
+        return out
+
+    mine, base = totals(variant), totals(baseline)
+    prompts = sorted(set(mine) & set(base))
+    if not prompts:
+        return None
+
+    def ratio(sample: list[int]) -> float:
+        l_mine = sum(mine[p][0] for p in sample) / max(1, sum(mine[p][1] for p in sample))
+        l_base = sum(base[p][0] for p in sample) / max(1, sum(base[p][1] for p in sample))
+        return l_mine / l_base
+
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(prompts), (resamples, len(prompts)), generator=gen).tolist()
+    boot = sorted(ratio([prompts[i] for i in row]) for row in picks)
+    return {"ratio": ratio(prompts), "ci95": [boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]],
+            "prompts": len(prompts), "baseline": baseline}
 
 
 def _mark_token_agreement(summaries: dict[str, dict], runs: list[dict]) -> None:

@@ -6,7 +6,7 @@
  *   s_j = scale * dot(q, k_j)      16 lane partial sums over d, then a fixed pairwise tree
  *   p_j = e^(s_j - max_j s_j)      our own polynomial exp (libm's expf is scalar and slow)
  *   l   = sum_j p_j                16 lane partial sums over the visible keys, fixed tree
- *   o   = (sum_j p_j * v_j) / l     per-element sum in key order
+ *   o   = (sum_j p_j * v_j) * (1 / l)  per-element sum in key order
  * So a row's output does not depend on how many other rows are in the call, on keys it may not
  * see (masked or beyond its causal limit are skipped, never added as zeros), nor on the thread
  * count: one-token decode and a (k+1)-token verification give bit-identical rows.
@@ -142,8 +142,6 @@ static float softmax_numerators(float *s, int64_t count) {
     return acc[0];
 }
 
-#define MAX_ROWS 16 /* query rows handled per pass over the keys (bounds the scratch memory) */
-
 typedef struct {
     const void *q, *k, *v;
     const uint8_t *mask;
@@ -154,51 +152,74 @@ typedef struct {
     void *out;
 } Problem;
 
-static inline int sees(const Problem *P, int64_t b, int64_t i, int64_t j) {
-    return P->mask ? P->mask[b * P->m_sb + i * P->m_sq + j] != 0 : j <= P->N - P->Q + i;
+/* sum_t p[t] * v[keys[t]] into out[0 .. D): per element, products added in t order from 0.0f.
+ * For the common head sizes the accumulators live in registers; every path computes the same bits. */
+#ifdef __AVX512F__
+#define DEFINE_WEIGHTED_SUM(DIM)                                                                   \
+    static void weighted_sum_##DIM(float *out, const float *p, const int32_t *keys, int64_t count,  \
+                                   const void *v, int64_t v_base, int64_t v_sn, int dtype) {        \
+        __m512 acc[DIM / LANES];                                                                   \
+        for (int c = 0; c < DIM / LANES; ++c) acc[c] = _mm512_setzero_ps();                        \
+        for (int64_t t = 0; t < count; ++t) {                                                      \
+            const __m512 vp = _mm512_set1_ps(p[t]);                                                \
+            const int64_t off = v_base + keys[t] * v_sn;                                           \
+            for (int c = 0; c < DIM / LANES; ++c)                                                  \
+                acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(vp, load16(v, off + c * LANES, dtype))); \
+        }                                                                                          \
+        for (int c = 0; c < DIM / LANES; ++c) _mm512_storeu_ps(out + c * LANES, acc[c]);           \
+    }
+DEFINE_WEIGHTED_SUM(64)
+DEFINE_WEIGHTED_SUM(128)
+#endif
+
+static void weighted_sum(float *out, const float *p, const int32_t *keys, int64_t count, const void *v,
+                         int64_t v_base, int64_t v_sn, int64_t D, int dtype) {
+#ifdef __AVX512F__
+    if (D == 64) {
+        weighted_sum_64(out, p, keys, count, v, v_base, v_sn, dtype);
+        return;
+    }
+    if (D == 128) {
+        weighted_sum_128(out, p, keys, count, v, v_base, v_sn, dtype);
+        return;
+    }
+#endif
+    for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
+    for (int64_t t = 0; t < count; ++t) axpy_row(out, p[t], v, v_base + keys[t] * v_sn, D, dtype);
 }
 
-/* Rows i0 .. i0 + rows - 1 of head h, batch b. Each row's arithmetic is that of the row alone:
- * walking the keys once for all rows changes no result. scratch holds MAX_ROWS * N scores and
- * MAX_ROWS * D query and accumulator floats. */
-static void attend_rows(const Problem *P, int64_t b, int64_t h, int64_t i0, int64_t rows, float *scratch) {
+/* Query row i of head h, batch b, alone. scratch: N scores, N key indices, 2 * D floats. */
+static void attend_row(const Problem *P, int64_t b, int64_t h, int64_t i, float *scratch) {
     const int64_t N = P->N, D = P->D, kvh = h / P->group;
-    float *scores = scratch;                 /* [rows][N], compacted visible scores */
-    float *qf = scores + MAX_ROWS * N;       /* [rows][D] */
-    float *acc = qf + MAX_ROWS * D;          /* [rows][D] */
-    int64_t count[MAX_ROWS], used[MAX_ROWS];
+    float *scores = scratch;                     /* [N]: scores of the visible keys, in key order */
+    int32_t *keys = (int32_t *)(scores + N);     /* [N]: their indices */
+    float *qf = (float *)(keys + N);             /* [D] */
+    float *acc = qf + D;                         /* [D] */
+    const int64_t q_off = b * P->q_sb + h * P->q_sh + i * P->q_sq;
+    for (int64_t d = 0; d < D; ++d) qf[d] = element(P->q, q_off, d, P->dtype);
+    const uint8_t *mask_row = P->mask ? P->mask + b * P->m_sb + i * P->m_sq : NULL;
+    const int64_t end = P->mask ? N : N - P->Q + i + 1; /* bottom-right causal without a mask */
     const int64_t k_base = b * P->k_sb + kvh * P->k_sh, v_base = b * P->v_sb + kvh * P->v_sh;
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t q_off = b * P->q_sb + h * P->q_sh + (i0 + r) * P->q_sq;
-        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = element(P->q, q_off, d, P->dtype);
-        count[r] = used[r] = 0;
-        for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.0f;
+    int64_t count = 0;
+    for (int64_t j = 0; j < end; ++j) {
+        if (mask_row && !mask_row[j]) continue;
+        scores[count] = dot_row(qf, P->k, k_base + j * P->k_sn, D, P->dtype) * P->scale;
+        keys[count++] = (int32_t)j;
     }
-    for (int64_t j = 0; j < N; ++j) { /* scores, key order */
-        for (int64_t r = 0; r < rows; ++r) {
-            if (!sees(P, b, i0 + r, j)) continue;
-            scores[r * N + count[r]++] = dot_row(qf + r * D, P->k, k_base + j * P->k_sn, D, P->dtype) * P->scale;
-        }
+    float inv = 0.0f;
+    if (count) {
+        inv = 1.0f / softmax_numerators(scores, count);
+        weighted_sum(acc, scores, keys, count, P->v, v_base, P->v_sn, D, P->dtype);
+    } else {
+        for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
     }
-    float inv[MAX_ROWS];
-    for (int64_t r = 0; r < rows; ++r)
-        inv[r] = count[r] ? 1.0f / softmax_numerators(scores + r * N, count[r]) : 0.0f;
-    for (int64_t j = 0; j < N; ++j) { /* weighted values, key order */
-        for (int64_t r = 0; r < rows; ++r) {
-            if (!sees(P, b, i0 + r, j)) continue;
-            axpy_row(acc + r * D, scores[r * N + used[r]++], P->v, v_base + j * P->v_sn, D, P->dtype);
-        }
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t out_off = ((b * P->Q + i0 + r) * P->H + h) * D;
-        const float *a = acc + r * D;
-        if (P->dtype == 0) {
-            float *o = (float *)P->out + out_off;
-            for (int64_t d = 0; d < D; ++d) o[d] = a[d] * inv[r];
-        } else {
-            uint16_t *o = (uint16_t *)P->out + out_off;
-            for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(a[d] * inv[r]);
-        }
+    const int64_t out_off = ((b * P->Q + i) * P->H + h) * D;
+    if (P->dtype == 0) {
+        float *o = (float *)P->out + out_off;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+    } else {
+        uint16_t *o = (uint16_t *)P->out + out_off;
+        for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(acc[d] * inv);
     }
 }
 
@@ -209,21 +230,20 @@ int qhf_rowstable_attention(
     const uint8_t *mask, int64_t m_sb, int64_t m_sq,
     void *out, int64_t B, int64_t H, int64_t KVH, int64_t Q, int64_t N, int64_t D,
     float scale, int dtype, int n_threads) {
-    if (KVH <= 0 || H % KVH != 0 || N < Q || (dtype != 0 && dtype != 1)) return 2;
+    if (KVH <= 0 || H % KVH != 0 || N < Q || N > INT32_MAX || (dtype != 0 && dtype != 1)) return 2;
     const Problem P = {q, k, v, mask, q_sb, q_sh, q_sq, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, m_sb, m_sq,
                        H, Q, N, D, H / KVH, scale, dtype, out};
-    const int64_t blocks = (Q + MAX_ROWS - 1) / MAX_ROWS, tasks = B * H * blocks;
+    const int64_t rows = B * H * Q;
     int failed = 0;
-#pragma omp parallel num_threads(n_threads) if (n_threads > 1 && tasks > 1) reduction(| : failed)
+#pragma omp parallel num_threads(n_threads) if (n_threads > 1 && rows > 1) reduction(| : failed)
     {
-        float *scratch = (float *)malloc((size_t)(MAX_ROWS * N + 2 * MAX_ROWS * D) * sizeof(float));
+        float *scratch = (float *)malloc((size_t)(2 * N + 2 * D) * sizeof(float));
         if (!scratch) failed = 1;
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; ++t) {
+        for (int64_t r = 0; r < rows; ++r) {
             if (!scratch) continue;
-            const int64_t blk = t % blocks, h = (t / blocks) % H, b = t / (blocks * H);
-            const int64_t i0 = blk * MAX_ROWS, rows = Q - i0 < MAX_ROWS ? Q - i0 : MAX_ROWS;
-            attend_rows(&P, b, h, i0, rows, scratch);
+            const int64_t i = r % Q, h = (r / Q) % H, b = r / (Q * H);
+            attend_row(&P, b, h, i, scratch);
         }
         free(scratch);
     }
