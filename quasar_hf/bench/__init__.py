@@ -7,6 +7,5 @@ Public entry points (import the submodule you need; nothing heavy is imported he
   fidelity.evaluate_fidelity(model, reference_model, tokenizer, texts, ...)  perplexity, top-1, KL, L
   report.write_reports(result, out_dir)             JSON (+ environment), markdown, PNG plots
   gpu_check                                         `python -m quasar_hf.bench.gpu_check --out DIR [--tiny]`
-  kernels.run_kernel_benchmark(...)                 kernel micro-benchmark (written by the ops helper)
-  generation.run_generation_benchmark(...)          generation runner core (written by the speculative helper)
+  kernels.run_kernel_benchmark(...)                 kernel micro-benchmark (W8A8 backends vs BF16)
 """
