@@ -11,6 +11,7 @@ from quasar_hf.hf.generate_hook import install_generate_hook
 from quasar_hf.hf.save_hook import install_save_hook
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.speculative import QuasarGenerationConfig, speculative_generate
+from quasar_hf.speculative.attention import use_rowstable_attention
 
 register_with_transformers()
 install_generate_hook()
@@ -23,5 +24,6 @@ __all__ = [
     "W8A8Linear",
     "is_quasar_model",
     "speculative_generate",
+    "use_rowstable_attention",
     "__version__",
 ]

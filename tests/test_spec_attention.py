@@ -117,3 +117,11 @@ def test_negative_control_batched_sdpa_verification_changes_the_cache(tmp_path):
     batched = caches_after(model, prompt, [tokens[:6], tokens[6:]], shape_stable=False)
     with pytest.raises(AssertionError, match="differs"):
         assert_same_caches(decoded, batched)
+
+
+def test_other_attention_implementations_are_warned_about_not_silently_inexact():
+    model = tiny_model()
+    model.set_attn_implementation("eager")
+    prompt = torch.randint(0, 96, (1, 12))
+    with pytest.warns(UserWarning, match="attn_implementation='eager'"):
+        caches_after(model, prompt, [[5, 6, 7]])

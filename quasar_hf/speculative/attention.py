@@ -8,10 +8,11 @@ int32 accumulation), norms, rotary and MLP are row-independent already.
 
 Two ways to close the gap, chosen per model:
 * `QUASAR_ATTENTION` ("quasar_rowstable", installed on Quasar models by the quantizer, or on any
-  model with `use_rowstable_attention`): on CPU in float32/bfloat16 every decode and verify call
-  runs `ops.attention_cpu.rowstable_attention`, which computes each query row alone, so a
-  verified row equals its decode step by construction, at the cost of one batched call.
-  Elsewhere (GPU, float16, prefill of long prompts) it is plain SDPA.
+  model with `use_rowstable_attention`): every decode and verify call runs a kernel that computes
+  each query row alone (`ops.attention_cpu` on CPU in float32/bfloat16, `ops.triton_attention`
+  on CUDA), so a verified row equals its decode step by construction, at the cost of one batched
+  call. Elsewhere (CPU float16, prefill of long prompts, a device where the kernel fails its
+  first-use check) it is plain SDPA.
 * Row-wise verification (`rowwise_verification`, for SDPA where the kernel does not apply): a
   multi-token forward over a cache runs SDPA once per query row, on exactly the keys that a
   decode step would see. Exact, but each extra SDPA call costs ~0.2 ms on CPU.
@@ -22,6 +23,7 @@ cache: the source of the near-ties the bf16 tests allow).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator
 
 import torch
@@ -52,23 +54,35 @@ def _visible_keys(attention_mask: torch.Tensor | None, query: torch.Tensor, key:
     return attention_mask[:, 0, :, :kv_len].expand(batch, q_len, kv_len)
 
 
+def _rowstable_kernel(query, key, value):
+    """The row-stable kernel for these tensors: C on CPU, Triton on CUDA, None where neither applies."""
+    if query.device.type == "cpu":
+        return attention_cpu.rowstable_attention if attention_cpu.supports(query, key, value) else None
+    if query.device.type == "cuda":
+        try:
+            from quasar_hf.ops import triton_attention
+        except ImportError:
+            return None
+        return triton_attention.rowstable_attention_triton if triton_attention.supports(query, key, value) else None
+    return None
+
+
 def _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs):
-    """(True, visible) when the row-stable kernel computes this call; (False, None) otherwise."""
+    """(kernel, visible) when a row-stable kernel computes this call; (None, None) otherwise."""
     if dropout or not getattr(module, "is_causal", True) or any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS):
-        return False, None
-    if not attention_cpu.supports(query, key, value):
-        return False, None
-    visible = _visible_keys(attention_mask, query, key)
-    return (visible is not False), (None if visible is False else visible)
+        return None, None
+    kernel = _rowstable_kernel(query, key, value)
+    visible = _visible_keys(attention_mask, query, key) if kernel is not None else False
+    return (None, None) if visible is False else (kernel, visible)
 
 
 def rowstable_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """AttentionInterface function: the row-stable CPU kernel where it applies, else SDPA."""
+    """AttentionInterface function: the row-stable kernel where it applies, else SDPA."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if not (q_len == kv_len and q_len > LONG_PREFILL_ROWS):
-        usable, visible = _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs)
-        if usable:
-            return attention_cpu.rowstable_attention(query, key, value, visible, scaling), None
+        kernel, visible = _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs)
+        if kernel is not None:
+            return kernel(query, key, value, visible, scaling), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
@@ -93,9 +107,9 @@ def rowwise_sdpa_attention(module, query, key, value, attention_mask, **kwargs):
 def rowwise_rowstable_attention(module, query, key, value, attention_mask, **kwargs):
     """Verification for a QUASAR_ATTENTION model: the kernel where it applies (already row-stable),
     else what its decode steps ran (SDPA), one row at a time."""
-    usable, visible = _kernel_inputs(module, query, key, value, attention_mask, kwargs.get("dropout", 0.0), kwargs)
-    if usable and query.shape[2] != key.shape[2]:
-        return attention_cpu.rowstable_attention(query, key, value, visible, kwargs.get("scaling")), None
+    kernel, visible = _kernel_inputs(module, query, key, value, attention_mask, kwargs.get("dropout", 0.0), kwargs)
+    if kernel is not None and query.shape[2] != key.shape[2]:
+        return kernel(query, key, value, visible, kwargs.get("scaling")), None
     if query.shape[2] == key.shape[2]:  # a prefill: exactly what the model itself runs
         return rowstable_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return rowwise_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
@@ -136,6 +150,13 @@ def rowwise_verification(model: torch.nn.Module, enabled: bool = True) -> Iterat
     """Within the block, an SDPA or QUASAR_ATTENTION model verifies with rows equal to decode steps."""
     config = model.config
     original = config._attn_implementation
+    if enabled and original not in _ROWWISE_FOR:
+        warnings.warn(
+            f"attn_implementation={original!r}: verification runs it on all drafted rows at once, which may round "
+            f"differently from one-token decode steps, so greedy output can differ from plain generate at near-ties. "
+            f"For bit-identical verification use model.set_attn_implementation('{QUASAR_ATTENTION}') or 'sdpa'.",
+            stacklevel=3,
+        )
     if not enabled or original not in _ROWWISE_FOR:
         yield
         return

@@ -1,0 +1,167 @@
+"""Row-stable attention in Triton (GPU): the CUDA counterpart of `ops.attention_cpu`.
+
+One program per (batch, head, query row) walks the keys that row may see in blocks of BLOCK_N,
+always starting at key 0, with an online softmax. BLOCK_N and BLOCK_D depend on the head size
+only, the loop stops at the row's own last visible key, and lanes past it are masked at load
+time (they never hold other rows' keys). So every row computes the same operations on the same
+values whether the call has 1 query row (decode) or k+1 (verification): bit-identical rows, as
+the exactness of `generate(quasar=True)` needs. Oracle: `ops.reference.attention_reference`.
+
+Verified in Triton's CPU interpreter (tests) and by an ahead-of-time compile for sm_90; its GPU
+speed is unmeasured (no GPU was available when it was written): `scripts/gpu_check.sh` times it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _rowstable_attention_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, end_ptr, out_ptr,
+    q_sb, q_sh, q_sq, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, m_sb, m_sq,
+    H, Q, D, GROUP, scale,
+    HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Program (b * H + h, i): out[b, i, h, :] = softmax(scale * q k^T over visible keys) v."""
+    bh = tl.program_id(0)
+    i = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    kvh = h // GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(q_ptr + b * q_sb + h * q_sh + i * q_sq + d, mask=d_ok, other=0.0).to(tl.float32)  # [BD]
+    end = tl.load(end_ptr + b * Q + i)  # one past the row's last visible key
+    m = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for n0 in range(0, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)  # [BN]
+        ok = n < end
+        if HAS_MASK:
+            ok = ok & (tl.load(mask_ptr + b * m_sb + i * m_sq + n, mask=ok, other=0) != 0)
+        tile = ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + b * k_sb + kvh * k_sh + n[:, None] * k_sn + d[None, :], mask=tile, other=0.0)
+        s = tl.sum(q[None, :] * k.to(tl.float32), axis=1) * scale  # [BN]
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))  # [1]
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: avoid -inf - -inf
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(s - m_use)  # [BN], 0 where masked
+        v = tl.load(v_ptr + b * v_sb + kvh * v_sh + n[:, None] * v_sn + d[None, :], mask=tile, other=0.0)
+        total = total * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        m = m_new
+    out = tl.where(total > 0.0, acc / tl.maximum(total, 1e-30), 0.0)  # a row that sees nothing: zeros
+    tl.store(out_ptr + ((b * Q + i) * H + h) * D + d, out, mask=d_ok)
+
+
+@functools.lru_cache(maxsize=2)
+def _jitted_kernel(interpret: bool):
+    """Built lazily, per interpret mode (`triton.jit` reads TRITON_INTERPRET when decorating)."""
+    del interpret
+    return triton.jit(_rowstable_attention_kernel)
+
+
+def _block_sizes(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_D): functions of the head size only, never of the key or row count."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return (16 if _interpret_mode() else max(16, 8192 // block_d)), block_d
+
+
+@functools.lru_cache(maxsize=None)
+def works_on(device: torch.device) -> bool:
+    """Compile and run a small GQA case on `device` against the fp64 oracle, once per device.
+
+    Decided once, so a process never mixes this kernel with SDPA between decode and verify steps.
+    """
+    from .reference import attention_reference
+
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = torch.randn(2, 4, 3, 20, generator=g), torch.randn(2, 2, 7, 20, generator=g), torch.randn(2, 2, 7, 20, generator=g)
+        out = rowstable_attention_triton(q.to(device), k.to(device), v.to(device), None, 0.25).cpu()
+        return bool(torch.allclose(out, attention_reference(q, k, v, None, 0.25).float(), rtol=1e-4, atol=1e-5))
+    except Exception:  # noqa: BLE001 - any failure means: use SDPA with row-wise verification instead
+        return False
+
+
+def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """True for CUDA tensors of one float dtype with GQA-compatible shapes, when the kernel works there."""
+    return (
+        triton is not None
+        and query.device.type == "cuda"
+        and query.dtype in _DTYPES
+        and key.dtype == query.dtype == value.dtype
+        and query.dim() == key.dim() == value.dim() == 4
+        and key.shape == value.shape
+        and key.shape[1] > 0
+        and query.shape[1] % key.shape[1] == 0
+        and query.shape[3] == key.shape[3]
+        and works_on(query.device)
+    )
+
+
+def _row_ends(visible: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+    """int32 [B, Q]: one past each row's last visible key (bottom-right causal without a mask)."""
+    if visible is None:
+        ends = torch.arange(q_len, device=device, dtype=torch.int32) + (kv_len - q_len + 1)
+        return ends[None].expand(batch, q_len).contiguous()
+    last = torch.where(visible, torch.arange(1, kv_len + 1, device=device), 0).amax(dim=-1)  # [B, Q]
+    return last.to(torch.int32).contiguous()
+
+
+def rowstable_attention_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Same contract as `ops.attention_cpu.rowstable_attention`: [B, Q, H, D] in query.dtype.
+
+    query [B, H, Q, D], key/value [B, KVH, N, D]; visible bool [B, Q, N] or None (bottom-right causal).
+    Under TRITON_INTERPRET=1 it runs on CPU tensors too (that is how it is tested without a GPU).
+    """
+    if triton is None:
+        raise RuntimeError("row-stable Triton attention needs the triton package: pip install triton")
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if kv_len < q_len or heads % kv_heads:
+        raise ValueError(f"row-stable attention rejected shapes q {tuple(query.shape)}, k {tuple(key.shape)}")
+    if visible is not None and (visible.dtype != torch.bool or tuple(visible.shape) != (batch, q_len, kv_len)):
+        raise ValueError(f"visible must be a bool tensor [{batch}, {q_len}, {kv_len}], got {visible.dtype} {tuple(visible.shape)}")
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    ends = _row_ends(visible, batch, q_len, kv_len, query.device)
+    mask = None if visible is None else (visible if visible.stride(-1) == 1 else visible.contiguous()).view(torch.uint8)
+    # The interpreter's fp32 -> bf16 store truncates; store fp32 and let torch round (as ops/triton_w8a8.py).
+    out = torch.empty(batch, q_len, heads, head_dim, dtype=torch.float32, device=query.device)
+    if out.numel() == 0:
+        return out.to(query.dtype)
+    block_n, block_d = _block_sizes(head_dim)
+    _jitted_kernel(_interpret_mode())[(batch * heads, q_len)](
+        query, key, value, mask if mask is not None else ends, ends, out,
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        0 if mask is None else mask.stride(0), 0 if mask is None else mask.stride(1),
+        heads, q_len, head_dim, heads // kv_heads, 1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        HAS_MASK=mask is not None, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4,
+        enable_fp_fusion=False,  # no FMA contraction: masked and maskless builds compute the same bits
+    )  # fmt: skip
+    return out.to(query.dtype)
