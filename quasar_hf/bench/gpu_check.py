@@ -135,33 +135,6 @@ def build_model(device: str, tiny: bool) -> torch.nn.Module:
     return model.eval()
 
 
-def attention_check(device: str, tiny: bool) -> dict:
-    """The row-stable attention kernel on `device`: error vs the fp64 oracle, row stability, and
-    time per call vs SDPA at a decode (1 row) and a verify (6 rows) shape over a long cache."""
-    from quasar_hf.ops.reference import attention_reference
-    from quasar_hf.speculative.attention import _rowstable_kernel
-
-    heads, kv_heads, dim, kv_len = (4, 2, 16, 64) if tiny else (32, 8, 128, 2048)
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, heads, 6, dim, generator=g).bfloat16().to(device)
-    k, v = (torch.randn(1, kv_heads, kv_len, dim, generator=g).bfloat16().to(device) for _ in range(2))
-    kernel = _rowstable_kernel(q, k, v)
-    if kernel is None:
-        return {"kernel": None, "note": "no row-stable kernel here: verification runs SDPA row by row"}
-    out = kernel(q, k, v, None, None)
-    ref = attention_reference(q.cpu(), k.cpu(), v.cpu())
-    alone = kernel(q[:, :, :1], k[:, :, : kv_len - 5], v[:, :, : kv_len - 5], None, None)
-    result = {"kernel": f"{kernel.__module__}.{kernel.__name__}",
-              "max_rel_error": float(((out.double().cpu() - ref).abs().max() / ref.abs().max())),
-              "row_equals_decode_step": bool(torch.equal(alone[:, 0], out[:, 0]))}
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    for rows in (1, 6):
-        qq = q[:, :, :rows].contiguous()
-        result[f"us_rows{rows}_kernel"] = median_time(lambda: kernel(qq, k, v, None, None), device, 20) * 1e6
-        result[f"us_rows{rows}_sdpa"] = median_time(lambda: sdpa(qq, k, v, enable_gqa=True), device, 20) * 1e6
-    return result
-
-
 def quantize_in_place(model: torch.nn.Module, backend: str) -> int:
     """Swap every decoder nn.Linear for W8A8Linear.from_linear (lm_head stays bf16); returns the count."""
     from quasar_hf.nn import W8A8Linear
@@ -341,6 +314,7 @@ def _section(result: dict, out_dir: str, name: str, fn: Callable[[], Any], budge
 def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 450.0, backend: str = "auto",
                   command: str = "") -> dict:
     """Run every section within `budget_s` seconds; write DIR/gpu_check.{json,md}; return the result."""
+    from quasar_hf.bench.attention_check import attention_check
     from quasar_hf.bench.report import environment
     from quasar_hf.ops.dispatch import available_backends
 
@@ -357,7 +331,7 @@ def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 450.0, bac
     bw = _section(result, out_dir, "bandwidth", lambda: measure_copy_bandwidth(device, tiny), budget, 5)
     copy_gbps = bw["gbps"] if bw else float("nan")
     _section(result, out_dir, "correctness", lambda: check_correctness(device, tiny, backends), budget, 10)
-    _section(result, out_dir, "attention", lambda: attention_check(device, tiny), budget, 20)
+    _section(result, out_dir, "attention", lambda: attention_check(device, tiny, median_time), budget, 20)
     timed = [b for b in backends if b != "reference"]
     _section(result, out_dir, "kernels", lambda: bench_kernels(device, tiny, timed, copy_gbps, budget), budget, 60)
     holder: dict = {}

@@ -54,7 +54,7 @@ def _visible_keys(attention_mask: torch.Tensor | None, query: torch.Tensor, key:
     return attention_mask[:, 0, :, :kv_len].expand(batch, q_len, kv_len)
 
 
-def _rowstable_kernel(query, key, value):
+def rowstable_kernel_for(query, key, value):
     """The row-stable kernel for these tensors: C on CPU, Triton on CUDA, None where neither applies."""
     if query.device.type == "cpu":
         return attention_cpu.rowstable_attention if attention_cpu.supports(query, key, value) else None
@@ -71,7 +71,7 @@ def _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs):
     """(kernel, visible) when a row-stable kernel computes this call; (None, None) otherwise."""
     if dropout or not getattr(module, "is_causal", True) or any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS):
         return None, None
-    kernel = _rowstable_kernel(query, key, value)
+    kernel = rowstable_kernel_for(query, key, value)
     visible = _visible_keys(attention_mask, query, key) if kernel is not None else False
     return (None, None) if visible is False else (kernel, visible)
 

@@ -115,7 +115,8 @@ class AssistantDrafter:
 
     def start(self, prompts: list[torch.Tensor], setup: DraftSetup) -> None:
         self.setup = setup
-        self.state = RowAlignedCache(self.model, len(prompts), setup.device)
+        # Drafts need no bit-stability (q is whatever the drafter computed): one batched attention call.
+        self.state = RowAlignedCache(self.model, len(prompts), setup.device, shape_stable=False)
         self.fed_drafts = torch.zeros(len(prompts), dtype=torch.long, device=setup.device)  # drafts in its cache
 
     @torch.no_grad()
