@@ -23,6 +23,7 @@ import math
 import torch
 
 from .c_build import PORTABLE_CFLAGS, build_and_load, find_compiler, missing_cpu_flags
+from .reference import attention_layout_ok, attention_reference
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _INT, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -57,8 +58,6 @@ def _library() -> tuple[object | None, str | None]:
 
 def _smoke_test(fn) -> str | None:
     """A small GQA call against the fp64 reference, so a miscompiled kernel is never used."""
-    from .reference import attention_reference  # local: keeps import time low
-
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 3, 20, generator=gen)
     k, v = torch.randn(2, 2, 7, 20, generator=gen), torch.randn(2, 2, 7, 20, generator=gen)
@@ -83,16 +82,12 @@ def is_available() -> bool:
 
 
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """True if these tensors can go to the kernel: CPU, one of fp32/bf16 for all, 4-D, GQA-compatible."""
+    """True if these tensors can go to the kernel: CPU, float32 or bfloat16, the layout of
+    `reference.attention_layout_ok`, and the kernel built here."""
     return (
         query.device.type == "cpu"
         and query.dtype in _DTYPE_CODES
-        and key.dtype == query.dtype == value.dtype
-        and query.dim() == key.dim() == value.dim() == 4
-        and key.shape == value.shape
-        and key.shape[1] > 0
-        and query.shape[1] % key.shape[1] == 0
-        and query.shape[3] == key.shape[3]
+        and attention_layout_ok(query, key, value)
         and is_available()
     )
 

@@ -99,6 +99,20 @@ def w8a8_linear_reference(
     return out.reshape(*lead, weight_q.shape[0])
 
 
+def attention_layout_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """The layout every attention kernel here takes: query [B, H, Q, D], key/value [B, KVH, N, D],
+    one dtype, H a multiple of KVH (GQA)."""
+    return (
+        query.dim() == key.dim() == value.dim() == 4
+        and key.dtype == query.dtype == value.dtype
+        and key.shape == value.shape
+        and key.shape[0] == query.shape[0]
+        and key.shape[1] > 0
+        and query.shape[1] % key.shape[1] == 0
+        and query.shape[3] == key.shape[3]
+    )
+
+
 def attention_reference(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from .reference import attention_layout_ok, attention_reference
+
 try:
     import triton
     import triton.language as tl
@@ -91,8 +93,6 @@ def works_on(device: torch.device) -> bool:
 
     Decided once, so a process never mixes this kernel with SDPA between decode and verify steps.
     """
-    from .reference import attention_reference
-
     try:
         g = torch.Generator().manual_seed(0)
         q, k, v = torch.randn(2, 4, 3, 20, generator=g), torch.randn(2, 2, 7, 20, generator=g), torch.randn(2, 2, 7, 20, generator=g)
@@ -103,17 +103,13 @@ def works_on(device: torch.device) -> bool:
 
 
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """True for CUDA tensors of one float dtype with GQA-compatible shapes, when the kernel works there."""
+    """True for CUDA tensors of one float dtype in the layout of `reference.attention_layout_ok`,
+    when triton is importable and the kernel passed its first-use check on that device."""
     return (
         triton is not None
         and query.device.type == "cuda"
         and query.dtype in _DTYPES
-        and key.dtype == query.dtype == value.dtype
-        and query.dim() == key.dim() == value.dim() == 4
-        and key.shape == value.shape
-        and key.shape[1] > 0
-        and query.shape[1] % key.shape[1] == 0
-        and query.shape[3] == key.shape[3]
+        and attention_layout_ok(query, key, value)
         and works_on(query.device)
     )
 
