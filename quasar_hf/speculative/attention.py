@@ -154,7 +154,7 @@ def rowwise_verification(model: torch.nn.Module, enabled: bool = True) -> Iterat
         warnings.warn(
             f"attn_implementation={original!r}: verification runs it on all drafted rows at once, which may round "
             f"differently from one-token decode steps, so greedy output can differ from plain generate at near-ties. "
-            f"For bit-identical verification use model.set_attn_implementation('{QUASAR_ATTENTION}') or 'sdpa'.",
+            f"For bit-identical verification: model.set_attn_implementation('sdpa'), then quasar_hf.use_rowstable_attention(model).",
             stacklevel=3,
         )
     if not enabled or original not in _ROWWISE_FOR:
