@@ -29,7 +29,10 @@ class RowAlignedCache:
         self.cache = DynamicCache(config=model.config)
         self.slot_mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, S]
         self.valid_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
-        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        parameters = inspect.signature(model.forward).parameters
+        self._takes_logits_to_keep = "logits_to_keep" in parameters
+        # Transformers 5.24 names the cache argument `cache`; earlier 5.x (5.17 on the GPU image) `past_key_values`.
+        self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
 
     @property
     def batch_size(self) -> int:
@@ -53,8 +56,8 @@ class RowAlignedCache:
                 input_ids=tokens,
                 attention_mask=attention_mask,
                 position_ids=positions,
-                cache=self.cache,
                 use_cache=True,
+                **{self._cache_kwarg: self.cache},
                 **kwargs,
             )
         self.slot_mask = full_mask
