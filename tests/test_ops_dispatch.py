@@ -105,3 +105,31 @@ def test_pack_for_torch_holds_the_transposed_weight(layer):
     packed = pack_weight_for(w_q, "torch")
     assert packed.weight_kn.is_contiguous() and torch.equal(packed.weight_kn, w_q.t())
     assert pack_weight_for(w_q, "reference") is None
+
+
+@pytest.mark.parametrize("backend", available_backends("cpu"))
+def test_bound_linear_computes_the_same_bits_and_checks_x(layer, backend):
+    w_q, w_scale, bias = layer
+    prescale = torch.rand(20) + 0.5
+    linear = dispatch.bind_w8a8_linear(w_q, w_scale, bias, prescale, backend=backend)
+    for x in (torch.randn(1, 20), torch.randn(2, 3, 20).bfloat16(), torch.randn(0, 20)):
+        expected = w8a8_linear(x, w_q, w_scale, bias, prescale, backend=backend)
+        assert torch.equal(linear(x), expected)
+    with pytest.raises(ValueError, match="in_features"):
+        linear(torch.randn(4, 21))
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        linear(torch.ones(4, 20, dtype=torch.int32))
+
+
+def test_w8a8_linear_module_rebinds_when_a_buffer_changes():
+    from quasar_hf.nn import W8A8Linear
+
+    module = W8A8Linear.from_linear(torch.nn.Linear(20, 12), act_prescale=torch.rand(20) + 0.5)
+    x = torch.randn(3, 20)
+    before = module(x)
+    for buffer in (module.weight, module.weight_scale, module.act_prescale, module.bias):
+        buffer.mul_(-1 if buffer.dtype == torch.int8 else 2)  # in-place edits must be seen
+        assert torch.equal(module(x), w8a8_linear(x, module.weight, module.weight_scale, module.bias, module.act_prescale))
+    module.weight_scale = module.weight_scale.clone() * 0  # a replaced buffer too
+    assert torch.equal(module(x), module.bias.expand(3, 12))
+    assert not torch.equal(module(x), before)

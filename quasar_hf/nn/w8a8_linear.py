@@ -47,6 +47,9 @@ class W8A8Linear(nn.Module):
         # Backend-specific weight layouts (never serialized), rebuilt when `weight` changes.
         self._packed: object | None = None
         self._packed_key: tuple | None = None
+        # The kernel bound to these buffers (validated and packed once), rebuilt when any changes.
+        self._bound: object | None = None
+        self._bound_key: tuple | None = None
 
     @classmethod
     def from_linear(
@@ -104,18 +107,21 @@ class W8A8Linear(nn.Module):
             self._packed_key = key
         return self._packed
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        from quasar_hf.ops.dispatch import w8a8_linear
+    def _buffers_key(self) -> tuple:
+        """Identity and in-place version of every buffer the kernel reads, and the backend."""
+        key = [self.backend]
+        for t in (self.weight, self.weight_scale, self.bias, self.act_prescale):
+            key += (None, None) if t is None else (id(t), t._version)
+        return tuple(key)
 
-        return w8a8_linear(
-            x,
-            self.weight,
-            self.weight_scale,
-            bias=self.bias,
-            act_prescale=self.act_prescale,
-            backend=self.backend,
-            packed=self.packed_weight(),
-        )
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        key = self._buffers_key()
+        if key != self._bound_key:  # first call, .to(), load_state_dict, in-place edits, backend change
+            from quasar_hf.ops.dispatch import bind_w8a8_linear
+
+            self._bound = bind_w8a8_linear(self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
+            self._bound_key = key
+        return self._bound(x)
 
     def extra_repr(self) -> str:
         return (

@@ -247,6 +247,34 @@ def w8a8_linear_cpu_fused(
     return _run(x, weight_q, weight_scale, bias, act_prescale, packed, want_output=True)
 
 
+def bind_linear(
+    weight_q: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act_prescale: torch.Tensor | None = None,
+    packed: PackedWeight | None = None,
+):
+    """Validate and lay out the weight side once; return `linear(x)` that checks x only.
+
+    For a module calling the same weights every decode step: saves the per-call validation and
+    packing checks (~15 us of a ~30 us call at decode shapes). Same bits as w8a8_linear_cpu_fused.
+    """
+    k = weight_q.shape[1] if isinstance(weight_q, torch.Tensor) and weight_q.dim() == 2 else 0
+    _check_inputs(torch.empty(0, k), weight_q, weight_scale, bias, act_prescale, packed)
+    fn = _require_library()
+    packed = packed if packed is not None else pack_weight(weight_q)
+    w_scale = _fp32_contiguous(weight_scale)
+    prescale = None if act_prescale is None else _fp32_contiguous(act_prescale)
+    bias_c = bias if bias is None or bias.is_contiguous() else bias.contiguous()
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        if not (isinstance(x, torch.Tensor) and x.dtype in _DTYPE_CODES and x.dim() >= 1 and x.shape[-1] == k and x.is_cpu):
+            _check_inputs(x, weight_q, weight_scale, bias, act_prescale, packed)  # raises the precise error
+        return _call(fn, x, weight_q, w_scale, bias_c, prescale, packed, want_output=True)
+
+    return linear
+
+
 def int8_accumulators_cpu_fused(
     x: torch.Tensor,
     weight_q: torch.Tensor,

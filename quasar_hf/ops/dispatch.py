@@ -194,6 +194,41 @@ def w8a8_linear(
     return _run_backend(name, x, weight_q, weight_scale, bias, act_prescale, packed)
 
 
+def bind_w8a8_linear(
+    weight_q: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act_prescale: torch.Tensor | None = None,
+    backend: str = "auto",
+):
+    """Validate the weights, resolve the backend and pack once; return `linear(x)` for these weights.
+
+    The returned function computes exactly `w8a8_linear(x, weight_q, ...)` (same backend, same
+    bits) but checks only x per call. Rebind whenever a weight tensor changes (W8A8Linear does).
+    """
+    k = weight_q.shape[1] if isinstance(weight_q, torch.Tensor) and weight_q.dim() == 2 else 0
+    probe = torch.empty(0, k, device=weight_q.device if isinstance(weight_q, torch.Tensor) else None)
+    validate_w8a8_inputs(probe, weight_q, weight_scale, bias, act_prescale)
+    name = resolve_backend(backend, weight_q.device)
+    packed = pack_weight_for(weight_q, name)
+    if name == "cpu_fused":
+        fast = _cpu_fused_module().bind_linear(weight_q, weight_scale, bias, act_prescale, packed)
+    else:
+        def fast(x: torch.Tensor) -> torch.Tensor:
+            return _run_backend(name, x, weight_q, weight_scale, bias, act_prescale, packed)
+    device = weight_q.device
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        if not (isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES and x.dim() >= 1 and x.shape[-1] == k
+                and x.device == device):
+            validate_w8a8_inputs(x, weight_q, weight_scale, bias, act_prescale)  # raises the precise error
+        if x.numel() == 0:
+            return x.new_zeros(*x.shape[:-1], weight_q.shape[0])
+        return fast(x)
+
+    return linear
+
+
 def pack_weight_for(weight_q: torch.Tensor, backend: str = "auto") -> object | None:
     """Prepacked weight for `backend` on weight_q's device, or None when that backend needs none.
 
