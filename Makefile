@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,8 +21,16 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/quasar-hf demo
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q
+
+# The edit loop: everything except the end-to-end tests on real checkpoints (CI runs those too).
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: setup
 	$(BIN)/quasar-hf bench

@@ -1,6 +1,6 @@
 """Quantize the embedded SmolLM2-135M-Instruct to Quasar W8A8, save it, reload it, generate with Quasar.
 
-    python examples/quickstart.py [--out smollm2-quasar]
+python examples/quickstart.py [--out smollm2-quasar]
 """
 
 from __future__ import annotations
@@ -40,13 +40,15 @@ def main() -> None:
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     for quasar in (False, True):
         started = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, quasar=quasar, return_dict_in_generate=True)
+        out = model.generate(
+            ids, max_new_tokens=args.max_new_tokens, do_sample=False, quasar=quasar, return_dict_in_generate=True
+        )
         seconds = time.perf_counter() - started
         new = out.sequences.shape[1] - ids.shape[1]
         stats = getattr(out, "quasar_stats", None)
         extra = f", mean acceptance length L = {stats.mean_acceptance_length:.2f}" if stats else ""
         print(f"quasar={quasar}: {new / seconds:.1f} tokens/s{extra}")
-        print(tokenizer.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True))
+        print(tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=True))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import json
 import sys
 import time
 import traceback
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from quasar_hf.commands.loading import DTYPES, UsageError
 
@@ -97,14 +97,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from quasar_hf.speculative import QuasarGenerationConfig
 
         if not is_quasar_checkpoint(path):
-            print(f"note: {args.model} is not a Quasar W8A8 checkpoint; its own weights verify the drafts "
-                  "(run `quasar-hf quantize` first for the W8A8 verifier)", file=sys.stderr)
+            print(
+                f"note: {args.model} is not a Quasar W8A8 checkpoint; its own weights verify the drafts "
+                "(run `quasar-hf quantize` first for the W8A8 verifier)",
+                file=sys.stderr,
+            )
         assistant = load_model(resolve_model(args.assistant), dtype=args.dtype) if args.assistant else None
         quasar = QuasarGenerationConfig(drafter=args.drafter, num_draft_tokens=args.num_draft_tokens, assistant_model=assistant)
     input_ids = encode_prompt(tokenizer, args.prompt, use_chat_template=not args.no_chat_template)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
-    result = run_generation(model, tokenizer, input_ids, quasar=quasar, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, streamer=streamer)
+    result = run_generation(
+        model,
+        tokenizer,
+        input_ids,
+        quasar=quasar,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        streamer=streamer,
+    )
     if not args.stream:
         print(result.text)
     print(describe("quasar" if quasar is not None else "plain", result), file=sys.stderr)
@@ -119,12 +129,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not is_quasar_checkpoint(path):
         raise UsageError(f"{args.model} is not a Quasar W8A8 checkpoint; run `quasar-hf quantize {args.model} --out DIR` first")
     model = load_model(path)
-    report = export_compressed_tensors(model, args.out, tokenizer=load_tokenizer(path), fold_act_prescale=not args.no_fold_prescale)
-    print(f"wrote {len(report.quantized_modules)} W8A8 linears (compressed-tensors int-quantized) to {args.out}; "
-          f"high precision: {', '.join(report.ignored_modules) or 'none'}")
+    report = export_compressed_tensors(
+        model, args.out, tokenizer=load_tokenizer(path), fold_act_prescale=not args.no_fold_prescale
+    )
+    print(
+        f"wrote {len(report.quantized_modules)} W8A8 linears (compressed-tensors int-quantized) to {args.out}; "
+        f"high precision: {', '.join(report.ignored_modules) or 'none'}"
+    )
     if report.folded_prescale_modules:
-        print(f"folded act_prescale into {len(report.folded_prescale_modules)} weights "
-              f"(max relative weight error {report.max_fold_rel_error:.2e})")
+        print(
+            f"folded act_prescale into {len(report.folded_prescale_modules)} weights "
+            f"(max relative weight error {report.max_fold_rel_error:.2e})"
+        )
     return 0
 
 
@@ -167,10 +183,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     reference = load_model(reference_path, dtype=args.dtype)
     result = evaluate_fidelity(model, reference, load_tokenizer(path), texts, seq_len=args.seq_len, max_windows=args.max_windows)
     scores = result["next_token"]
-    print(f"perplexity {scores['perplexity_model']:.4f} vs reference {scores['perplexity_reference']:.4f} "
-          f"(ratio {scores['perplexity_ratio']:.4f})")
-    print(f"top-1 agreement {scores['top1_agreement']:.4f}; mean KL(reference || model) {scores['mean_kl_nats']:.5f} nats; "
-          f"{scores['tokens_evaluated']} tokens ({result['config']['text_source']})")
+    print(
+        f"perplexity {scores['perplexity_model']:.4f} vs reference {scores['perplexity_reference']:.4f} "
+        f"(ratio {scores['perplexity_ratio']:.4f})"
+    )
+    print(
+        f"top-1 agreement {scores['top1_agreement']:.4f}; mean KL(reference || model) {scores['mean_kl_nats']:.5f} nats; "
+        f"{scores['tokens_evaluated']} tokens ({result['config']['text_source']})"
+    )
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2, default=str)
@@ -186,14 +206,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def fidelity_measurements(result: dict, args: argparse.Namespace) -> dict:
     """The eval result as QuasarConfig.measured keys (what the model card renders), with its command."""
     scores = result["next_token"]
-    argv = ["quasar-hf", "eval", args.model, "--reference", args.reference, "--seq-len", str(args.seq_len),
-            "--max-windows", str(args.max_windows), "--dtype", args.dtype]
+    argv = [
+        "quasar-hf",
+        "eval",
+        args.model,
+        "--reference",
+        args.reference,
+        "--seq-len",
+        str(args.seq_len),
+        "--max-windows",
+        str(args.max_windows),
+        "--dtype",
+        args.dtype,
+    ]
     argv += ["--text-file", args.text_file] if args.text_file else (["--dataset", args.dataset] if args.dataset else [])
     return {
-        "perplexity": scores["perplexity_model"], "reference_perplexity": scores["perplexity_reference"],
-        "perplexity_ratio": scores["perplexity_ratio"], "top1_agreement": scores["top1_agreement"],
-        "kl_divergence": scores["mean_kl_nats"], "num_tokens": scores["tokens_evaluated"],
-        "fidelity_dataset": result["config"]["text_source"], "command": " ".join(argv + ["--record"]),
+        "perplexity": scores["perplexity_model"],
+        "reference_perplexity": scores["perplexity_reference"],
+        "perplexity_ratio": scores["perplexity_ratio"],
+        "top1_agreement": scores["top1_agreement"],
+        "kl_divergence": scores["mean_kl_nats"],
+        "num_tokens": scores["tokens_evaluated"],
+        "fidelity_dataset": result["config"]["text_source"],
+        "command": " ".join(argv + ["--record"]),
     }
 
 
@@ -219,7 +254,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     quantize.add_argument("model", help=model_help)
     quantize.add_argument("--out", required=True, help="output folder (weights, config, tokenizer, model card)")
     quantize.add_argument("--alpha", type=alpha_value, default="auto", help="SmoothQuant alpha in [0, 1] or 'auto' (default)")
-    quantize.add_argument("--calibration-dataset", help="text file (.txt/.json/.jsonl/.parquet) or Hub dataset name; default built-in text")
+    quantize.add_argument(
+        "--calibration-dataset", help="text file (.txt/.json/.jsonl/.parquet) or Hub dataset name; default built-in text"
+    )
     quantize.add_argument("--num-samples", type=positive_int, default=32, help="calibration blocks (default 32)")
     quantize.add_argument("--seq-len", type=positive_int, default=512, help="tokens per calibration block (default 512)")
     quantize.add_argument("--draft-layers", type=draft_layers_value, help="layers kept for self-drafting: 'auto' or 0,1,2")
@@ -245,14 +282,18 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("model", help="a Quasar checkpoint folder (from `quasar-hf quantize`)")
     export.add_argument("--format", choices=("compressed-tensors",), default="compressed-tensors")
     export.add_argument("--out", required=True, help="output folder")
-    export.add_argument("--no-fold-prescale", action="store_true", help="refuse layers with an unfolded act_prescale instead of folding it")
+    export.add_argument(
+        "--no-fold-prescale", action="store_true", help="refuse layers with an unfolded act_prescale instead of folding it"
+    )
 
     # The benchmark runner owns its options: everything after `bench` goes to it verbatim
     # (prefix_chars="+" keeps argparse from reading its --options here; `bench --help` is the runner's).
     bench = subparsers.add_parser(
-        "bench", help="Benchmark plain, BF16-verified and W8A8-verified (Quasar) generation; "
+        "bench",
+        help="Benchmark plain, BF16-verified and W8A8-verified (Quasar) generation; "
         "options of `python -m quasar_hf.bench.runner` (see `quasar-hf bench --help`)",
-        add_help=False, prefix_chars="+",
+        add_help=False,
+        prefix_chars="+",
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(handler=cmd_bench, command="bench", debug=False)
@@ -269,8 +310,11 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     evaluate.add_argument("--max-windows", type=positive_int, default=16)
     evaluate.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the reference model")
     evaluate.add_argument("--json", help="also write the full result as JSON here")
-    evaluate.add_argument("--record", action="store_true",
-                          help="write the numbers into MODEL's config (quantization_config.measured) and refresh its model card")
+    evaluate.add_argument(
+        "--record",
+        action="store_true",
+        help="write the numbers into MODEL's config (quantization_config.measured) and refresh its model card",
+    )
 
     demo = command("demo", cmd_demo, "Quantize the embedded SmolLM2-135M-Instruct and compare generation with and without Quasar")
     demo.add_argument("--max-new-tokens", type=positive_int, default=128)

@@ -51,22 +51,40 @@ def main() -> None:
     prompts = [torch.tensor([render_prompt(it, tok)]) for it in load_suite("grounded")[: args.prompts]]
     raw = {name: [] for name in variants}
     for i, ids in enumerate(prompts):
-        names = list(variants)[i % len(variants):] + list(variants)[: i % len(variants)]
+        names = list(variants)[i % len(variants) :] + list(variants)[: i % len(variants)]
         for name in names:
             model, cfg = variants[name]
             started = time.perf_counter()
-            out = speculative_generate(model, ids, torch.ones_like(ids), quasar_config=cfg, max_new_tokens=args.max_new_tokens,
-                                       do_sample=False, return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
+            out = speculative_generate(
+                model,
+                ids,
+                torch.ones_like(ids),
+                quasar_config=cfg,
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+                return_dict_in_generate=True,
+                pad_token_id=tok.eos_token_id,
+            )
             seconds = time.perf_counter() - started
             s = out.quasar_stats
-            raw[name].append({"tokens_per_s": (out.sequences.shape[1] - ids.shape[1]) / seconds, "L": s.mean_acceptance_length,
-                              "draft_ms_per_token": 1e3 * s.draft_time_s / max(1, s.drafted_tokens)})
+            raw[name].append(
+                {
+                    "tokens_per_s": (out.sequences.shape[1] - ids.shape[1]) / seconds,
+                    "L": s.mean_acceptance_length,
+                    "draft_ms_per_token": 1e3 * s.draft_time_s / max(1, s.drafted_tokens),
+                }
+            )
     summary = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in raw.items()}
     memory = {dtype: module_bytes(m) for dtype, m in models.items()}
-    report = {"command": f"python scripts/draft_compare.py --draft-layers {args.draft_layers} --prompts {args.prompts} "
-                         f"--max-new-tokens {args.max_new_tokens}",
-              "draft_info": {d: m.config.quantization_config.draft_info for d, m in models.items()},
-              "model_bytes": memory, "summary": summary, "raw": raw, "load_average": os.getloadavg()}
+    report = {
+        "command": f"python scripts/draft_compare.py --draft-layers {args.draft_layers} --prompts {args.prompts} "
+        f"--max-new-tokens {args.max_new_tokens}",
+        "draft_info": {d: m.config.quantization_config.draft_info for d, m in models.items()},
+        "model_bytes": memory,
+        "summary": summary,
+        "raw": raw,
+        "load_average": os.getloadavg(),
+    }
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
     for name, row in summary.items():

@@ -38,6 +38,7 @@ class Timer:
             out = fn(*args, **kwargs)
             self.seconds += time.perf_counter() - start
             return out
+
         return timed
 
 
@@ -47,8 +48,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/verify_step_breakdown_cpu.json")
     args = parser.parse_args()
-    model = (AutoModelForCausalLM.from_pretrained(args.quantized) if args.quantized else AutoModelForCausalLM.from_pretrained(
-        smollm2_135m_instruct(), quantization_config=QuasarConfig(), dtype=torch.bfloat16)).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(args.quantized)
+        if args.quantized
+        else AutoModelForCausalLM.from_pretrained(
+            smollm2_135m_instruct(), quantization_config=QuasarConfig(), dtype=torch.bfloat16
+        )
+    ).eval()
     copy_gbps = measure_copy_bandwidth(torch.device("cpu"))
     int8_bytes = sum(m.weight.numel() for m in model.modules() if isinstance(m, W8A8Linear))
     lm_head_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
@@ -74,10 +80,17 @@ def main() -> None:
             parts = {k: v / args.steps * 1e3 for k, v in parts.items()}
             rows[tokens] = {"step_ms": step, **parts, "rest_ms": step - sum(parts.values()), "x_floor": step / floor_ms}
             print(tokens, {k: round(v, 2) for k, v in rows[tokens].items()})
-    result = {"command": "python scripts/verify_step_breakdown.py " + " ".join(os.sys.argv[1:]),
-              "load_average_end": os.getloadavg(), "torch_threads": torch.get_num_threads(),
-              "copy_gbps_read_plus_write": copy_gbps, "int8_weight_bytes": int8_bytes, "lm_head_bytes": lm_head_bytes,
-              "floor_ms": floor_ms, "cache_tokens": 300, "rows": rows}
+    result = {
+        "command": "python scripts/verify_step_breakdown.py " + " ".join(os.sys.argv[1:]),
+        "load_average_end": os.getloadavg(),
+        "torch_threads": torch.get_num_threads(),
+        "copy_gbps_read_plus_write": copy_gbps,
+        "int8_weight_bytes": int8_bytes,
+        "lm_head_bytes": lm_head_bytes,
+        "floor_ms": floor_ms,
+        "cache_tokens": 300,
+        "rows": rows,
+    }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     with open(args.out.removesuffix(".json") + ".md", "w") as f:
@@ -87,29 +100,35 @@ def main() -> None:
 def to_markdown(d: dict) -> str:
     """The table and how to read it."""
     lines = [
-        "# Verify step time vs the bytes it reads (SmolLM2-135M W8A8, this CPU)", "",
+        "# Verify step time vs the bytes it reads (SmolLM2-135M W8A8, this CPU)",
+        "",
         f"Command: `{d['command'].strip()}` (`QuasarConfig()` defaults quantized in the run; {d['cache_tokens']}-token "
         f"cache; mean of 20 forwards; {d['torch_threads']} threads; load average at the end "
-        f"{', '.join(f'{x:.2f}' for x in d['load_average_end'])}).", "",
+        f"{', '.join(f'{x:.2f}' for x in d['load_average_end'])}).",
+        "",
         f"Bytes a step must read: {d['int8_weight_bytes'] / 1e6:.1f} MB of INT8 weights + {d['lm_head_bytes'] / 1e6:.1f} MB "
         f"of BF16 `lm_head` (tied embeddings; the 300-token KV cache, 6.9 MB, is left out). Measured copy bandwidth "
         f"{d['copy_gbps_read_plus_write']:.1f} GB/s (read + write), so a read floor of **{d['floor_ms']:.1f} ms** (the "
-        "copy figure varies between about 31 and 49 GB/s from run to run on this shared VM).", "",
+        "copy figure varies between about 31 and 49 GB/s from run to run on this shared VM).",
+        "",
         "| tokens per forward | step (ms) | W8A8 linears (210 calls) | attention (30 calls) | lm_head | rest | x floor |",
         "|---|---|---|---|---|---|---|",
     ]
     for label, key in (("1 (decode)", "1"), ("6 (verify 5 drafts)", "6")):
         r = d["rows"][key]
-        lines.append(f"| {label} | {r['step_ms']:.1f} | {r['w8a8_linears_ms']:.1f} | {r['attention_ms']:.1f} | "
-                     f"{r['lm_head_ms']:.1f} | {r['rest_ms']:.1f} | {r['x_floor']:.1f} |")
+        lines.append(
+            f"| {label} | {r['step_ms']:.1f} | {r['w8a8_linears_ms']:.1f} | {r['attention_ms']:.1f} | "
+            f"{r['lm_head_ms']:.1f} | {r['rest_ms']:.1f} | {r['x_floor']:.1f} |"
+        )
     r1, r6 = d["rows"]["1"], d["rows"]["6"]
     lines += [
-        "", f"Reading: verifying 6 tokens costs {r6['step_ms'] / r1['step_ms']:.2f}x one decode step, which is what "
+        "",
+        f"Reading: verifying 6 tokens costs {r6['step_ms'] / r1['step_ms']:.2f}x one decode step, which is what "
         "speculative decoding lives on. The step is above the memory floor because of fixed costs, not bytes: "
         f"the W8A8 linears stream their {d['int8_weight_bytes'] / 1e6:.0f} MB at "
         f"~{d['int8_weight_bytes'] / 1e6 / r6['w8a8_linears_ms']:.1f} GB/s (each of the 210 calls still pays ~15 us of "
         "module, Python and ctypes overhead, and q/k/v and gate/up quantize the same input separately), and the "
-        "\"rest\" (RMSNorms, rotary, residual adds, KV-cache concatenation and Transformers' module overhead: over a "
+        '"rest" (RMSNorms, rotary, residual adds, KV-cache concatenation and Transformers\' module overhead: over a '
         "thousand small torch ops per step) costs about as much. Next steps this table points to: merged q/k/v and "
         "gate/up W8A8 calls (one activation quantization each) and the norm fused into the quantization.",
     ]

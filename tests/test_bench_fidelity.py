@@ -29,8 +29,16 @@ class CharTokenizer:
 
 def tiny_model(seed=0, vocab=64):
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab, eos_token_id=1, bos_token_id=None)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     return AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -48,8 +56,9 @@ def test_stats_aggregate_to_L_and_per_position_rates():
 def test_speculative_tokens_reproduce_greedy_generate_exactly():
     model = tiny_model()
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 7, 8, 9, 3, 4]])
-    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False,
-                              pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False, pad_token_id=0)[
+        0, prompt.shape[1] :
+    ].tolist()
     tokens, stats = speculative_tokens(model, prompt, 30, "ngram", 4, "auto")
     assert tokens == expected[: len(tokens)] and (len(tokens) == 30 or tokens[-1] == 1)
     assert stats["verify_steps"] < len(tokens)  # some drafts were accepted
@@ -87,8 +96,9 @@ def test_next_token_sums_match_hand_computation():
 def test_identical_models_have_ratio_one_agreement_one_kl_zero_same_L():
     model = tiny_model()
     prompts = [torch.tensor([[3, 4, 5, 3, 4, 5, 6, 7, 3, 4]])]
-    result = evaluate_fidelity(model, model, CharTokenizer(), ["abcabd abcabd " * 20], seq_len=32,
-                               acceptance_prompts=prompts, max_new_tokens=16)
+    result = evaluate_fidelity(
+        model, model, CharTokenizer(), ["abcabd abcabd " * 20], seq_len=32, acceptance_prompts=prompts, max_new_tokens=16
+    )
     nt = result["next_token"]
     assert nt["perplexity_ratio"] == pytest.approx(1.0) and nt["top1_agreement"] == 1.0
     assert nt["mean_kl_nats"] == pytest.approx(0.0, abs=1e-6)

@@ -21,8 +21,13 @@ BLOCK_OPTIONAL = (
 
 def test_tiny_check_runs_every_section_without_optional_packages(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", BLOCK_OPTIONAL, "--out", str(tmp_path), "--tiny", "--budget-s", "600"],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", BLOCK_OPTIONAL, "--out", str(tmp_path), "--tiny", "--budget-s", "600"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert not result.get("errors") and not result.get("skipped")
@@ -40,12 +45,15 @@ def test_tiny_check_runs_every_section_without_optional_packages(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernel_under_interpreter_matches_reference():
-    code = ("from quasar_hf.bench.gpu_check import check_correctness\n"
-            "rows = check_correctness('cpu', True, ['triton'])\n"
-            "assert len(rows) == 3 and all(r.get('ok') for r in rows), rows\n"
-            "assert all(r['max_rel_err'] == 0.0 for r in rows), rows\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, TRITON_INTERPRET="1"))
+    code = (
+        "from quasar_hf.bench.gpu_check import check_correctness\n"
+        "rows = check_correctness('cpu', True, ['triton'])\n"
+        "assert len(rows) == 3 and all(r.get('ok') for r in rows), rows\n"
+        "assert all(r['max_rel_err'] == 0.0 for r in rows), rows\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=dict(os.environ, TRITON_INTERPRET="1")
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -57,8 +65,17 @@ def test_exhausted_budget_skips_sections_but_still_writes_reports(tmp_path):
 
 def test_check_targets_reads_triton_rows_verify_and_end_to_end():
     result = {
-        "kernels": [{"shape": "qwen3-8b.q_proj", "M": m, "backend": "triton", "time_us": 1.0,
-                     "speedup_vs_bf16": 2.0 - m / 100, "fraction_of_copy_bw": 0.8} for m in (1, 16, 64)],
+        "kernels": [
+            {
+                "shape": "qwen3-8b.q_proj",
+                "M": m,
+                "backend": "triton",
+                "time_us": 1.0,
+                "speedup_vs_bf16": 2.0 - m / 100,
+                "fraction_of_copy_bw": 0.8,
+            }
+            for m in (1, 16, 64)
+        ],
         "verify_bf16": [{"draft_tokens": 1, "ms": 10.0}, {"draft_tokens": 2, "ms": 12.0}],
         "verify_w8a8": [{"draft_tokens": 1, "ms": 5.0}, {"draft_tokens": 2, "ms": 8.0}],
         "end_to_end": {"bf16_verify_ngram": {"tokens_per_s_median": 100.0}, "quasar_ngram": {"tokens_per_s_median": 150.0}},

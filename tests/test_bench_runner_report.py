@@ -24,8 +24,16 @@ class CharTokenizer:
 
 def tiny_pair():
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64, eos_token_id=1, bos_token_id=None)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     reference = AutoModelForCausalLM.from_config(config).eval()
     quantized = copy.deepcopy(reference)
     for name, module in list(quantized.model.layers.named_modules()):
@@ -44,8 +52,17 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def bench_result():
     reference, quantized = tiny_pair()
-    return run_bench(reference, quantized, CharTokenizer(), prompts=PROMPTS, max_new_tokens=12, repeats=2,
-                     warmup=0, num_draft_tokens=3, loop="auto")
+    return run_bench(
+        reference,
+        quantized,
+        CharTokenizer(),
+        prompts=PROMPTS,
+        max_new_tokens=12,
+        repeats=2,
+        warmup=0,
+        num_draft_tokens=3,
+        loop="auto",
+    )
 
 
 def test_every_variant_runs_on_every_prompt_every_repeat(bench_result):
@@ -73,8 +90,13 @@ def test_summaries_hold_rates_acceptance_and_headline(bench_result):
 
 def test_write_reports_json_markdown_and_plots(bench_result, tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib not installed (plots)")
-    result = dict(bench_result, command="pytest", kernels=[
-        {"shape": "s", "M": m, "backend": "torch", "time_us": 10.0 / m, "speedup_vs_bf16": 1.0 + m / 8} for m in (1, 4, 16)])
+    result = dict(
+        bench_result,
+        command="pytest",
+        kernels=[
+            {"shape": "s", "M": m, "backend": "torch", "time_us": 10.0 / m, "speedup_vs_bf16": 1.0 + m / 8} for m in (1, 4, 16)
+        ],
+    )
     paths = write_reports(result, str(tmp_path), "t")
     names = sorted(os.path.basename(p) for p in paths)
     assert names == ["t.json", "t.md", "t_acceptance.png", "t_kernel_speedup.png", "t_tokens_per_s.png"]
@@ -89,9 +111,20 @@ def test_write_reports_json_markdown_and_plots(bench_result, tmp_path):
 def test_environment_and_fidelity_markdown():
     env = environment()
     assert env["cpu_count"] >= 1 and env["versions"]["torch"]
-    md = to_markdown({"fidelity": {"next_token": {"perplexity_model": 10.1, "perplexity_reference": 10.0,
-                                                  "perplexity_ratio": 1.01, "top1_agreement": 0.95,
-                                                  "mean_kl_nats": 0.01, "tokens_evaluated": 100}}})
+    md = to_markdown(
+        {
+            "fidelity": {
+                "next_token": {
+                    "perplexity_model": 10.1,
+                    "perplexity_reference": 10.0,
+                    "perplexity_ratio": 1.01,
+                    "top1_agreement": 0.95,
+                    "mean_kl_nats": 0.01,
+                    "tokens_evaluated": 100,
+                }
+            }
+        }
+    )
     assert "| perplexity ratio | 1.010 |" in md
 
 
@@ -116,8 +149,17 @@ def test_bad_arguments_raise_clear_errors(tmp_path):
 
 def test_a_variant_that_cannot_run_is_reported_not_fatal():
     reference, quantized = tiny_pair()
-    result = run_bench(reference, quantized, CharTokenizer(), prompts=PROMPTS[:1], max_new_tokens=4, repeats=1,
-                       warmup=0, variants=[BASELINE, "quasar_ngram", "quasar_self"], loop="auto")
+    result = run_bench(
+        reference,
+        quantized,
+        CharTokenizer(),
+        prompts=PROMPTS[:1],
+        max_new_tokens=4,
+        repeats=1,
+        warmup=0,
+        variants=[BASELINE, "quasar_ngram", "quasar_self"],
+        loop="auto",
+    )
     assert "quasar_self" in result["unavailable_variants"] and "ngram" in result["unavailable_variants"]["quasar_self"]
     assert set(result["variants"]) == {BASELINE, "quasar_ngram"}
     assert "`quasar_self` not run" in to_markdown(result)
@@ -127,8 +169,12 @@ def test_acceptance_length_ratio_pools_prompts_and_brackets_the_estimate(bench_r
     from quasar_hf.bench.runner import acceptance_length_ratio
 
     def run(variant, prompt, emitted, steps):
-        return {"variant": variant, "prompt_index": prompt, "repeat": 0,
-                "stats": {"emitted_tokens": emitted, "verify_steps": steps}}
+        return {
+            "variant": variant,
+            "prompt_index": prompt,
+            "repeat": 0,
+            "stats": {"emitted_tokens": emitted, "verify_steps": steps},
+        }
 
     # Pooled L: baseline (10 + 30) / (10 + 10) = 2.0, variant (12 + 30) / (10 + 10) = 2.1.
     runs = [run(BASELINE, 0, 10, 10), run(BASELINE, 1, 30, 10), run("quasar_ngram", 0, 12, 10), run("quasar_ngram", 1, 30, 10)]

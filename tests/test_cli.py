@@ -32,8 +32,24 @@ def calibration_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def quantized(tiny, calibration_file, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("q") / "tiny-quasar"
-    code = main(["quantize", str(tiny), "--out", str(out), "--alpha", "0.5", "--num-samples", "2", "--seq-len", "32",
-                 "--calibration-dataset", str(calibration_file), "--dtype", "float32"])
+    code = main(
+        [
+            "quantize",
+            str(tiny),
+            "--out",
+            str(out),
+            "--alpha",
+            "0.5",
+            "--num-samples",
+            "2",
+            "--seq-len",
+            "32",
+            "--calibration-dataset",
+            str(calibration_file),
+            "--dtype",
+            "float32",
+        ]
+    )
     assert code == 0
     return out
 
@@ -71,9 +87,28 @@ def test_quantize_push_to_hub(tiny, calibration_file, tmp_path, capsys):
     hub = HubStandIn()
     huggingface_hub.set_client_factory(lambda: httpx2.Client(transport=httpx2.MockTransport(hub.handler)))
     try:
-        code = main(["quantize", str(tiny), "--out", str(tmp_path / "q"), "--alpha", "0.5", "--num-samples", "1",
-                     "--seq-len", "32", "--calibration-dataset", str(calibration_file), "--dtype", "float32",
-                     "--push-to-hub", "tiny-cli", "--token", "hf_test_token"])
+        code = main(
+            [
+                "quantize",
+                str(tiny),
+                "--out",
+                str(tmp_path / "q"),
+                "--alpha",
+                "0.5",
+                "--num-samples",
+                "1",
+                "--seq-len",
+                "32",
+                "--calibration-dataset",
+                str(calibration_file),
+                "--dtype",
+                "float32",
+                "--push-to-hub",
+                "tiny-cli",
+                "--token",
+                "hf_test_token",
+            ]
+        )
     finally:
         huggingface_hub.set_client_factory(default_client_factory)
     assert code == 0
@@ -106,8 +141,24 @@ def test_export_writes_compressed_tensors(quantized, tmp_path):
 
 def test_eval_reports_fidelity(quantized, tiny, calibration_file, tmp_path, capsys):
     report = tmp_path / "fidelity.json"
-    code = main(["eval", str(quantized), "--reference", str(tiny), "--text-file", str(calibration_file),
-                 "--seq-len", "32", "--max-windows", "4", "--dtype", "float32", "--json", str(report)])
+    code = main(
+        [
+            "eval",
+            str(quantized),
+            "--reference",
+            str(tiny),
+            "--text-file",
+            str(calibration_file),
+            "--seq-len",
+            "32",
+            "--max-windows",
+            "4",
+            "--dtype",
+            "float32",
+            "--json",
+            str(report),
+        ]
+    )
     assert code == 0
     scores = json.loads(report.read_text())["next_token"]
     assert 0.9 < scores["perplexity_ratio"] < 1.1  # W8A8 of a tiny random model stays close to fp32
@@ -119,8 +170,23 @@ def test_eval_record_puts_numbers_in_config_and_card(quantized, tiny, calibratio
 
     folder = tmp_path / "copy"
     shutil.copytree(quantized, folder)
-    code = main(["eval", str(folder), "--reference", str(tiny), "--text-file", str(calibration_file),
-                 "--seq-len", "32", "--max-windows", "2", "--dtype", "float32", "--record"])
+    code = main(
+        [
+            "eval",
+            str(folder),
+            "--reference",
+            str(tiny),
+            "--text-file",
+            str(calibration_file),
+            "--seq-len",
+            "32",
+            "--max-windows",
+            "2",
+            "--dtype",
+            "float32",
+            "--record",
+        ]
+    )
     assert code == 0
     measured = json.loads((folder / "config.json").read_text())["quantization_config"]["measured"]
     assert measured["command"].startswith("quasar-hf eval") and measured["num_tokens"] > 0
@@ -130,9 +196,29 @@ def test_eval_record_puts_numbers_in_config_and_card(quantized, tiny, calibratio
 
 
 def test_bench_passes_options_through(quantized, tiny, tmp_path, capsys):
-    code = main(["bench", "--model", str(tiny), "--quantized", str(quantized), "--suites", "grounded",
-                 "--limit-per-suite", "1", "--max-new-tokens", "4", "--repeats", "1", "--warmup", "0",
-                 "--variants", "bf16_generate,quasar_ngram", "--out", str(tmp_path)])
+    code = main(
+        [
+            "bench",
+            "--model",
+            str(tiny),
+            "--quantized",
+            str(quantized),
+            "--suites",
+            "grounded",
+            "--limit-per-suite",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--variants",
+            "bf16_generate,quasar_ngram",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     result = json.loads((tmp_path / "bench_cpu.json").read_text())
     assert set(result["variants"]) == {"bf16_generate", "quasar_ngram"}
@@ -176,8 +262,13 @@ def test_user_errors_exit_2_with_one_line(argv, message, tiny, capsys):
 
 
 @pytest.mark.parametrize(
-    "argv", [["quantize", "m", "--out", "o", "--alpha", "1.5"], ["generate", "m", "--prompt", "x", "--drafter", "beam"],
-             ["quantize", "m"], ["generate", "m", "--prompt", "x", "--max-new-tokens", "0"]]
+    "argv",
+    [
+        ["quantize", "m", "--out", "o", "--alpha", "1.5"],
+        ["generate", "m", "--prompt", "x", "--drafter", "beam"],
+        ["quantize", "m"],
+        ["generate", "m", "--prompt", "x", "--max-new-tokens", "0"],
+    ],
 )
 def test_argparse_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -45,8 +45,17 @@ def random_case(m: int, k: int, n: int, dtype: torch.dtype, seed: int):
     return x, weight_q, weight_scale, bias
 
 
-SHAPES = [(1, 64, 16), (2, 577, 193), (4, 576, 192), (6, 1000, 1000), (9, 3, 5), (13, 130, 47),
-          (16, 576, 1536), (17, 96, 64), (20, 193, 577)]
+SHAPES = [
+    (1, 64, 16),
+    (2, 577, 193),
+    (4, 576, 192),
+    (6, 1000, 1000),
+    (9, 3, 5),
+    (13, 130, 47),
+    (16, 576, 1536),
+    (17, 96, 64),
+    (20, 193, 577),
+]
 
 
 @requires_kernel
@@ -89,12 +98,12 @@ def test_act_prescale_and_low_precision_bias(dtype):
 def test_special_rows_zero_nan_inf_huge(dtype):
     x, weight_q, weight_scale, bias = random_case(7, 200, 40, torch.float32, seed=5)
     big = torch.finfo(dtype).max
-    x[1] = 0.0                      # all-zero row -> exactly bias
-    x[2, 17] = float("nan")         # NaN row -> NaN everywhere in that row
-    x[3, 0] = float("inf")          # Inf row -> NaN
+    x[1] = 0.0  # all-zero row -> exactly bias
+    x[2, 17] = float("nan")  # NaN row -> NaN everywhere in that row
+    x[3, 0] = float("inf")  # Inf row -> NaN
     x[4, 199] = -float("inf")
-    x[5] = x[5].sign() * big        # huge finite values: the scale absorbs them
-    x[6, :100] = big / 2            # mixed magnitudes
+    x[5] = x[5].sign() * big  # huge finite values: the scale absorbs them
+    x[6, :100] = big / 2  # mixed magnitudes
     x = x.to(dtype)
     expected = w8a8_linear_reference(x, weight_q, weight_scale, bias)
     actual = cpu_fused.w8a8_linear_cpu_fused(x, weight_q, weight_scale, bias)
@@ -115,8 +124,9 @@ def test_subnormal_rows_match_reference(dtype):
     x = x.to(dtype)
     a_q, _ = quantize_per_token(x)
     assert torch.equal(cpu_fused.int8_accumulators_cpu_fused(x, weight_q), int8_matmul_reference(a_q, weight_q))
-    assert_bitwise_equal(cpu_fused.w8a8_linear_cpu_fused(x, weight_q, weight_scale, bias),
-                         w8a8_linear_reference(x, weight_q, weight_scale, bias))
+    assert_bitwise_equal(
+        cpu_fused.w8a8_linear_cpu_fused(x, weight_q, weight_scale, bias), w8a8_linear_reference(x, weight_q, weight_scale, bias)
+    )
 
 
 @requires_kernel
@@ -143,12 +153,15 @@ def test_3d_input_noncontiguous_input_and_packed_weight_agree():
     assert_bitwise_equal(actual, expected)
     x_wide = torch.cat([x, torch.full((6, 5), float("nan"), dtype=x.dtype)], dim=1)[:, :96]  # row stride 101
     assert x_wide.stride() == (101, 1)
-    assert_bitwise_equal(cpu_fused.w8a8_linear_cpu_fused(x_wide, weight_q, weight_scale, bias, packed=packed),
-                         w8a8_linear_reference(x, weight_q, weight_scale, bias))
+    assert_bitwise_equal(
+        cpu_fused.w8a8_linear_cpu_fused(x_wide, weight_q, weight_scale, bias, packed=packed),
+        w8a8_linear_reference(x, weight_q, weight_scale, bias),
+    )
     x_t = x.t().contiguous().t()  # same values, column-major storage
     assert not x_t.is_contiguous()
-    assert_bitwise_equal(cpu_fused.w8a8_linear_cpu_fused(x_t, weight_q, weight_scale, bias),
-                         w8a8_linear_reference(x, weight_q, weight_scale, bias))
+    assert_bitwise_equal(
+        cpu_fused.w8a8_linear_cpu_fused(x_t, weight_q, weight_scale, bias), w8a8_linear_reference(x, weight_q, weight_scale, bias)
+    )
 
 
 @requires_kernel

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig
 from quasar_hf.hf.draft_path import expected_acceptance_length, self_draft_model

@@ -42,9 +42,16 @@ def make_tiny_checkpoint(path: Path, chat_template: bool = True, seed: int = 0) 
     torch.manual_seed(seed)
     tokenizer = byte_level_tokenizer(chat_template)
     config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=len(tokenizer) + 1, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer) + 1,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
     )
     model = AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(path)
@@ -99,10 +106,10 @@ class HubStandIn:
                 200, json={"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
             )
         if path.startswith("/api/models/") and "/commit/" in path:
-            repo_id = path[len("/api/models/"):].split("/commit/")[0]
+            repo_id = path[len("/api/models/") :].split("/commit/")[0]
             return self._commit(repo_id, request.content)
         if path.startswith("/api/models/"):
-            repo_id = "/".join(path[len("/api/models/"):].split("/")[:2])
+            repo_id = "/".join(path[len("/api/models/") :].split("/")[:2])
             return self._info(repo_id)
         if "/resolve/" in path:
             repo_id, rest = path.lstrip("/").split("/resolve/", 1)

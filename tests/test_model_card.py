@@ -44,8 +44,13 @@ def test_config_and_measurements_are_rendered():
         alpha="auto",
         searched_alphas={"model.layers.0.input_layernorm": 0.7},
         calibration_info={"source": "built-in python docs", "num_samples": 32, "seq_len": 512},
-        measured={"perplexity_ratio": 1.0123, "top1_agreement": 0.9512, "mean_acceptance_length": 1.41,
-                  "speedup_vs_bf16_verify": 1.27, "command": "quasar-hf eval A --reference B"},
+        measured={
+            "perplexity_ratio": 1.0123,
+            "top1_agreement": 0.9512,
+            "mean_acceptance_length": 1.41,
+            "speedup_vs_bf16_verify": 1.27,
+            "command": "quasar-hf eval A --reference B",
+        },
     )
     text = render_model_card(qconfig, repo_id="me/x")
     assert "| `model.layers.0.input_layernorm` | 0.7 |" in text

@@ -14,8 +14,9 @@ from quasar_hf.ops import triton_attention  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
-runs_kernels = pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(),
-                                  reason="running the kernel needs a CUDA device or TRITON_INTERPRET=1")
+runs_kernels = pytest.mark.skipif(
+    not INTERPRETED and not torch.cuda.is_available(), reason="running the kernel needs a CUDA device or TRITON_INTERPRET=1"
+)
 # (batch, heads, kv_heads, q_len, kv_len, head_dim): decode, verify, MHA, ragged head dim, M = 1 over 1 key
 SHAPES = [(1, 4, 2, 1, 21, 16), (1, 4, 2, 6, 37, 16), (2, 2, 2, 3, 19, 20), (1, 2, 1, 1, 1, 8)]
 
@@ -23,8 +24,11 @@ SHAPES = [(1, 4, 2, 1, 21, 16), (1, 4, 2, 6, 37, 16), (2, 2, 2, 3, 19, 20), (1, 
 def qkv(shape, dtype, seed=0):
     batch, heads, kv_heads, q_len, kv_len, dim = shape
     g = torch.Generator().manual_seed(seed)
-    tensors = (torch.randn(batch, heads, q_len, dim, generator=g) * 2, torch.randn(batch, kv_heads, kv_len, dim, generator=g),
-               torch.randn(batch, kv_heads, kv_len, dim, generator=g))
+    tensors = (
+        torch.randn(batch, heads, q_len, dim, generator=g) * 2,
+        torch.randn(batch, kv_heads, kv_len, dim, generator=g),
+        torch.randn(batch, kv_heads, kv_len, dim, generator=g),
+    )
     return [t.to(dtype).to(DEVICE) for t in tensors]
 
 
@@ -93,13 +97,17 @@ def test_triton_attention_compiles_for_hopper_without_fma_contraction():
         pytest.skip(f"this triton has no ahead-of-time compile API: {err}")
     kernel = triton_attention._jitted_kernel(False)
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*u8", "end_ptr": "*i32", "out_ptr": "*fp32"}
-    scalars = dict.fromkeys(["q_sb", "q_sh", "q_sq", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn", "m_sb", "m_sq",
-                             "H", "Q", "D", "GROUP"], "i32")
+    scalars = dict.fromkeys(
+        ["q_sb", "q_sh", "q_sq", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn", "m_sb", "m_sq", "H", "Q", "D", "GROUP"], "i32"
+    )
     constants = {"HAS_MASK": True, "BLOCK_N": 64, "BLOCK_D": 128}
     signature = {**pointers, **scalars, "scale": "fp32", **dict.fromkeys(constants, "constexpr")}
     try:
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
+        compiled = triton.compile(
+            ASTSource(fn=kernel, signature=signature, constexprs=constants),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": 4, "enable_fp_fusion": False},
+        )
     except (TypeError, KeyError) as err:  # signature format of another triton release
         pytest.skip(f"this triton's ahead-of-time compile API differs: {err!r}")
     assert "fma.rn.f32" not in compiled.asm["ptx"], "online-softmax updates were contracted into FMAs"

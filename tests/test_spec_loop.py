@@ -20,8 +20,16 @@ ATTENTIONS = ["sdpa", QUASAR_ATTENTION]
 def tiny_model(arch="llama", seed=0, vocab=VOCAB, attention="sdpa", **overrides):
     torch.manual_seed(seed)
     config = ARCHS[arch](
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **overrides,
     )
     model = AutoModelForCausalLM.from_config(config).float().eval()
     if attention == QUASAR_ATTENTION:
@@ -96,7 +104,9 @@ def test_greedy_with_processors_matches_plain_generate():
         quasar = drafter_configs(model)[drafter]
         for seed in range(3):
             prompt = repetitive_prompt(seed)
-            assert torch.equal(speculative_generate(model, prompt, quasar_config=quasar, **options), model.generate(prompt, **options))
+            assert torch.equal(
+                speculative_generate(model, prompt, quasar_config=quasar, **options), model.generate(prompt, **options)
+            )
 
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 6, 7, 13])
@@ -104,7 +114,9 @@ def test_max_new_tokens_is_exact_even_when_every_draft_is_accepted(max_new_token
     model = tiny_model()
     prompt = repetitive_prompt(0)
     quasar = QuasarGenerationConfig(drafter="assistant", assistant_model=model)
-    out = speculative_generate(model, prompt, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, quasar_config=quasar)
+    out = speculative_generate(
+        model, prompt, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, quasar_config=quasar
+    )
     plain = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)
     assert out.shape[1] == prompt.shape[1] + max_new_tokens and torch.equal(out, plain)
 
@@ -116,8 +128,9 @@ def test_eos_inside_an_accepted_run_ends_the_row_there():
     eos = int(free[0, prompt.shape[1] + 3])  # the 4th generated token
     stop_at = (free[0, prompt.shape[1] :] == eos).nonzero()[0].item() + 1
     quasar = QuasarGenerationConfig(drafter="assistant", assistant_model=model)  # accepts 5 drafts per step
-    out = speculative_generate(model, prompt, max_new_tokens=20, do_sample=False, eos_token_id=eos,
-                               quasar_config=quasar, return_dict_in_generate=True)
+    out = speculative_generate(
+        model, prompt, max_new_tokens=20, do_sample=False, eos_token_id=eos, quasar_config=quasar, return_dict_in_generate=True
+    )
     assert torch.equal(out.sequences, free[:, : prompt.shape[1] + stop_at])
     assert out.quasar_stats.accepted_tokens >= stop_at - 2  # the eos came out of an accepted run
 
@@ -156,8 +169,9 @@ def test_streamer_receives_exactly_the_returned_tokens(drafter):
     model = tiny_model()
     prompt = repetitive_prompt(2)
     streamer = RecordingStreamer()
-    out = speculative_generate(model, prompt, max_new_tokens=25, do_sample=False, streamer=streamer,
-                               quasar_config=drafter_configs(model)[drafter])
+    out = speculative_generate(
+        model, prompt, max_new_tokens=25, do_sample=False, streamer=streamer, quasar_config=drafter_configs(model)[drafter]
+    )
     assert torch.equal(streamer.chunks[0].view(-1), prompt[0]) and streamer.ended
     streamed = torch.cat([c.view(-1) for c in streamer.chunks[1:]])
     assert torch.equal(streamed, out[0, prompt.shape[1] :])
@@ -166,8 +180,7 @@ def test_streamer_receives_exactly_the_returned_tokens(drafter):
 def test_return_dict_and_stats_are_consistent():
     model = tiny_model()
     prompt = repetitive_prompt(0)
-    out = speculative_generate(model, prompt, max_new_tokens=30, do_sample=False, eos_token_id=None,
-                               return_dict_in_generate=True)
+    out = speculative_generate(model, prompt, max_new_tokens=30, do_sample=False, eos_token_id=None, return_dict_in_generate=True)
     stats = out.quasar_stats
     assert stats.new_tokens + 1 == out.sequences.shape[1] - prompt.shape[1]  # +1: the prefill's token
     assert stats.accepted_tokens == stats.new_tokens - stats.verify_steps
@@ -193,9 +206,17 @@ def test_finished_rows_leave_the_batch():
     prompts = [repetitive_prompt(0), repetitive_prompt(1)]
     ids, mask = left_padded_batch(prompts)
     drafter = CountingDrafter()
-    out = speculative_generate(model, ids, mask, max_new_tokens=30, do_sample=False, eos_token_id=None,
-                               quasar_config=QuasarGenerationConfig(drafter=drafter), stop_strings=None,
-                               stopping_criteria=_stop_row0_after(int(ids[0, 0]), ids.shape[1] + 4))
+    out = speculative_generate(
+        model,
+        ids,
+        mask,
+        max_new_tokens=30,
+        do_sample=False,
+        eos_token_id=None,
+        quasar_config=QuasarGenerationConfig(drafter=drafter),
+        stop_strings=None,
+        stopping_criteria=_stop_row0_after(int(ids[0, 0]), ids.shape[1] + 4),
+    )
     assert drafter.batch_sizes[0] == 2 and drafter.batch_sizes[-1] == 1
     assert out[0, ids.shape[1] + 4 :].eq(0).all()  # the finished row is right-padded with pad_token_id
 
@@ -247,8 +268,9 @@ def test_generate_hook_routes_quasar_models_and_refuses_plain_ones():
     model.config.quantization_config = {"quant_method": "quasar"}  # what is_quasar_model reads
     out = model.generate(prompt, max_new_tokens=20, do_sample=False, quasar=True, return_dict_in_generate=True)
     assert torch.equal(out.sequences, plain) and out.quasar_stats.verify_steps > 0
-    out = model.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=tiny_model(seed=7),
-                         return_dict_in_generate=True)
+    out = model.generate(
+        prompt, max_new_tokens=20, do_sample=False, assistant_model=tiny_model(seed=7), return_dict_in_generate=True
+    )
     assert torch.equal(out.sequences, plain) and out.quasar_stats is not None  # assistant drafts, our verifier loop
     out = model.generate(prompt, max_new_tokens=20, do_sample=False, quasar={"drafter": "ngram", "num_draft_tokens": 3})
     assert torch.equal(out, plain)
@@ -262,7 +284,11 @@ def test_batched_attention_mode_verifies_the_same_way_and_counts_the_same_steps(
         prompt = repetitive_prompt(seed)
         plain = model.generate(prompt, max_new_tokens=32, do_sample=False)
         fast = speculative_generate(
-            model, prompt, max_new_tokens=32, do_sample=False, return_dict_in_generate=True,
+            model,
+            prompt,
+            max_new_tokens=32,
+            do_sample=False,
+            return_dict_in_generate=True,
             quasar_config=QuasarGenerationConfig(shape_stable_attention=False),
         )
         assert torch.equal(fast.sequences, plain)

@@ -26,8 +26,17 @@ SEED_TEXT = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11, 0, 1, 2]])
 def peaked_model(seed, scale=15.0):
     """Tiny model whose next-token distributions are far from uniform (so drafts are often plausible)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=VOCAB,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     model = AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(scale)
@@ -58,8 +67,15 @@ def exact_joint(model, prompt, options):
 
 def sampled_joint(model, prompt, quasar, options, seed):
     ids = prompt.repeat(NUM_SAMPLES, 1)
-    out = speculative_generate(model, ids, torch.ones_like(ids), quasar_config=quasar, max_new_tokens=3,
-                               generator=torch.Generator().manual_seed(seed), **options)
+    out = speculative_generate(
+        model,
+        ids,
+        torch.ones_like(ids),
+        quasar_config=quasar,
+        max_new_tokens=3,
+        generator=torch.Generator().manual_seed(seed),
+        **options,
+    )
     t = out[:, prompt.shape[1] :]
     counts = torch.zeros(VOCAB**3)
     counts.index_add_(0, t[:, 0] * VOCAB**2 + t[:, 1] * VOCAB + t[:, 2], torch.ones(NUM_SAMPLES))

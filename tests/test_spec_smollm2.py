@@ -36,8 +36,9 @@ def checkpoint(tmp_path_factory):
     from quasar_hf.models import smollm2_135m_instruct
 
     source = smollm2_135m_instruct()
-    config = QuasarConfig(alpha=0.7, num_calibration_samples=2, calibration_seq_len=64,
-                          draft_layers=list(range(15)), draft_dtype="int8")
+    config = QuasarConfig(
+        alpha=0.7, num_calibration_samples=2, calibration_seq_len=64, draft_layers=list(range(15)), draft_dtype="int8"
+    )
     model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, dtype=torch.bfloat16)
     path = tmp_path_factory.mktemp("smollm2_w8a8")
     model.save_pretrained(path)
@@ -73,9 +74,11 @@ def drafters(checkpoint, dtype):
     from transformers import AutoModelForCausalLM
 
     assistant = AutoModelForCausalLM.from_pretrained(checkpoint["source"], dtype=dtype).eval()
-    return {"ngram": ({"drafter": "ngram"}, NUM_PROMPTS),
-            "assistant": ({"drafter": "assistant", "assistant_model": assistant}, NUM_PROMPTS),
-            "self": ({"drafter": "self", "num_draft_tokens": 3}, min(SELF_PROMPTS, NUM_PROMPTS))}
+    return {
+        "ngram": ({"drafter": "ngram"}, NUM_PROMPTS),
+        "assistant": ({"drafter": "assistant", "assistant_model": assistant}, NUM_PROMPTS),
+        "self": ({"drafter": "self", "num_draft_tokens": 3}, min(SELF_PROMPTS, NUM_PROMPTS)),
+    }
 
 
 def bf16_ulp(x: float) -> float:
@@ -99,13 +102,14 @@ def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
 )
 def test_greedy_quasar_equals_plain_w8a8(checkpoint, prompts, dtype, attention):
     model = load(checkpoint, dtype, attention)
-    plain_runs = [model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True) for ids in prompts]
+    plain_runs = [
+        model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        for ids in prompts
+    ]
     near_ties = []
     for name, (quasar, num_prompts) in drafters(checkpoint, torch.bfloat16).items():
         for index, (ids, plain) in enumerate(zip(prompts[:num_prompts], plain_runs)):
-            out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, quasar=quasar,
-                                 return_dict_in_generate=True)
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, quasar=quasar, return_dict_in_generate=True)
             assert out.quasar_stats.verify_steps > 0
             plain_tokens, spec_tokens = plain.sequences[0, ids.shape[1] :], out.sequences[0, ids.shape[1] :]
             step = first_divergence(plain_tokens, spec_tokens)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -23,9 +23,11 @@ def attention_check(device: str, tiny: bool, median_time: Callable[..., float]) 
     out = kernel(q, k, v, None, None)
     ref = attention_reference(q.cpu(), k.cpu(), v.cpu())
     alone = kernel(q[:, :, :1], k[:, :, : kv_len - 5], v[:, :, : kv_len - 5], None, None)
-    result = {"kernel": f"{kernel.__module__}.{kernel.__name__}",
-              "max_rel_error": float(((out.double().cpu() - ref).abs().max() / ref.abs().max())),
-              "row_equals_decode_step": bool(torch.equal(alone[:, 0], out[:, 0]))}
+    result = {
+        "kernel": f"{kernel.__module__}.{kernel.__name__}",
+        "max_rel_error": float((out.double().cpu() - ref).abs().max() / ref.abs().max()),
+        "row_equals_decode_step": bool(torch.equal(alone[:, 0], out[:, 0])),
+    }
     sdpa = torch.nn.functional.scaled_dot_product_attention
     for rows in (1, 6):
         qq = q[:, :, :rows].contiguous()

@@ -19,19 +19,25 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 
-
 # ---------------------------------------------------------------- speculative counters
 def new_stats() -> dict:
     """Counters of one speculative run (the same names as quasar_hf.speculative's QuasarStats)."""
-    return {"verify_steps": 0, "drafted_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 0,
-            "drafted_at_position": [], "accepted_at_position": [], "draft_time_s": 0.0, "verify_time_s": 0.0}
+    return {
+        "verify_steps": 0,
+        "drafted_tokens": 0,
+        "accepted_tokens": 0,
+        "emitted_tokens": 0,
+        "drafted_at_position": [],
+        "accepted_at_position": [],
+        "draft_time_s": 0.0,
+        "verify_time_s": 0.0,
+    }
 
 
 def record_step(stats: dict, draft_len: int, accepted: int) -> None:
@@ -130,8 +136,14 @@ def speculative_tokens(
 
     config = QuasarGenerationConfig(drafter=drafter, num_draft_tokens=num_draft_tokens)
     out = speculative_generate(
-        model, input_ids, torch.ones_like(input_ids), quasar_config=config, max_new_tokens=max_new_tokens,
-        do_sample=False, return_dict_in_generate=True, pad_token_id=eos if eos is not None else 0,
+        model,
+        input_ids,
+        torch.ones_like(input_ids),
+        quasar_config=config,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+        pad_token_id=eos if eos is not None else 0,
     )
     return out.sequences[0, input_ids.shape[1] :].tolist(), _stats_from_project(out.quasar_stats)
 
@@ -207,9 +219,7 @@ def compare_next_token(model: torch.nn.Module, reference_model: torch.nn.Module,
     return finalize_sums(sums)
 
 
-def same_draft_acceptance(
-    model: torch.nn.Module, trajectory: list[int], start: int, num_draft_tokens: int
-) -> dict:
+def same_draft_acceptance(model: torch.nn.Module, trajectory: list[int], start: int, num_draft_tokens: int) -> dict:
     """Accepted draft length at every position >= start of a fixed trajectory, n-gram drafts from its prefix.
 
     The cache holds trajectory[:t-1] before position t; we feed trajectory[t-1] + draft, count the
@@ -296,8 +306,13 @@ def evaluate_fidelity(
         texts, source = heldout_texts(), "builtin:python-docs (heldout split)"
     windows = token_windows(tokenizer, texts, seq_len, max_windows)
     result = {
-        "config": {"text_source": source, "seq_len": seq_len, "windows": len(windows),
-                   "max_new_tokens": max_new_tokens, "num_draft_tokens": num_draft_tokens},
+        "config": {
+            "text_source": source,
+            "seq_len": seq_len,
+            "windows": len(windows),
+            "max_new_tokens": max_new_tokens,
+            "num_draft_tokens": num_draft_tokens,
+        },
         "next_token": compare_next_token(model, reference_model, windows),
         "acceptance": None,
     }
@@ -333,8 +348,11 @@ def fidelity_main(argv: list[str] | None = None) -> list[str]:
     command = "python -m quasar_hf.bench.fidelity " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     reference, quantized, tokenizer, info = load_bench_models(args.model, args.quantized)
     prompts = [torch.tensor([render_prompt(it, tokenizer)]) for it in load_suites(args.suites, args.limit_per_suite)]
-    result = {"command": command, "models": info, "fidelity": evaluate_fidelity(
-        quantized, reference, tokenizer, None, seq_len=args.seq_len, max_windows=args.max_windows)}
+    result = {
+        "command": command,
+        "models": info,
+        "fidelity": evaluate_fidelity(quantized, reference, tokenizer, None, seq_len=args.seq_len, max_windows=args.max_windows),
+    }
     write = lambda: write_reports(result, args.out, args.name, title="quasar_hf fidelity: W8A8 vs unquantized")  # noqa: E731
     write()  # partial results first: the acceptance comparison is the slow part
     if not args.skip_fp32:

@@ -24,15 +24,32 @@ import os
 import statistics
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 TINY_SHAPES = [("tiny.up 128x256", 128, 256), ("tiny.down 256x128", 256, 128)]  # (label, K, N) as bench.kernels
-QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096)
-QWEN3_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
+QWEN3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+)
+QWEN3_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
 
 
 class Budget:
@@ -96,8 +113,18 @@ def check_correctness(device: str, tiny: bool, backends: list[str]) -> list[dict
             try:
                 out = w8a8_linear(x, wq, ws, bias=bias, backend=backend).float()
                 rel = float((out - ref).abs().max() / ref.abs().max())
-                rows.append({"phase": phase, "M": m, "N": n, "K": k, "backend": backend, "max_rel_err": rel,
-                             "bit_exact_fraction": float((out == ref).float().mean()), "ok": rel < 2e-2})
+                rows.append(
+                    {
+                        "phase": phase,
+                        "M": m,
+                        "N": n,
+                        "K": k,
+                        "backend": backend,
+                        "max_rel_err": rel,
+                        "bit_exact_fraction": float((out == ref).float().mean()),
+                        "ok": rel < 2e-2,
+                    }
+                )
             except Exception as err:  # one backend failing must not hide the others
                 rows.append({"phase": phase, "M": m, "backend": backend, "error": f"{type(err).__name__}: {err}"})
     return rows
@@ -112,8 +139,14 @@ def bench_kernels(device: str, tiny: bool, backends: list[str], copy_gbps: float
         if budget.left() < 45:
             rows.append({"shape": shape[0], "skipped": "time budget"})
             continue
-        part = run_kernel_benchmark(device, [shape], [1, 4, 16] if tiny else [1, 2, 4, 8, 16, 32, 64], backends,
-                                    samples=3 if tiny else 15, copy_mebibytes=16)
+        part = run_kernel_benchmark(
+            device,
+            [shape],
+            [1, 4, 16] if tiny else [1, 2, 4, 8, 16, 32, 64],
+            backends,
+            samples=3 if tiny else 15,
+            copy_mebibytes=16,
+        )
         for row in part["rows"]:
             row["fraction_of_copy_bw"] = row["gbps"] / copy_gbps
         rows += part["rows"]
@@ -162,9 +195,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def _describe(model: torch.nn.Module) -> dict:
     """What the timing sections ran on: config dims and bytes read per forward."""
     c = model.config
-    return {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "intermediate": c.intermediate_size,
-            "vocab": c.vocab_size, "parameters": sum(p.numel() for p in model.parameters()),
-            "bytes_read_per_step_bf16": weight_bytes(model)}
+    return {
+        "layers": c.num_hidden_layers,
+        "hidden": c.hidden_size,
+        "intermediate": c.intermediate_size,
+        "vocab": c.vocab_size,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "bytes_read_per_step_bf16": weight_bytes(model),
+    }
 
 
 def verify_latency(model: torch.nn.Module, device: str, tiny: bool, copy_gbps: float, budget: Budget) -> list[dict]:
@@ -190,8 +228,15 @@ def verify_latency(model: torch.nn.Module, device: str, tiny: bool, copy_gbps: f
             _crop(cache, k + 1)
 
         seconds = median_time(step, device, iters=3 if tiny else 15)
-        rows.append({"draft_tokens": k, "tokens_per_step": k + 1, "ms": seconds * 1e3, "floor_ms": floor_s * 1e3,
-                     "fraction_of_floor": floor_s / seconds})
+        rows.append(
+            {
+                "draft_tokens": k,
+                "tokens_per_step": k + 1,
+                "ms": seconds * 1e3,
+                "floor_ms": floor_s * 1e3,
+                "fraction_of_floor": floor_s / seconds,
+            }
+        )
     return rows
 
 
@@ -221,16 +266,24 @@ def end_to_end(model: torch.nn.Module, variants: list[str], device: str, tiny: b
                 tokens, stats = speculative_tokens(model, prompt, max_new, "ngram", 5, "auto")
             sync(device)
             runs.append((len(tokens) / (time.perf_counter() - start), stats))
-        out[name] = {"tokens_per_s_median": statistics.median(r for r, _ in runs),
-                     **{k: v for k, v in aggregate_stats([s for _, s in runs]).items()
-                        if k in ("mean_acceptance_length", "time_per_verify_step_s", "acceptance_rate")}}
+        out[name] = {
+            "tokens_per_s_median": statistics.median(r for r, _ in runs),
+            **{
+                k: v
+                for k, v in aggregate_stats([s for _, s in runs]).items()
+                if k in ("mean_acceptance_length", "time_per_verify_step_s", "acceptance_rate")
+            },
+        }
     return out
 
 
 def check_targets(result: dict) -> dict:
     """The issue's H200 targets against this run (None where the inputs are missing)."""
-    kernels = [r for r in result.get("kernels") or [] if r.get("backend") == "triton" and r.get("M", 99) <= 16
-               and "time_us" in r and "qwen3" in r.get("shape", "")]
+    kernels = [
+        r
+        for r in result.get("kernels") or []
+        if r.get("backend") == "triton" and r.get("M", 99) <= 16 and "time_us" in r and "qwen3" in r.get("shape", "")
+    ]
     verify = {r["draft_tokens"]: r for r in (result.get("verify_bf16") or []) if "ms" in r}
     verify_q = {r["draft_tokens"]: r for r in (result.get("verify_w8a8") or []) if "ms" in r}
     ratios = [verify[k]["ms"] / verify_q[k]["ms"] for k in verify if k in verify_q]
@@ -252,34 +305,57 @@ def to_markdown(result: dict) -> str:
     from quasar_hf.bench.report import _table, kernels_table
 
     env = result.get("environment", {})
-    lines = ["# quasar_hf GPU check", "", f"Command: `{result.get('command')}`", "",
-             f"Device: {(env.get('cuda') or {}).get('device', 'cpu')}; torch {env.get('versions', {}).get('torch')}, "
-             f"triton {env.get('versions', {}).get('triton')}, transformers {env.get('versions', {}).get('transformers')}; "
-             f"wall time {result.get('wall_s', 0):.0f} s.", ""]
+    lines = [
+        "# quasar_hf GPU check",
+        "",
+        f"Command: `{result.get('command')}`",
+        "",
+        f"Device: {(env.get('cuda') or {}).get('device', 'cpu')}; torch {env.get('versions', {}).get('torch')}, "
+        f"triton {env.get('versions', {}).get('triton')}, transformers {env.get('versions', {}).get('transformers')}; "
+        f"wall time {result.get('wall_s', 0):.0f} s.",
+        "",
+    ]
     bw = result.get("bandwidth")
     if bw:
         lines += [f"Measured copy bandwidth: {bw['gbps']:.0f} GB/s.", ""]
     if result.get("attention"):
-        lines += ["## Row-stable attention", ""] + _table(["measure", "value"], [[k, v] for k, v in result["attention"].items()]) + [""]
+        lines += (
+            ["## Row-stable attention", ""]
+            + _table(["measure", "value"], [[k, v] for k, v in result["attention"].items()])
+            + [""]
+        )
     if result.get("correctness"):
         lines += ["## Correctness vs reference", ""]
-        lines += _table(["phase", "M", "backend", "max rel err", "bit-exact fraction", "ok / error"],
-                        [[r["phase"], r["M"], r["backend"], r.get("max_rel_err"), r.get("bit_exact_fraction"),
-                          r.get("error", r.get("ok"))] for r in result["correctness"]]) + [""]
+        lines += _table(
+            ["phase", "M", "backend", "max rel err", "bit-exact fraction", "ok / error"],
+            [
+                [r["phase"], r["M"], r["backend"], r.get("max_rel_err"), r.get("bit_exact_fraction"), r.get("error", r.get("ok"))]
+                for r in result["correctness"]
+            ],
+        ) + [""]
     if result.get("kernels"):
         lines += ["## Kernels", ""] + kernels_table([r for r in result["kernels"] if "time_us" in r]) + [""]
     for key in ("verify_bf16", "verify_w8a8"):
         if result.get(key):
             lines += [f"## Verify step ({key.split('_')[1].upper()})", ""]
-            lines += _table(["draft tokens", "ms", "floor ms", "fraction of floor"],
-                            [[r["draft_tokens"], r.get("ms"), r.get("floor_ms"), r.get("fraction_of_floor")]
-                             for r in result[key]]) + [""]
+            lines += _table(
+                ["draft tokens", "ms", "floor ms", "fraction of floor"],
+                [[r["draft_tokens"], r.get("ms"), r.get("floor_ms"), r.get("fraction_of_floor")] for r in result[key]],
+            ) + [""]
     if result.get("end_to_end"):
         lines += ["## End to end (n-gram drafts, random weights)", ""]
-        lines += _table(["variant", "tokens/s", "L", "ms / verify step"],
-                        [[n, s["tokens_per_s_median"], s.get("mean_acceptance_length"),
-                          s["time_per_verify_step_s"] * 1e3 if s.get("time_per_verify_step_s") else None]
-                         for n, s in result["end_to_end"].items()]) + [""]
+        lines += _table(
+            ["variant", "tokens/s", "L", "ms / verify step"],
+            [
+                [
+                    n,
+                    s["tokens_per_s_median"],
+                    s.get("mean_acceptance_length"),
+                    s["time_per_verify_step_s"] * 1e3 if s.get("time_per_verify_step_s") else None,
+                ]
+                for n, s in result["end_to_end"].items()
+            ],
+        ) + [""]
     if result.get("targets"):
         lines += ["## Targets", ""] + _table(["target", "measured"], [[k, v] for k, v in result["targets"].items()]) + [""]
     if result.get("errors"):
@@ -311,8 +387,7 @@ def _section(result: dict, out_dir: str, name: str, fn: Callable[[], Any], budge
     return result.get(name)
 
 
-def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 450.0, backend: str = "auto",
-                  command: str = "") -> dict:
+def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 450.0, backend: str = "auto", command: str = "") -> dict:
     """Run every section within `budget_s` seconds; write DIR/gpu_check.{json,md}; return the result."""
     from quasar_hf.bench.attention_check import attention_check
     from quasar_hf.bench.report import environment
@@ -339,13 +414,20 @@ def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 450.0, bac
     model = holder.pop("model", None)
     if model is not None:
         _section(result, out_dir, "verify_bf16", lambda: verify_latency(model, device, tiny, copy_gbps, budget), budget, 30)
-        e2e = _section(result, out_dir, "end_to_end",
-                       lambda: end_to_end(model, ["bf16_generate", "bf16_verify_ngram"], device, tiny), budget, 60)
+        e2e = _section(
+            result,
+            out_dir,
+            "end_to_end",
+            lambda: end_to_end(model, ["bf16_generate", "bf16_verify_ngram"], device, tiny),
+            budget,
+            60,
+        )
         if _section(result, out_dir, "quantized_linears", lambda: quantize_in_place(model, backend), budget, 20):
             result["model"]["bytes_read_per_step_w8a8"] = weight_bytes(model)
             _section(result, out_dir, "verify_w8a8", lambda: verify_latency(model, device, tiny, copy_gbps, budget), budget, 30)
-            quasar = _section(result, out_dir, "end_to_end_w8a8",
-                              lambda: end_to_end(model, ["quasar_ngram"], device, tiny), budget, 30)
+            quasar = _section(
+                result, out_dir, "end_to_end_w8a8", lambda: end_to_end(model, ["quasar_ngram"], device, tiny), budget, 30
+            )
             if e2e is not None and quasar is not None:
                 result["end_to_end"] = {**e2e, **quasar}
                 del result["end_to_end_w8a8"]
@@ -361,8 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     import shlex
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m quasar_hf.bench.gpu_check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m quasar_hf.bench.gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.md")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (a test of the code paths)")
     parser.add_argument("--budget-s", type=float, default=None, help="global time budget (default 450, tiny 100)")

@@ -24,8 +24,8 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +117,7 @@ def _bench_shape(
         x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
         variants = {"bf16": lambda i: F.linear(x, bf16[i % copies])}
         for backend in backends:
+
             def call(i: int, b: str = backend) -> torch.Tensor:
                 w_q, w_scale = int8[i % copies]
                 return w8a8_linear(x, w_q, w_scale, backend=b, packed=packs[b][i % copies])
@@ -185,7 +186,9 @@ def summarize(rows: list[dict]) -> dict:
                         if r["backend"] == backend and r["M"] <= 16 and r["shape"].startswith(prefix)]  # fmt: skip
             if speedups:
                 summary[f"{backend}.{group}.m_le_16"] = {
-                    "min_speedup": min(speedups), "median_speedup": statistics.median(speedups), "n": len(speedups)
+                    "min_speedup": min(speedups),
+                    "median_speedup": statistics.median(speedups),
+                    "n": len(speedups),
                 }
     return summary
 
@@ -287,7 +290,10 @@ def main(argv: list[str] | None = None) -> dict:
     result["command"] = "python -m quasar_hf.bench.kernels " + shlex.join(sys.argv[1:] if argv is None else argv)
     device_type = torch.device(result["environment"]["device"]).type
     out = Path(args.out)
-    for path in (write_json(result, out / f"kernels_{device_type}.json"), write_markdown(result, out / f"kernels_{device_type}.md")):
+    for path in (
+        write_json(result, out / f"kernels_{device_type}.json"),
+        write_markdown(result, out / f"kernels_{device_type}.md"),
+    ):
         print(f"wrote {path}")
     print(to_markdown(result))
     return result

@@ -65,8 +65,12 @@ def environment() -> dict:
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        env["cuda"] = {"device": props.name, "memory_bytes": props.total_memory, "cuda_version": torch.version.cuda,
-                       "capability": list(torch.cuda.get_device_capability(0))}
+        env["cuda"] = {
+            "device": props.name,
+            "memory_bytes": props.total_memory,
+            "cuda_version": torch.version.cuda,
+            "capability": list(torch.cuda.get_device_capability(0)),
+        }
     return env
 
 
@@ -89,17 +93,35 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
 
 def variants_table(result: dict) -> list[str]:
     """The headline: tokens/s, speedup vs the BF16-verify loop, L, step times, memory per variant."""
-    header = ["variant", "tokens/s (median)", "x vs bf16_verify_ngram", "L", "acceptance rate",
-              "ms / verify step", "us / draft token", "peak memory (MiB)", "same tokens as bf16"]
+    header = [
+        "variant",
+        "tokens/s (median)",
+        "x vs bf16_verify_ngram",
+        "L",
+        "acceptance rate",
+        "ms / verify step",
+        "us / draft token",
+        "peak memory (MiB)",
+        "same tokens as bf16",
+    ]
     rows = []
     for name, s in result["variants"].items():
         step = s.get("time_per_verify_step_s")
         draft = s.get("time_per_draft_token_s")
         memory = s.get("peak_memory_bytes")
-        rows.append([name, s["tokens_per_s_median"], result.get("headline", {}).get(name),
-                     s.get("mean_acceptance_length"), s.get("acceptance_rate"),
-                     step * 1e3 if step is not None else None, draft * 1e6 if draft is not None else None,
-                     memory / 2**20 if memory else None, s.get("same_tokens_as_bf16_generate")])
+        rows.append(
+            [
+                name,
+                s["tokens_per_s_median"],
+                result.get("headline", {}).get(name),
+                s.get("mean_acceptance_length"),
+                s.get("acceptance_rate"),
+                step * 1e3 if step is not None else None,
+                draft * 1e6 if draft is not None else None,
+                memory / 2**20 if memory else None,
+                s.get("same_tokens_as_bf16_generate"),
+            ]
+        )
     return _table(header, rows)
 
 
@@ -113,37 +135,49 @@ def _generation_notes(variants: dict) -> list[str]:
             lines += [f"- `{name}` / `bf16_prompt_lookup` tokens/s: {s['tokens_per_s_median'] / lookup:.3f}"]
         lr = s.get("L_ratio_vs_baseline")
         if lr:
-            lines += [f"- L of `{name}` / L of `{lr['baseline']}`: {lr['ratio']:.3f} (paired bootstrap 95% "
-                      f"interval over the {lr['prompts']} prompts: {lr['ci95'][0]:.3f} - {lr['ci95'][1]:.3f})"]
+            lines += [
+                f"- L of `{name}` / L of `{lr['baseline']}`: {lr['ratio']:.3f} (paired bootstrap 95% "
+                f"interval over the {lr['prompts']} prompts: {lr['ci95'][0]:.3f} - {lr['ci95'][1]:.3f})"
+            ]
     if any(n.startswith(("quasar_", "bf16_verify")) for n in variants):
-        lines += ["- The speculative-loop variants (`bf16_verify_*`, `quasar_*`) run the row-stable attention kernel "
-                  "that Quasar models load with (the BF16 verifier is switched to it for its calls, so both verifiers "
-                  "differ in their linears only); `bf16_generate` and `bf16_prompt_lookup` run Transformers' SDPA. "
-                  "In bf16 the two attentions round differently, so the loops' agreement with `bf16_generate` is "
-                  "below 1 without either being wrong; equality with plain greedy decoding under the same attention "
-                  "is what the tests check."]
+        lines += [
+            "- The speculative-loop variants (`bf16_verify_*`, `quasar_*`) run the row-stable attention kernel "
+            "that Quasar models load with (the BF16 verifier is switched to it for its calls, so both verifiers "
+            "differ in their linears only); `bf16_generate` and `bf16_prompt_lookup` run Transformers' SDPA. "
+            "In bf16 the two attentions round differently, so the loops' agreement with `bf16_generate` is "
+            "below 1 without either being wrong; equality with plain greedy decoding under the same attention "
+            "is what the tests check."
+        ]
     return lines + ([""] if lines else [])
 
 
 def fidelity_table(fidelity: dict) -> list[str]:
     """Perplexities, agreement, KL, and L of W8A8 vs BF16 verification."""
     nt = fidelity["next_token"]
-    rows = [["perplexity (W8A8)", nt["perplexity_model"]], ["perplexity (reference)", nt["perplexity_reference"]],
-            ["perplexity ratio", nt["perplexity_ratio"]], ["top-1 agreement", nt["top1_agreement"]],
-            ["mean KL (nats)", nt["mean_kl_nats"]], ["tokens evaluated", nt["tokens_evaluated"]]]
+    rows = [
+        ["perplexity (W8A8)", nt["perplexity_model"]],
+        ["perplexity (reference)", nt["perplexity_reference"]],
+        ["perplexity ratio", nt["perplexity_ratio"]],
+        ["top-1 agreement", nt["top1_agreement"]],
+        ["mean KL (nats)", nt["mean_kl_nats"]],
+        ["tokens evaluated", nt["tokens_evaluated"]],
+    ]
     for mode, acc in (fidelity.get("acceptance") or {}).items():
         if isinstance(acc, dict) and "model" in acc:
-            rows += [[f"L {mode} (W8A8)", acc["model"].get("mean_acceptance_length")],
-                     [f"L {mode} (reference)", acc["reference"].get("mean_acceptance_length")],
-                     [f"L ratio {mode}", acc.get("L_ratio")]]
+            rows += [
+                [f"L {mode} (W8A8)", acc["model"].get("mean_acceptance_length")],
+                [f"L {mode} (reference)", acc["reference"].get("mean_acceptance_length")],
+                [f"L ratio {mode}", acc.get("L_ratio")],
+            ]
     return _table(["metric", "value"], rows)
 
 
 def kernels_table(rows: list[dict]) -> list[str]:
     """Kernel micro-benchmark rows: shape, M, backend, time, speedup vs BF16, GB/s."""
-    return _table(["shape", "M", "backend", "us", "x vs bf16", "GB/s"],
-                  [[r.get("shape"), r.get("M"), r.get("backend"), r.get("time_us"), r.get("speedup_vs_bf16"),
-                    r.get("gbps")] for r in rows])
+    return _table(
+        ["shape", "M", "backend", "us", "x vs bf16", "GB/s"],
+        [[r.get("shape"), r.get("M"), r.get("backend"), r.get("time_us"), r.get("speedup_vs_bf16"), r.get("gbps")] for r in rows],
+    )
 
 
 def to_markdown(result: dict, title: str = "quasar_hf benchmark") -> str:
@@ -154,9 +188,12 @@ def to_markdown(result: dict, title: str = "quasar_hf benchmark") -> str:
     env = result.get("environment") or {}
     if env:
         gpu = (env.get("cuda") or {}).get("device", "none")
-        lines += [f"Environment: {env.get('cpu')} ({env.get('cpu_count')} CPUs, {env.get('torch_threads')} torch "
-                  f"threads), GPU {gpu}, torch {env['versions'].get('torch')}, transformers "
-                  f"{env['versions'].get('transformers')}, load average at end {env.get('load_average')}.", ""]
+        lines += [
+            f"Environment: {env.get('cpu')} ({env.get('cpu_count')} CPUs, {env.get('torch_threads')} torch "
+            f"threads), GPU {gpu}, torch {env['versions'].get('torch')}, transformers "
+            f"{env['versions'].get('transformers')}, load average at end {env.get('load_average')}.",
+            "",
+        ]
     if result.get("variants"):
         lines += ["## Generation (interleaved variants)", ""] + variants_table(result) + [""]
         lines += _generation_notes(result["variants"])
@@ -169,9 +206,20 @@ def to_markdown(result: dict, title: str = "quasar_hf benchmark") -> str:
     scale = {k: v for k, v in result.items() if k.endswith("_vs_fp32") and isinstance(v, dict)}
     if scale:
         lines += ["## Against FP32 (for scale)", ""]
-        lines += _table(["comparison", "perplexity", "FP32 perplexity", "ratio", "top-1 agreement", "mean KL (nats)"],
-                        [[k, v["perplexity_model"], v["perplexity_reference"], v["perplexity_ratio"],
-                          v["top1_agreement"], v["mean_kl_nats"]] for k, v in scale.items()]) + [""]
+        lines += _table(
+            ["comparison", "perplexity", "FP32 perplexity", "ratio", "top-1 agreement", "mean KL (nats)"],
+            [
+                [
+                    k,
+                    v["perplexity_model"],
+                    v["perplexity_reference"],
+                    v["perplexity_ratio"],
+                    v["top1_agreement"],
+                    v["mean_kl_nats"],
+                ]
+                for k, v in scale.items()
+            ],
+        ) + [""]
     if result.get("kernels"):
         lines += ["## Kernels", ""] + kernels_table(result["kernels"]) + [""]
     for plot in result.get("plots", []):

@@ -16,7 +16,8 @@ which the report checks.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -48,7 +49,7 @@ class PeakMemory:
         self.device = device
         self.peak_bytes: int | None = None
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         if self.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         else:
@@ -116,9 +117,7 @@ def build_variants(
         if name == "bf16_generate":
             variants[name] = _hf_generate(reference_model)
         elif name == "bf16_prompt_lookup":
-            variants[name] = _hf_generate(
-                reference_model, prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=3
-            )
+            variants[name] = _hf_generate(reference_model, prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=3)
         elif name == "bf16_verify_ngram":
             variants[name] = _speculative(reference_model, "ngram", num_draft_tokens, loop)
         elif name.startswith("quasar_"):
@@ -265,9 +264,9 @@ def load_bench_models(
     `quantized_path` (a saved Quasar checkpoint) or quantized now with `quantization_config`
     (default QuasarConfig()), which calibrates on the built-in calibration split.
     """
-    import quasar_hf  # noqa: F401  (registers quant_method "quasar")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import quasar_hf  # noqa: F401  (registers quant_method "quasar")
     from quasar_hf import QuasarConfig
 
     if model_path is None:
@@ -282,8 +281,12 @@ def load_bench_models(
     else:
         config = quantization_config or QuasarConfig()
         quantized = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=config, dtype=dtype).eval()
-    info = {"model": str(model_path), "quantized_from": str(quantized_path or "quantized at run time"),
-            "quantize_or_load_s": time.perf_counter() - start, "dtype": str(dtype)}
+    info = {
+        "model": str(model_path),
+        "quantized_from": str(quantized_path or "quantized at run time"),
+        "quantize_or_load_s": time.perf_counter() - start,
+        "dtype": str(dtype),
+    }
     qconfig = getattr(quantized.config, "quantization_config", None)
     if qconfig is not None:
         qdict = qconfig if isinstance(qconfig, dict) else qconfig.to_dict()
@@ -340,26 +343,44 @@ def bench_main(argv: list[str] | None = None) -> list[str]:
     args = _parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    reference, quantized, tokenizer, info = load_bench_models(args.model, args.quantized,
-                                                              quantization_config=quantization_config_from_args(args))
+    reference, quantized, tokenizer, info = load_bench_models(
+        args.model, args.quantized, quantization_config=quantization_config_from_args(args)
+    )
     if args.save_quantized:
         quantized.save_pretrained(args.save_quantized)
         tokenizer.save_pretrained(args.save_quantized)
     default_variants = ["bf16_generate", "bf16_prompt_lookup", BASELINE, *available_quasar_variants(args.loop)]
     variants = args.variants.split(",") if args.variants else default_variants
-    result = run_bench(reference, quantized, tokenizer, suites=args.suites, limit_per_suite=args.limit_per_suite,
-                       variants=variants, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                       warmup=args.warmup, num_draft_tokens=args.num_draft_tokens, loop=args.loop,
-                       log=lambda m: print(m, file=sys.stderr, flush=True))
+    result = run_bench(
+        reference,
+        quantized,
+        tokenizer,
+        suites=args.suites,
+        limit_per_suite=args.limit_per_suite,
+        variants=variants,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        num_draft_tokens=args.num_draft_tokens,
+        loop=args.loop,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    )
     result["models"] = info
     if args.fidelity:
         from quasar_hf.bench.fidelity import evaluate_fidelity
         from quasar_hf.bench.suites import load_suites, render_prompt
 
         prompts = [torch.tensor([render_prompt(it, tokenizer)]) for it in load_suites(args.suites, args.limit_per_suite)]
-        result["fidelity"] = evaluate_fidelity(quantized, reference, tokenizer, None, acceptance_prompts=prompts,
-                                               max_new_tokens=args.max_new_tokens,
-                                               num_draft_tokens=args.num_draft_tokens, loop=args.loop)
+        result["fidelity"] = evaluate_fidelity(
+            quantized,
+            reference,
+            tokenizer,
+            None,
+            acceptance_prompts=prompts,
+            max_new_tokens=args.max_new_tokens,
+            num_draft_tokens=args.num_draft_tokens,
+            loop=args.loop,
+        )
     result["command"] = "python -m quasar_hf.bench.runner " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     return write_reports(result, args.out, args.name, title="quasar_hf generation benchmark")
 

@@ -39,11 +39,13 @@ def headline_ratios(summaries: dict[str, dict]) -> dict[str, float]:
     return {name: s["tokens_per_s_median"] / base for name, s in summaries.items()}
 
 
-def acceptance_length_ratio(runs: list[dict], variant: str, baseline: str = BASELINE,
-                            resamples: int = 2000, seed: int = 0) -> dict | None:
+def acceptance_length_ratio(
+    runs: list[dict], variant: str, baseline: str = BASELINE, resamples: int = 2000, seed: int = 0
+) -> dict | None:
     """L(variant) / L(baseline) with L = emitted tokens / verify steps summed over prompts, and a
     paired bootstrap 95% interval over prompts (the spread that which prompts were chosen causes:
     per-prompt L ranges widely, because the two models write different continuations)."""
+
     def totals(name: str) -> dict[int, tuple[int, int]]:
         out: dict[int, tuple[int, int]] = {}
         for r in runs:
@@ -64,8 +66,12 @@ def acceptance_length_ratio(runs: list[dict], variant: str, baseline: str = BASE
     gen = torch.Generator().manual_seed(seed)
     picks = torch.randint(0, len(prompts), (resamples, len(prompts)), generator=gen).tolist()
     boot = sorted(ratio([prompts[i] for i in row]) for row in picks)
-    return {"ratio": ratio(prompts), "ci95": [boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]],
-            "prompts": len(prompts), "baseline": baseline}
+    return {
+        "ratio": ratio(prompts),
+        "ci95": [boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]],
+        "prompts": len(prompts),
+        "baseline": baseline,
+    }
 
 
 def mark_token_agreement(summaries: dict[str, dict], runs: list[dict]) -> None:

@@ -83,5 +83,9 @@ def run_demo(max_new_tokens: int = 128, num_draft_tokens: int = 5, rebuild: bool
     print(describe("without Quasar", plain), file=out)
     print(describe("with Quasar   ", fast), file=out)
     print(f"speedup: {speedup:.2f}x", file=out)
-    return {"tokens_per_s_plain": plain.tokens_per_s, "tokens_per_s": fast.tokens_per_s,
-            "mean_acceptance_length": fast.mean_acceptance_length, "speedup_vs_plain": speedup}
+    return {
+        "tokens_per_s_plain": plain.tokens_per_s,
+        "tokens_per_s": fast.tokens_per_s,
+        "mean_acceptance_length": fast.mean_acceptance_length,
+        "speedup_vs_plain": speedup,
+    }

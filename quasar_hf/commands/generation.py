@@ -55,12 +55,17 @@ def run_generation(
             from quasar_hf.speculative import speculative_generate
 
             output = speculative_generate(
-                model, input_ids, attention_mask, quasar_config=quasar, streamer=streamer,
-                return_dict_in_generate=True, **kwargs,
+                model,
+                input_ids,
+                attention_mask,
+                quasar_config=quasar,
+                streamer=streamer,
+                return_dict_in_generate=True,
+                **kwargs,
             )
             sequences, acceptance = output.sequences, output.quasar_stats.mean_acceptance_length
     seconds = time.perf_counter() - start
-    new = sequences[0, input_ids.shape[1]:]
+    new = sequences[0, input_ids.shape[1] :]
     return GenerationResult(tokenizer.decode(new, skip_special_tokens=True), int(new.numel()), seconds, acceptance)
 
 

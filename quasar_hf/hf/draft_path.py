@@ -70,7 +70,9 @@ def attach_draft_layers(model: nn.Module, layer_indices: list[int]) -> nn.Module
     source = model.get_submodule("model.layers")
     bad = [i for i in layer_indices if not 0 <= i < len(source)]
     if bad:
-        raise ValueError(f"draft_layers {bad} are out of range: this model has {len(source)} decoder layers (0..{len(source) - 1})")
+        raise ValueError(
+            f"draft_layers {bad} are out of range: this model has {len(source)} decoder layers (0..{len(source) - 1})"
+        )
     copies = nn.ModuleDict({str(i): _renumbered(source[i], slot, deep=True) for slot, i in enumerate(layer_indices)})
     setattr(model, DRAFT_ATTR, copies)
     return copies

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from transformers.generation.utils import GenerationMixin
 
@@ -81,8 +82,13 @@ def _speculative(model, signature: inspect.Signature, args: tuple, kwargs: dict,
     config = QuasarGenerationConfig.from_value(quasar)
     assistant = bound.get("assistant_model")
     if assistant is not None:
-        config = QuasarGenerationConfig(**{**config.__dict__, "assistant_model": assistant,
-                                           "drafter": "assistant" if config.drafter == "ngram" else config.drafter})
+        config = QuasarGenerationConfig(
+            **{
+                **config.__dict__,
+                "assistant_model": assistant,
+                "drafter": "assistant" if config.drafter == "ngram" else config.drafter,
+            }
+        )
     input_ids = bound.get("inputs")
     if input_ids is None:
         input_ids = extra.pop("input_ids", None)

@@ -77,7 +77,7 @@ def _load_tokenizer(model: nn.Module, config: QuasarConfig):
     from transformers import AutoTokenizer
 
     tok = config.tokenizer
-    if tok is not None and not isinstance(tok, (str, bytes)) and hasattr(tok, "__call__"):
+    if tok is not None and not isinstance(tok, (str, bytes)) and callable(tok):
         return tok
     source = tok or getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
     try:
@@ -108,7 +108,7 @@ def smooth_model(
     for index, layer in enumerate(tqdm(layers, desc=desc, disable=not progress, unit="layer")):
         prefix = f"{arch.layers_path}.{index}."
         float_weights = {
-            path[len(prefix):]: module.weight.detach().float().clone()
+            path[len(prefix) :]: module.weight.detach().float().clone()
             for path, module in layer.named_modules(prefix=prefix[:-1])
             if path in name_set
         }
@@ -118,9 +118,7 @@ def smooth_model(
             if mapping.kind != "norm" and mapping.smooth not in float_weights:
                 continue  # the smooth linear stays high precision; folding into it would change it
             first = stats.by_module[prefix + mapping.balance[0]]
-            result = smooth_mapping(
-                layer, mapping, first.absmax, first.samples, config.alpha, config.alpha_grid, float_weights
-            )
+            result = smooth_mapping(layer, mapping, first.absmax, first.samples, config.alpha, config.alpha_grid, float_weights)
             alphas[f"{index}.{mapping.smooth}"] = result.alpha
             prescales.update({prefix + p: v for p, v in result.prescale.items()})
         smoothed.update({prefix + rel: w for rel, w in float_weights.items()})
@@ -183,12 +181,18 @@ def build_draft_path(model: nn.Module, config: QuasarConfig, blocks: torch.Tenso
     num_layers = len(model.get_submodule("model.layers"))
     if config.draft_layers == "auto":
         found = select_draft_layers(model, sample, config.draft_budget, progress)
-        layers, agreement, selection = found["layers"], found["top1_agreement"], f"greedy removal, {found['evaluations']} evaluations"
+        layers, agreement, selection = (
+            found["layers"],
+            found["top1_agreement"],
+            f"greedy removal, {found['evaluations']} evaluations",
+        )
     else:
         layers = list(config.draft_layers)
         bad = [i for i in layers if i >= num_layers]
         if bad:
-            raise ValueError(f"draft_layers {bad} are out of range: this model has {num_layers} decoder layers (0..{num_layers - 1})")
+            raise ValueError(
+                f"draft_layers {bad} are out of range: this model has {num_layers} decoder layers (0..{num_layers - 1})"
+            )
         device = next(model.parameters()).device
         reference = torch.stack([model(input_ids=b[None].to(device), use_cache=False).logits[0].argmax(-1).cpu() for b in sample])
         agreement, selection = top1_agreement(model, layers, sample, reference), "user"

@@ -156,7 +156,9 @@ def render_model_card(
     from huggingface_hub import ModelCard
 
     if str(qconfig.get("quant_method")) != "quasar":
-        raise ValueError(f"render_model_card needs a Quasar quantization config, got quant_method={qconfig.get('quant_method')!r}")
+        raise ValueError(
+            f"render_model_card needs a Quasar quantization config, got quant_method={qconfig.get('quant_method')!r}"
+        )
     measured = dict(qconfig.get("measured") or {})
     searched = qconfig.get("searched_alphas") or {}
     card = ModelCard.from_template(
@@ -211,7 +213,11 @@ def model_card_for(model: Any, repo_id: str | None = None, base_model: str | Non
     qconfig = quantization_dict(model)
     base_model = base_model or guess_base_model(model)
     repo_id = repo_id or (f"your-name/{base_model.split('/')[-1]}-quasar-w8a8" if base_model else "path/to/this/folder")
-    has_chat_template = bool(getattr(tokenizer, "chat_template", None)) if tokenizer is not None else bool(base_model and "Instruct" in base_model)
+    has_chat_template = (
+        bool(getattr(tokenizer, "chat_template", None))
+        if tokenizer is not None
+        else bool(base_model and "Instruct" in base_model)
+    )
     return render_model_card(qconfig, repo_id=repo_id, base_model=base_model, has_chat_template=has_chat_template)
 
 
@@ -246,7 +252,9 @@ def record_measurements(folder: str | os.PathLike, measured: dict, base_model: s
     qconfig["measured"] = {**(qconfig.get("measured") or {}), **measured}
     config["quantization_config"] = qconfig
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    has_chat_template = (Path(folder) / "chat_template.jinja").exists() or '"chat_template"' in _read(Path(folder) / "tokenizer_config.json")
+    has_chat_template = (Path(folder) / "chat_template.jinja").exists() or '"chat_template"' in _read(
+        Path(folder) / "tokenizer_config.json"
+    )
     base_model = base_model or base_model_from_name(str(config.get("_name_or_path", "")))
     text = render_model_card(qconfig, repo_id=str(folder), base_model=base_model, has_chat_template=has_chat_template)
     return write_model_card(folder, text)

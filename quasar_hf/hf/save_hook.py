@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from quasar_hf.hf.detect import is_quasar_model
 

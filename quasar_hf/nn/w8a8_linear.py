@@ -52,9 +52,7 @@ class W8A8Linear(nn.Module):
         self._bound_key: tuple | None = None
 
     @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, act_prescale: torch.Tensor | None = None, backend: str = "auto"
-    ) -> "W8A8Linear":
+    def from_linear(cls, linear: nn.Linear, act_prescale: torch.Tensor | None = None, backend: str = "auto") -> W8A8Linear:
         """Quantize a float nn.Linear. `act_prescale` [in] is applied to x at run time, not to W."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"W8A8Linear.from_linear expects an nn.Linear, got {type(linear).__name__}")
@@ -67,7 +65,7 @@ class W8A8Linear(nn.Module):
         bias: torch.Tensor | None = None,
         act_prescale: torch.Tensor | None = None,
         backend: str = "auto",
-    ) -> "W8A8Linear":
+    ) -> W8A8Linear:
         """Quantize a float weight [out, in] (any float dtype; fp32 keeps smoothing exact); bias keeps its dtype."""
         out_features, in_features = weight.shape
         module = cls(

@@ -85,10 +85,7 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> boo
     """True if these tensors can go to the kernel: CPU, float32 or bfloat16, the layout of
     `reference.attention_layout_ok`, and the kernel built here."""
     return (
-        query.device.type == "cpu"
-        and query.dtype in _DTYPE_CODES
-        and attention_layout_ok(query, key, value)
-        and is_available()
+        query.device.type == "cpu" and query.dtype in _DTYPE_CODES and attention_layout_ok(query, key, value) and is_available()
     )
 
 
@@ -101,11 +98,29 @@ def _call(fn, query, key, value, visible, scale: float, out: torch.Tensor) -> No
     kv_heads, kv_len = key.shape[1], key.shape[2]
     mask_args = (None, 0, 0) if visible is None else (visible.data_ptr(), visible.stride(0), visible.stride(1))
     status = fn(
-        query.data_ptr(), query.stride(0), query.stride(1), query.stride(2),
-        key.data_ptr(), key.stride(0), key.stride(1), key.stride(2),
-        value.data_ptr(), value.stride(0), value.stride(1), value.stride(2),
-        *mask_args, out.data_ptr(), batch, heads, kv_heads, q_len, kv_len, head_dim,
-        scale, _DTYPE_CODES[query.dtype], max(1, torch.get_num_threads()),
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        query.stride(2),
+        key.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        value.data_ptr(),
+        value.stride(0),
+        value.stride(1),
+        value.stride(2),
+        *mask_args,
+        out.data_ptr(),
+        batch,
+        heads,
+        kv_heads,
+        q_len,
+        kv_len,
+        head_dim,
+        scale,
+        _DTYPE_CODES[query.dtype],
+        max(1, torch.get_num_threads()),
     )
     if status == 1:
         raise MemoryError(f"row-stable attention could not allocate scratch for {kv_len} keys")
@@ -143,8 +158,9 @@ def rowstable_attention(
         raise ValueError(f"row-stable attention needs at least as many keys ({kv_len}) as query rows ({q_len})")
     if visible is not None:
         if visible.dtype != torch.bool or tuple(visible.shape) != (batch, q_len, kv_len):
-            raise ValueError(f"visible must be a bool tensor [{batch}, {q_len}, {kv_len}], got "
-                             f"{visible.dtype} {tuple(visible.shape)}")
+            raise ValueError(
+                f"visible must be a bool tensor [{batch}, {q_len}, {kv_len}], got {visible.dtype} {tuple(visible.shape)}"
+            )
         visible = _inner_contiguous(visible).view(torch.uint8)
     out = torch.empty(batch, q_len, heads, head_dim, dtype=query.dtype)
     if out.numel() == 0:

@@ -25,9 +25,7 @@ import torch
 try:
     import bitsandbytes.functional as bnb_functional
 except ImportError as exc:  # pragma: no cover - exercised only where bitsandbytes is missing
-    raise ImportError(
-        "the 'bitsandbytes' backend needs the bitsandbytes package: pip install 'quasar-hf[bitsandbytes]'"
-    ) from exc
+    raise ImportError("the 'bitsandbytes' backend needs the bitsandbytes package: pip install 'quasar-hf[bitsandbytes]'") from exc
 
 from quasar_hf.ops.reference import QMAX
 

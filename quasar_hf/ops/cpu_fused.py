@@ -120,8 +120,10 @@ class PackedWeight:
 def pack_weight(weight_q: torch.Tensor) -> PackedWeight:
     """int8 [N, K] -> PackedWeight. Re-pack whenever the weight changes."""
     if not isinstance(weight_q, torch.Tensor) or weight_q.dtype != torch.int8 or weight_q.dim() != 2:
-        raise TypeError("pack_weight expects an int8 tensor [out_features, in_features]; "
-                        f"got {getattr(weight_q, 'dtype', type(weight_q))} {tuple(getattr(weight_q, 'shape', ()))}")
+        raise TypeError(
+            "pack_weight expects an int8 tensor [out_features, in_features]; "
+            f"got {getattr(weight_q, 'dtype', type(weight_q))} {tuple(getattr(weight_q, 'shape', ()))}"
+        )
     if weight_q.device.type != "cpu":
         raise ValueError(f"pack_weight needs a CPU weight, got device {weight_q.device}; move it with .cpu()")
     n, k = weight_q.shape
@@ -156,30 +158,38 @@ def _check_inputs(x, weight_q, weight_scale, bias, act_prescale, packed) -> None
         if not isinstance(act_prescale, torch.Tensor) or tuple(act_prescale.shape) != (k,):
             raise ValueError(f"act_prescale must have shape [{k}], got {tuple(getattr(act_prescale, 'shape', ()))}")
         _check_float_vector(act_prescale, "act_prescale")
-    for name, t in (("x", x), ("weight_q", weight_q), ("weight_scale", weight_scale), ("bias", bias),
-                    ("act_prescale", act_prescale)):
+    for name, t in (
+        ("x", x),
+        ("weight_q", weight_q),
+        ("weight_scale", weight_scale),
+        ("bias", bias),
+        ("act_prescale", act_prescale),
+    ):
         if t is not None and not t.is_cpu:
             raise ValueError(f"{name} is on {t.device}; the fused CPU kernel needs CPU tensors")
     if packed is not None:
         if not isinstance(packed, PackedWeight):
             raise TypeError(f"packed must come from pack_weight(), got {type(packed).__name__}")
         if (packed.out_features, packed.in_features) != (n, k):
-            raise ValueError(f"packed weight is {packed.out_features}x{packed.in_features} but weight_q is "
-                             f"{n}x{k}; re-run pack_weight(weight_q)")
+            raise ValueError(
+                f"packed weight is {packed.out_features}x{packed.in_features} but weight_q is "
+                f"{n}x{k}; re-run pack_weight(weight_q)"
+            )
 
 
 def _check_float_vector(t: torch.Tensor, name: str) -> None:
     """fp32 (or bf16/fp16, which promote to fp32 exactly as in the reference); never float64."""
     if t.dtype not in _DTYPE_CODES:
-        raise TypeError(f"{name} must be float32 (bfloat16/float16 accepted), got {t.dtype}; "
-                        f"convert it with .float()")
+        raise TypeError(f"{name} must be float32 (bfloat16/float16 accepted), got {t.dtype}; convert it with .float()")
 
 
 def _require_library():
     lib = _library()
     if lib.fn is None:
-        raise RuntimeError(f"the fused CPU W8A8 kernel is unavailable: {lib.error}. "
-                           "Check cpu_fused.is_available() first, or use the 'torch' backend.")
+        raise RuntimeError(
+            f"the fused CPU W8A8 kernel is unavailable: {lib.error}. "
+            "Check cpu_fused.is_available() first, or use the 'torch' backend."
+        )
     return lib.fn
 
 
@@ -220,12 +230,24 @@ def _call(fn, x, weight_q, weight_scale, bias, act_prescale, packed: PackedWeigh
     if m == 0 or n == 0:
         return result
     status = fn(
-        x2.data_ptr(), _DTYPE_CODES[x.dtype], m, k, x2.stride(0),
+        x2.data_ptr(),
+        _DTYPE_CODES[x.dtype],
+        m,
+        k,
+        x2.stride(0),
         None if prescale is None else prescale.data_ptr(),
-        packed.data.data_ptr(), packed.wsum128.data_ptr(), n, packed.data.shape[1] * 4, w_scale.data_ptr(),
-        None if bias_c is None else bias_c.data_ptr(), 0 if bias_c is None else _DTYPE_CODES[bias_c.dtype],
-        result.data_ptr() if want_output else None, _DTYPE_CODES[x.dtype], n,
-        None if want_output else result.data_ptr(), _thread_count(n * k),
+        packed.data.data_ptr(),
+        packed.wsum128.data_ptr(),
+        n,
+        packed.data.shape[1] * 4,
+        w_scale.data_ptr(),
+        None if bias_c is None else bias_c.data_ptr(),
+        0 if bias_c is None else _DTYPE_CODES[bias_c.dtype],
+        result.data_ptr() if want_output else None,
+        _DTYPE_CODES[x.dtype],
+        n,
+        None if want_output else result.data_ptr(),
+        _thread_count(n * k),
     )
     if status != 0:
         raise MemoryError(f"fused W8A8 kernel could not allocate scratch for {m}x{k} activations")
@@ -282,5 +304,7 @@ def int8_accumulators_cpu_fused(
     packed: PackedWeight | None = None,
 ) -> torch.Tensor:
     """The kernel's exact int32 accumulators [M, N] for x [..., K] (tests and debugging)."""
-    ones = torch.ones(weight_q.shape[0], dtype=torch.float32) if isinstance(weight_q, torch.Tensor) and weight_q.dim() == 2 else None
+    ones = (
+        torch.ones(weight_q.shape[0], dtype=torch.float32) if isinstance(weight_q, torch.Tensor) and weight_q.dim() == 2 else None
+    )
     return _run(x, weight_q, ones, None, act_prescale, packed, want_output=False)

@@ -214,13 +214,16 @@ def bind_w8a8_linear(
     if name == "cpu_fused":
         fast = _cpu_fused_module().bind_linear(weight_q, weight_scale, bias, act_prescale, packed)
     else:
+
         def fast(x: torch.Tensor) -> torch.Tensor:
             return _run_backend(name, x, weight_q, weight_scale, bias, act_prescale, packed)
+
     device = weight_q.device
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        if not (isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES and x.dim() >= 1 and x.shape[-1] == k
-                and x.device == device):
+        if not (
+            isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES and x.dim() >= 1 and x.shape[-1] == k and x.device == device
+        ):
             validate_w8a8_inputs(x, weight_q, weight_scale, bias, act_prescale)  # raises the precise error
         if x.numel() == 0:
             return x.new_zeros(*x.shape[:-1], weight_q.shape[0])

@@ -87,7 +87,7 @@ def _block_sizes(head_dim: int) -> tuple[int, int]:
     return (16 if _interpret_mode() else max(16, 8192 // block_d)), block_d
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def works_on(device: torch.device) -> bool:
     """Compile and run a small GQA case on `device` against the fp64 oracle, once per device.
 
@@ -95,7 +95,11 @@ def works_on(device: torch.device) -> bool:
     """
     try:
         g = torch.Generator().manual_seed(0)
-        q, k, v = torch.randn(2, 4, 3, 20, generator=g), torch.randn(2, 2, 7, 20, generator=g), torch.randn(2, 2, 7, 20, generator=g)
+        q, k, v = (
+            torch.randn(2, 4, 3, 20, generator=g),
+            torch.randn(2, 2, 7, 20, generator=g),
+            torch.randn(2, 2, 7, 20, generator=g),
+        )
         out = rowstable_attention_triton(q.to(device), k.to(device), v.to(device), None, 0.25).cpu()
         return bool(torch.allclose(out, attention_reference(q, k, v, None, 0.25).float(), rtol=1e-4, atol=1e-5))
     except Exception:  # noqa: BLE001 - any failure means: use SDPA with row-wise verification instead
@@ -142,7 +146,9 @@ def rowstable_attention_triton(
     if kv_len < q_len or heads % kv_heads:
         raise ValueError(f"row-stable attention rejected shapes q {tuple(query.shape)}, k {tuple(key.shape)}")
     if visible is not None and (visible.dtype != torch.bool or tuple(visible.shape) != (batch, q_len, kv_len)):
-        raise ValueError(f"visible must be a bool tensor [{batch}, {q_len}, {kv_len}], got {visible.dtype} {tuple(visible.shape)}")
+        raise ValueError(
+            f"visible must be a bool tensor [{batch}, {q_len}, {kv_len}], got {visible.dtype} {tuple(visible.shape)}"
+        )
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     ends = _row_ends(visible, batch, q_len, kv_len, query.device)
     mask = None if visible is None else (visible if visible.stride(-1) == 1 else visible.contiguous()).view(torch.uint8)

@@ -172,9 +172,7 @@ def w8a8_linear_triton(
     return out.reshape(*x.shape[:-1], weight_q.shape[0])
 
 
-def w8a8_accumulators_triton(
-    x: torch.Tensor, weight_q: torch.Tensor, act_prescale: torch.Tensor | None = None
-) -> torch.Tensor:
+def w8a8_accumulators_triton(x: torch.Tensor, weight_q: torch.Tensor, act_prescale: torch.Tensor | None = None) -> torch.Tensor:
     """Debug entry: the kernel's int32 accumulators [M, N] for x [..., K] (for exactness tests)."""
     ones = torch.ones(weight_q.shape[0], dtype=torch.float32, device=x.device)
     _, acc = _run(_as_rows(x), weight_q, ones, None, act_prescale, want_acc=True)

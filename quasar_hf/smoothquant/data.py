@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -82,9 +82,7 @@ def load_calibration_texts(source, text_column: str | None = None, split: str = 
     return _texts_from_dataset(dataset, text_column), f"dataset {source}"
 
 
-def build_calibration_blocks(
-    texts: Iterable[str], tokenizer, num_samples: int, seq_len: int, seed: int = 0
-) -> torch.Tensor:
+def build_calibration_blocks(texts: Iterable[str], tokenizer, num_samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
     """Token blocks [num_blocks, seq_len'] for calibration.
 
     Texts are tokenized, joined with EOS and cut into `seq_len` blocks; `num_samples` blocks are
@@ -115,8 +113,7 @@ def build_calibration_blocks(
     blocks = torch.tensor(stream[: full * seq_len], dtype=torch.long).view(full, seq_len)
     if full < num_samples:
         warnings.warn(
-            f"asked for {num_samples} calibration samples of {seq_len} tokens but the data holds only {full}; "
-            f"using {full}",
+            f"asked for {num_samples} calibration samples of {seq_len} tokens but the data holds only {full}; using {full}",
             stacklevel=2,
         )
         return blocks

@@ -57,9 +57,7 @@ def parse_custom_mappings(raw: dict) -> ArchitectureMappings:
     """Build mappings from plain data: {"layers_path": "model.layers", "mappings": [
     {"smooth": "input_layernorm", "balance": ["self_attn.q_proj", ...], "kind": "norm"}, ...]}."""
     try:
-        items = tuple(
-            SmoothMapping(m["smooth"], tuple(m["balance"]), m.get("kind", "norm")) for m in raw["mappings"]
-        )
+        items = tuple(SmoothMapping(m["smooth"], tuple(m["balance"]), m.get("kind", "norm")) for m in raw["mappings"])
         arch = ArchitectureMappings(layers_path=raw.get("layers_path", "model.layers"), mappings=items)
     except (KeyError, TypeError) as err:
         raise ValueError(

@@ -126,7 +126,7 @@ def smooth_mapping(
     w_absmax = torch.stack([w.abs().amax(dim=0) for w in weights]).amax(dim=0)  # [K]
     s = expand(smoothing_factors(reduce(act), reduce(w_absmax), chosen))  # [K]
 
-    for p, w in zip(mapping.balance, weights):
+    for _p, w in zip(mapping.balance, weights):
         w.mul_(s)  # columns *= s
     prescale: dict[str, torch.Tensor] = {}
     foldable = mapping.kind == "norm" or mapping.kind == "linear" or grouped is not None

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from transformers import AttentionInterface

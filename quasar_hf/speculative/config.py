@@ -38,9 +38,7 @@ class QuasarGenerationConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
-            raise ValueError(
-                f"num_draft_tokens must be an int >= 0, got {self.num_draft_tokens!r} (5 is the Quasar default)."
-            )
+            raise ValueError(f"num_draft_tokens must be an int >= 0, got {self.num_draft_tokens!r} (5 is the Quasar default).")
         if not (1 <= self.min_ngram_size <= self.max_ngram_size):
             raise ValueError(
                 "n-gram sizes must satisfy 1 <= min_ngram_size <= max_ngram_size, got "
@@ -50,7 +48,7 @@ class QuasarGenerationConfig:
             self.drafter = "assistant"
 
     @classmethod
-    def from_value(cls, value: Any) -> "QuasarGenerationConfig":
+    def from_value(cls, value: Any) -> QuasarGenerationConfig:
         """Accept True | dict | QuasarGenerationConfig (the forms `generate(quasar=...)` takes)."""
         if isinstance(value, QuasarGenerationConfig):
             return value
@@ -62,9 +60,7 @@ class QuasarGenerationConfig:
             if unknown:
                 raise ValueError(f"Unknown quasar option(s) {unknown}; valid options are {sorted(known)}.")
             return cls(**value)
-        raise TypeError(
-            f"quasar= takes True, a dict or a QuasarGenerationConfig, got {type(value).__name__} ({value!r})."
-        )
+        raise TypeError(f"quasar= takes True, a dict or a QuasarGenerationConfig, got {type(value).__name__} ({value!r}).")
 
     def to_dict(self) -> dict:
         """Plain dict without the model object (for logs and benchmark records)."""

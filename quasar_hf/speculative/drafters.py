@@ -9,8 +9,9 @@ New drafters register a factory in DRAFTER_FACTORIES; the verifier never changes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -109,7 +110,9 @@ class AssistantDrafter:
 
     def __init__(self, assistant_model: torch.nn.Module, num_draft_tokens: int = 5) -> None:
         if assistant_model is None:
-            raise ValueError("drafter='assistant' needs an assistant model: pass assistant_model=<a causal LM sharing the tokenizer>.")
+            raise ValueError(
+                "drafter='assistant' needs an assistant model: pass assistant_model=<a causal LM sharing the tokenizer>."
+            )
         self.model = assistant_model
         self.num_draft_tokens = num_draft_tokens
 

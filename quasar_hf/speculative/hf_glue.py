@@ -81,10 +81,14 @@ def prepare_generation(
     processors = _build_processors(model, config, input_ids, attention_mask, user_processors)
     # Some processors hold per-row state (e.g. repetition penalty's prompt_ignore_length = padding
     # lengths), so rows processed alone need their own list, built from their own prompt row.
-    row_processors = [processors] if batch_size == 1 else [
-        _build_processors(model, config, input_ids[b : b + 1], attention_mask[b : b + 1], user_processors)
-        for b in range(batch_size)
-    ]
+    row_processors = (
+        [processors]
+        if batch_size == 1
+        else [
+            _build_processors(model, config, input_ids[b : b + 1], attention_mask[b : b + 1], user_processors)
+            for b in range(batch_size)
+        ]
+    )
     criteria = model._get_stopping_criteria(
         generation_config=config,
         stopping_criteria=stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(),
@@ -127,14 +131,20 @@ def _check_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError("Quasar speculative generation supports decoder-only causal LMs, not encoder-decoder models.")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        raise TypeError("input_ids must be a LongTensor of shape [batch, prompt_length] (use tokenizer(..., return_tensors='pt')).")
+        raise TypeError(
+            "input_ids must be a LongTensor of shape [batch, prompt_length] (use tokenizer(..., return_tensors='pt'))."
+        )
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: speculative generation needs a prompt of at least one token.")
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}.")
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}."
+            )
         if bool((attention_mask[:, -1] == 0).any()):
-            raise ValueError("Right padding detected: decoder-only generation needs left padding (tokenizer.padding_side = 'left').")
+            raise ValueError(
+                "Right padding detected: decoder-only generation needs left padding (tokenizer.padding_side = 'left')."
+            )
 
 
 def _refuse_unsupported(config: GenerationConfig, model_kwargs: dict) -> None:

@@ -21,9 +21,7 @@ from .attention import rowwise_verification
 class RowAlignedCache:
     """KV cache + slot mask [B, S] + real-token count [B] for one causal LM."""
 
-    def __init__(
-        self, model: torch.nn.Module, batch_size: int, device: torch.device, shape_stable: bool = True
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device, shape_stable: bool = True) -> None:
         self.model = model
         self.shape_stable = shape_stable  # row-wise attention when verifying (see attention.py)
         self.cache = DynamicCache(config=model.config)
@@ -38,9 +36,7 @@ class RowAlignedCache:
     def batch_size(self) -> int:
         return self.slot_mask.shape[0]
 
-    def forward(
-        self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, last_only: bool = False
-    ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
         """Append tokens [B, n] (token_mask [B, n]: 1 = real token) and return fp32 logits [B, n or 1, V]."""
         if token_mask is None:
             token_mask = torch.ones_like(tokens)

@@ -126,9 +126,7 @@ class _SpeculativeRun:
         scores = self._position_scores(draft.tokens, logits)  # [B, k+1, V]
         if self.do_sample:
             probs = torch.softmax(scores, dim=-1)
-            num_accepted, next_token = speculative_sample_accept(
-                draft.tokens, draft.probs, probs, self.generator, draft.lengths
-            )
+            num_accepted, next_token = speculative_sample_accept(draft.tokens, draft.probs, probs, self.generator, draft.lengths)
         else:
             num_accepted, next_token = greedy_accept(draft.tokens, scores, draft.lengths)
         self.verifier.keep_appended(num_accepted + 1, k + 1)  # pending token + accepted drafts

@@ -80,9 +80,7 @@ def speculative_sample_accept(
     return num_accepted, next_token
 
 
-def _draft_distribution(
-    draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor
-) -> torch.Tensor:
+def _draft_distribution(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor) -> torch.Tensor:
     """[B, k, V] q: the given draft probabilities, or one-hot rows for a deterministic drafter."""
     batch, k = draft_tokens.shape
     vocab = target_probs.shape[-1]
