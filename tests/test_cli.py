@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from test_hub_support import make_tiny_checkpoint
 
-from quasar_hf.cli import build_parser, main
+from quasar_hf.cli import main
+from quasar_hf.commands.parser import build_parser
 
 SUBCOMMANDS = ("quantize", "generate", "export", "bench", "eval", "demo")
 VENV_BIN = Path(sys.executable).parent

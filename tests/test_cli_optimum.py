@@ -2,10 +2,12 @@
 
 The registration module ships in our tree under quasar_hf/commands/optimum_namespace/ and is
 installed as optimum/commands/register/quasar_hf.py; here that namespace portion is put on
-PYTHONPATH (what an installed wheel provides through site-packages)."""
+PYTHONPATH (what an installed wheel provides through site-packages) unless an install already
+provides it, and this checkout's quasar_hf comes first on PYTHONPATH either way."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,11 +16,16 @@ from pathlib import Path
 import quasar_hf.commands
 
 NAMESPACE_ROOT = Path(quasar_hf.commands.__file__).parent / "optimum_namespace"
+REPO_ROOT = Path(quasar_hf.commands.__file__).parents[2]
 OPTIMUM_CLI = Path(sys.executable).parent / "optimum-cli"
 
 
 def optimum_cli(*argv: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(NAMESPACE_ROOT), os.environ.get("PYTHONPATH", "")]))
+    # An (editable) install of quasar-hf already registers the command: adding our namespace too
+    # would register `quasar` twice. Its module imports quasar_hf, found first in REPO_ROOT.
+    installed = importlib.util.find_spec("optimum.commands.register.quasar_hf") is not None
+    paths = [str(REPO_ROOT)] + ([] if installed else [str(NAMESPACE_ROOT)])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([str(OPTIMUM_CLI), *argv], capture_output=True, text=True, env=env, timeout=300)
 
 

@@ -22,12 +22,12 @@ class QuasarOptimumCommand(BaseOptimumCLICommand):
 
     @staticmethod
     def parse_args(parser) -> None:
-        from quasar_hf.cli import add_subcommands
+        from quasar_hf.commands.parser import add_subcommands
 
         add_subcommands(parser.add_subparsers(dest="command", metavar="COMMAND"))
 
     def run(self) -> None:
-        from quasar_hf.cli import run_parsed
+        from quasar_hf.commands.parser import run_parsed
 
         if not getattr(self.args, "handler", None):
             self.parser.print_help(sys.stderr)

@@ -1,0 +1,199 @@
+"""The `quasar-hf` subcommands: one function per command, taking the parsed arguments.
+
+Heavy imports (torch, Transformers) happen inside each function so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from quasar_hf.commands.loading import UsageError
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from quasar_hf.commands.loading import load_tokenizer, quantize_checkpoint, resolve_model, save_quantized
+
+    path = resolve_model(args.model)
+    options = {"alpha": args.alpha, "num_calibration_samples": args.num_samples, "calibration_seq_len": args.seq_len}
+    if args.calibration_dataset is not None:
+        options["calibration_dataset"] = args.calibration_dataset
+    if args.draft_layers is not None:
+        options["draft_layers"] = args.draft_layers
+    start = time.perf_counter()
+    model = quantize_checkpoint(path, options, args.dtype)
+    tokenizer = load_tokenizer(path)
+    save_quantized(model, tokenizer, args.out)
+    qconfig = model.config.quantization_config
+    count = len(getattr(qconfig, "quantized_modules", None) or [])
+    print(f"quantized {count} linear layers to W8A8 in {time.perf_counter() - start:.1f} s; saved to {args.out}")
+    if args.push_to_hub:
+        from quasar_hf.hf.hub import push_quasar_model
+
+        commit = push_quasar_model(model, args.push_to_hub, tokenizer=tokenizer, token=args.token, private=args.private)
+        print(f"pushed to {commit.commit_url}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from transformers import TextStreamer
+
+    from quasar_hf.commands.generation import describe, run_generation
+    from quasar_hf.commands.loading import encode_prompt, is_quasar_checkpoint, load_model, load_tokenizer, resolve_model
+
+    if args.drafter == "assistant" and not args.assistant:
+        raise UsageError("--drafter assistant needs --assistant MODEL (a small model sharing the tokenizer)")
+    if args.assistant and args.drafter != "assistant":
+        raise UsageError("--assistant is only used with --drafter assistant")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {args.temperature}")
+    path = resolve_model(args.model)
+    model = load_model(path, dtype=args.dtype)
+    tokenizer = load_tokenizer(path)
+    quasar = None
+    if not args.no_quasar:
+        from quasar_hf.speculative import QuasarGenerationConfig
+
+        if not is_quasar_checkpoint(path):
+            print(
+                f"note: {args.model} is not a Quasar W8A8 checkpoint; its own weights verify the drafts "
+                "(run `quasar-hf quantize` first for the W8A8 verifier)",
+                file=sys.stderr,
+            )
+        assistant = load_model(resolve_model(args.assistant), dtype=args.dtype) if args.assistant else None
+        quasar = QuasarGenerationConfig(drafter=args.drafter, num_draft_tokens=args.num_draft_tokens, assistant_model=assistant)
+    input_ids = encode_prompt(tokenizer, args.prompt, use_chat_template=not args.no_chat_template)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.stream else None
+    result = run_generation(
+        model,
+        tokenizer,
+        input_ids,
+        quasar=quasar,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        streamer=streamer,
+    )
+    if not args.stream:
+        print(result.text)
+    print(describe("quasar" if quasar is not None else "plain", result), file=sys.stderr)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from quasar_hf.commands.loading import is_quasar_checkpoint, load_model, load_tokenizer, resolve_model
+    from quasar_hf.export.compressed_tensors import export_compressed_tensors
+
+    path = resolve_model(args.model)
+    if not is_quasar_checkpoint(path):
+        raise UsageError(f"{args.model} is not a Quasar W8A8 checkpoint; run `quasar-hf quantize {args.model} --out DIR` first")
+    model = load_model(path)
+    report = export_compressed_tensors(
+        model, args.out, tokenizer=load_tokenizer(path), fold_act_prescale=not args.no_fold_prescale
+    )
+    print(
+        f"wrote {len(report.quantized_modules)} W8A8 linears (compressed-tensors int-quantized) to {args.out}; "
+        f"high precision: {', '.join(report.ignored_modules) or 'none'}"
+    )
+    if report.folded_prescale_modules:
+        print(
+            f"folded act_prescale into {len(report.folded_prescale_modules)} weights "
+            f"(max relative weight error {report.max_fold_rel_error:.2e})"
+        )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Pass every option through to the benchmark runner (`python -m quasar_hf.bench.runner`)."""
+    from quasar_hf.bench.runner import bench_main
+
+    passthrough = [arg for arg in args.bench_args if arg != "--debug"]
+    for written in bench_main(passthrough):
+        print(f"wrote {written}")
+    return 0
+
+
+def _eval_texts(args: argparse.Namespace) -> list[str] | None:
+    if args.text_file:
+        try:
+            with open(args.text_file, encoding="utf-8") as handle:
+                return [handle.read()]
+        except OSError as error:
+            raise UsageError(f"cannot read --text-file {args.text_file}: {error.strerror}") from None
+    if args.dataset:
+        from datasets import load_dataset
+
+        rows = load_dataset(args.dataset, split=args.split)
+        if args.text_column not in rows.column_names:
+            raise UsageError(f"dataset {args.dataset} has no column {args.text_column!r}; columns: {rows.column_names}")
+        return [text for text in rows[args.text_column] if text]
+    return None
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from quasar_hf.bench.fidelity import evaluate_fidelity
+    from quasar_hf.commands.loading import is_quasar_checkpoint, load_model, load_tokenizer, resolve_model
+
+    path, reference_path = resolve_model(args.model), resolve_model(args.reference)
+    if args.record and not is_quasar_checkpoint(path):
+        raise UsageError(f"--record writes into a local Quasar checkpoint folder; {args.model} is not one")
+    texts = _eval_texts(args)
+    model = load_model(path)
+    reference = load_model(reference_path, dtype=args.dtype)
+    result = evaluate_fidelity(model, reference, load_tokenizer(path), texts, seq_len=args.seq_len, max_windows=args.max_windows)
+    scores = result["next_token"]
+    print(
+        f"perplexity {scores['perplexity_model']:.4f} vs reference {scores['perplexity_reference']:.4f} "
+        f"(ratio {scores['perplexity_ratio']:.4f})"
+    )
+    print(
+        f"top-1 agreement {scores['top1_agreement']:.4f}; mean KL(reference || model) {scores['mean_kl_nats']:.5f} nats; "
+        f"{scores['tokens_evaluated']} tokens ({result['config']['text_source']})"
+    )
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2, default=str)
+        print(f"wrote {args.json}")
+    if args.record:
+        from quasar_hf.hf.model_card import record_measurements
+
+        card = record_measurements(path, fidelity_measurements(result, args))
+        print(f"recorded the numbers in {path}/config.json and refreshed {card}")
+    return 0
+
+
+def fidelity_measurements(result: dict, args: argparse.Namespace) -> dict:
+    """The eval result as QuasarConfig.measured keys (what the model card renders), with its command."""
+    scores = result["next_token"]
+    argv = [
+        "quasar-hf",
+        "eval",
+        args.model,
+        "--reference",
+        args.reference,
+        "--seq-len",
+        str(args.seq_len),
+        "--max-windows",
+        str(args.max_windows),
+        "--dtype",
+        args.dtype,
+    ]
+    argv += ["--text-file", args.text_file] if args.text_file else (["--dataset", args.dataset] if args.dataset else [])
+    return {
+        "perplexity": scores["perplexity_model"],
+        "reference_perplexity": scores["perplexity_reference"],
+        "perplexity_ratio": scores["perplexity_ratio"],
+        "top1_agreement": scores["top1_agreement"],
+        "kl_divergence": scores["mean_kl_nats"],
+        "num_tokens": scores["tokens_evaluated"],
+        "fidelity_dataset": result["config"]["text_source"],
+        "command": " ".join(argv + ["--record"]),
+    }
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from quasar_hf.commands.demo import run_demo
+
+    run_demo(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, rebuild=args.rebuild)
+    return 0
