@@ -15,8 +15,10 @@ from quasar_hf.commands.loading import UsageError
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     from quasar_hf.commands.loading import load_tokenizer, quantize_checkpoint, resolve_model, save_quantized
+    from quasar_hf.commands.output_dir import check_output_dir
 
     path = resolve_model(args.model)
+    check_output_dir(args.out, path, "quasar", overwrite=args.overwrite)  # before the (long) quantization
     options = {"alpha": args.alpha, "num_calibration_samples": args.num_samples, "calibration_seq_len": args.seq_len}
     if args.calibration_dataset is not None:
         options["calibration_dataset"] = args.calibration_dataset
@@ -83,11 +85,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from quasar_hf.commands.loading import is_quasar_checkpoint, load_model, load_tokenizer, resolve_model
+    from quasar_hf.commands.output_dir import check_output_dir
     from quasar_hf.export.compressed_tensors import export_compressed_tensors
 
     path = resolve_model(args.model)
     if not is_quasar_checkpoint(path):
         raise UsageError(f"{args.model} is not a Quasar W8A8 checkpoint; run `quasar-hf quantize {args.model} --out DIR` first")
+    check_output_dir(args.out, path, "compressed-tensors", overwrite=args.overwrite)
     model = load_model(path)
     report = export_compressed_tensors(
         model, args.out, tokenizer=load_tokenizer(path), fold_act_prescale=not args.no_fold_prescale

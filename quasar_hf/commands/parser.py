@@ -15,6 +15,7 @@ from quasar_hf.commands.handlers import cmd_bench, cmd_demo, cmd_eval, cmd_expor
 from quasar_hf.commands.loading import DTYPES, UsageError
 
 DRAFTERS = ("ngram", "assistant", "self")
+OVERWRITE_HELP = "write into a non-empty --out folder that holds something else (never the input folder)"
 
 
 def alpha_value(text: str) -> float | str:
@@ -63,6 +64,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     quantize = command("quantize", cmd_quantize, "Quantize a causal LM to a Quasar W8A8 verifier and save it")
     quantize.add_argument("model", help=model_help)
     quantize.add_argument("--out", required=True, help="output folder (weights, config, tokenizer, model card)")
+    quantize.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     quantize.add_argument("--alpha", type=alpha_value, default="auto", help="SmoothQuant alpha in [0, 1] or 'auto' (default)")
     quantize.add_argument(
         "--calibration-dataset", help="text file (.txt/.json/.jsonl/.parquet) or Hub dataset name; default built-in text"
@@ -92,6 +94,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("model", help="a Quasar checkpoint folder (from `quasar-hf quantize`)")
     export.add_argument("--format", choices=("compressed-tensors",), default="compressed-tensors")
     export.add_argument("--out", required=True, help="output folder")
+    export.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     export.add_argument(
         "--no-fold-prescale", action="store_true", help="refuse layers with an unfolded act_prescale instead of folding it"
     )

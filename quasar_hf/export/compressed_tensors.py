@@ -132,6 +132,19 @@ def export_config(model: nn.Module, ignore: list[str]) -> dict:
     return config
 
 
+def _refuse_source_folder(model: nn.Module, out: Path) -> None:
+    """Never write the export over the checkpoint the model was loaded from (symlinks resolved)."""
+    source = getattr(model, "name_or_path", None)
+    if not source or not os.path.isdir(source):
+        return
+    origin, target = Path(source).resolve(), out.expanduser().resolve()
+    if target == origin or origin in target.parents:
+        raise ValueError(
+            f"out_dir {out} is (or lies inside) the folder the model was loaded from ({source}); "
+            "exporting there would overwrite that checkpoint. Choose another folder."
+        )
+
+
 def export_compressed_tensors(
     model: nn.Module,
     out_dir: str | os.PathLike,
@@ -147,6 +160,7 @@ def export_compressed_tensors(
             "`quasar-hf quantize MODEL --out DIR`, or from_pretrained(..., quantization_config=QuasarConfig()))"
         )
     out = Path(out_dir)
+    _refuse_source_folder(model, out)
     out.mkdir(parents=True, exist_ok=True)
     report = ExportReport(out_dir=str(out))
     tensors = collect_tensors(model, fold_act_prescale, report)
