@@ -1,5 +1,6 @@
 """`--out` checks of `quasar-hf quantize` and `export`: never the input folder, never a file or an
-unrelated non-empty folder without --overwrite, writability checked before any work."""
+unrelated non-empty folder without --overwrite, writability checked before any work; and
+`--text-column` for calibration data whose text column has another name."""
 
 from __future__ import annotations
 
@@ -128,3 +129,15 @@ def test_export_api_refuses_the_folder_the_model_came_from(tiny, tmp_path):
         export_compressed_tensors(model, model_dir / "sub")
     assert fingerprint(model_dir) == before
 
+
+def test_quantize_text_column_for_a_csv(tiny, tmp_path, capsys):
+    data = tmp_path / "calib.csv"
+    rows = ['"def add(a, b): return a + b. The quick brown fox jumps over the lazy dog.",7'] * 20
+    data.write_text("body,id\n" + "\n".join(rows) + "\n")
+    argv = ["quantize", str(tiny), "--calibration-dataset", str(data), *QUANTIZE_FAST]
+    assert main([*argv, "--out", str(tmp_path / "q1")]) == 1
+    err = capsys.readouterr().err
+    assert "--text-column" in err and "'body'" in err and "calibration_text_column" in err
+    assert main([*argv, "--out", str(tmp_path / "q2"), "--text-column", "body"]) == 0
+    info = json.loads((tmp_path / "q2" / "config.json").read_text())["quantization_config"]
+    assert info["calibration_text_column"] == "body"

@@ -22,6 +22,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     options = {"alpha": args.alpha, "num_calibration_samples": args.num_samples, "calibration_seq_len": args.seq_len}
     if args.calibration_dataset is not None:
         options["calibration_dataset"] = args.calibration_dataset
+    if args.text_column is not None:
+        options["calibration_text_column"] = args.text_column
     if args.draft_layers is not None:
         options["draft_layers"] = args.draft_layers
     start = time.perf_counter()

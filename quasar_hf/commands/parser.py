@@ -69,6 +69,9 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     quantize.add_argument(
         "--calibration-dataset", help="text file (.txt/.json/.jsonl/.parquet) or Hub dataset name; default built-in text"
     )
+    quantize.add_argument(
+        "--text-column", help="column holding the text in a .json/.jsonl/.parquet/.csv or Hub calibration dataset"
+    )
     quantize.add_argument("--num-samples", type=positive_int, default=32, help="calibration blocks (default 32)")
     quantize.add_argument("--seq-len", type=positive_int, default=512, help="tokens per calibration block (default 512)")
     quantize.add_argument("--draft-layers", type=draft_layers_value, help="layers kept for self-drafting: 'auto' or 0,1,2")
