@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 DEFAULT_NUM_DRAFT_TOKENS = 5  # the Quasar authors' setting (n-gram drafter, 5 speculative tokens)
+DRAFTER_METHODS = ("start", "propose", "on_accept", "select_rows")  # the Drafter interface (drafters.py)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class QuasarGenerationConfig:
             )
         if self.assistant_model is not None and self.drafter == "ngram":
             self.drafter = "assistant"
+        _check_drafter(self.drafter)
 
     @classmethod
     def from_value(cls, value: Any) -> QuasarGenerationConfig:
@@ -69,3 +71,23 @@ class QuasarGenerationConfig:
         if not isinstance(self.drafter, str):
             data["drafter"] = type(self.drafter).__name__
         return data
+
+
+def _check_drafter(drafter: Any) -> None:
+    """A registry name, or an object with the Drafter methods (a ValueError / TypeError saying which is wrong)."""
+    from .drafters import DRAFTER_FACTORIES
+
+    if isinstance(drafter, str):
+        if drafter not in DRAFTER_FACTORIES:
+            raise ValueError(f"Unknown drafter {drafter!r}; available: {sorted(DRAFTER_FACTORIES)}, or a Drafter object.")
+        return
+    expected = (
+        f"a drafter name ({', '.join(sorted(DRAFTER_FACTORIES))}) or an object with the methods {', '.join(DRAFTER_METHODS)}"
+    )
+    if isinstance(drafter, type):
+        raise TypeError(
+            f"drafter must be {expected}; got the class {drafter.__name__}: pass an instance, {drafter.__name__}(...)."
+        )
+    missing = [name for name in DRAFTER_METHODS if not callable(getattr(drafter, name, None))]
+    if missing:
+        raise TypeError(f"drafter must be {expected}; got {type(drafter).__name__}, which lacks {', '.join(missing)}.")
