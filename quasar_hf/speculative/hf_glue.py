@@ -141,6 +141,12 @@ def _check_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
             raise ValueError(
                 f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}."
             )
+        empty_rows = (attention_mask == 0).all(dim=-1).nonzero().flatten().tolist()
+        if empty_rows:
+            raise ValueError(
+                f"Row(s) {empty_rows} of the batch are empty: their attention_mask is all zeros, so they hold no prompt "
+                "token. Remove those prompts from the batch, or give each row at least one token."
+            )
         if bool((attention_mask[:, -1] == 0).any()):
             raise ValueError(
                 "Right padding detected: decoder-only generation needs left padding (tokenizer.padding_side = 'left')."
