@@ -9,6 +9,66 @@ from test_spec_loop import repetitive_prompt, tiny_model
 
 from quasar_hf.speculative import NgramDrafter, QuasarGenerationConfig, speculative_generate
 
+VERIFIER_VOCAB = 256  # test_spec_loop's tiny models
+
+
+def count_forwards(*models) -> list[int]:
+    calls = [0]
+    for model in models:
+        model.register_forward_hook(lambda *args: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def padded_assistant(extra_rows: int) -> torch.nn.Module:
+    """A same-tokenizer assistant whose table has `extra_rows` padding rows that always win the argmax."""
+    assistant = tiny_model(seed=7, vocab=VERIFIER_VOCAB + extra_rows)
+    head = assistant.lm_head
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[VERIFIER_VOCAB:] = 1e4  # padding ids would be every draft if they were allowed
+    assistant.lm_head = biased
+    return assistant
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_assistant_with_a_smaller_vocabulary_is_refused_before_any_forward(do_sample):
+    verifier = tiny_model()
+    assistant = tiny_model(seed=7, vocab=128)
+    calls = count_forwards(verifier, assistant)
+    with pytest.raises(ValueError) as error:
+        speculative_generate(
+            verifier, repetitive_prompt(0), quasar_config={"assistant_model": assistant}, max_new_tokens=8, do_sample=do_sample
+        )
+    message = str(error.value)
+    assert "128" in message and str(VERIFIER_VOCAB) in message and "tokenizer" in message
+    assert calls[0] == 0
+
+
+def test_assistant_with_padding_rows_drafts_only_verifier_ids_greedy():
+    verifier, assistant = tiny_model(), padded_assistant(64)
+    prompt = repetitive_prompt(1)
+    plain = verifier.generate(prompt, max_new_tokens=12, do_sample=False)
+    out = speculative_generate(
+        verifier, prompt, quasar_config={"assistant_model": assistant}, max_new_tokens=12, return_dict_in_generate=True
+    )
+    assert torch.equal(out.sequences, plain)
+    assert out.quasar_stats.drafted_tokens > 0
+
+
+def test_assistant_with_padding_rows_samples():
+    verifier, assistant = tiny_model(), padded_assistant(64)
+    out = speculative_generate(
+        verifier,
+        repetitive_prompt(2),
+        quasar_config={"assistant_model": assistant},
+        max_new_tokens=12,
+        do_sample=True,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert out.shape[1] == repetitive_prompt(2).shape[1] + 12 and int(out.max()) < VERIFIER_VOCAB
+
 
 @pytest.mark.parametrize(
     "drafter, error, words",

@@ -108,13 +108,17 @@ class AssistantDrafter:
     its cache in `on_accept`.
     """
 
-    def __init__(self, assistant_model: torch.nn.Module, num_draft_tokens: int = 5) -> None:
+    def __init__(
+        self, assistant_model: torch.nn.Module, num_draft_tokens: int = 5, verifier: torch.nn.Module | None = None
+    ) -> None:
         if assistant_model is None:
             raise ValueError(
                 "drafter='assistant' needs an assistant model: pass assistant_model=<a causal LM sharing the tokenizer>."
             )
         self.model = assistant_model
         self.num_draft_tokens = num_draft_tokens
+        # Drafts and their probabilities cover the verifier's vocabulary (None: the assistant's own).
+        self.vocab_size = None if verifier is None else check_assistant_vocabulary(verifier, assistant_model)
 
     def start(self, prompts: list[torch.Tensor], setup: DraftSetup) -> None:
         self.setup = setup
@@ -139,7 +143,7 @@ class AssistantDrafter:
             probs.append(q)
             prefixes = [torch.cat([p, t.view(1)]) for p, t in zip(prefixes, token)]
             if step + 1 < k:
-                logits = self.state.forward(token[:, None])[:, -1]
+                logits = self._fit_vocabulary(self.state.forward(token[:, None])[:, -1])
         self.fed_drafts = torch.full((batch,), k - 1, dtype=torch.long, device=self.setup.device)
         lengths = torch.tensor(budgets, dtype=torch.long, device=self.setup.device)
         draft_probs = torch.stack(probs, dim=1) if self.setup.do_sample else None
@@ -161,7 +165,15 @@ class AssistantDrafter:
         if self.state.batch_size > 1:
             self.state.check_holes_supported()
         last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # index of each row's last real token
-        return logits[torch.arange(len(new)), last]
+        return self._fit_vocabulary(logits[torch.arange(len(new)), last])
+
+    def _fit_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V_assistant] -> [B, V_verifier]: padding rows beyond it dropped, missing ones -inf."""
+        if self.vocab_size is None or logits.shape[-1] == self.vocab_size:
+            return logits
+        if logits.shape[-1] > self.vocab_size:
+            return logits[:, : self.vocab_size]
+        return torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))
 
     def _choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.setup.do_sample:
@@ -181,6 +193,37 @@ class AssistantDrafter:
         self.fed_drafts = self.fed_drafts[rows]
 
 
+def _vocabulary_sizes(model: torch.nn.Module) -> tuple[int, int]:
+    """(rows of the input embedding table, width of the logits) of a causal LM."""
+    embedding = model.get_input_embeddings()
+    read = getattr(embedding, "num_embeddings", None) or embedding.weight.shape[0]
+    head = model.get_output_embeddings()
+    emit = getattr(head, "out_features", None) if head is not None else None
+    return int(read), int(emit or model.config.get_text_config().vocab_size)
+
+
+def check_assistant_vocabulary(verifier: torch.nn.Module, assistant: torch.nn.Module) -> int:
+    """Check before any forward that `assistant` can draft for `verifier`; return the verifier's vocabulary size.
+
+    Only the models are known here, not their tokenizers, so the rule is on table sizes: the
+    assistant must read every token id the verifier can emit (its embedding table has at least
+    as many rows as the verifier's logits). A larger assistant table is fine (padding rows of the
+    same tokenizer): its drafts are kept to the verifier's ids. An assistant with another
+    tokenizer whose table is at least as large cannot be told apart by sizes; it only drafts
+    badly (fewer accepted tokens); the output is still the verifier's.
+    """
+    verifier_reads, verifier_emits = _vocabulary_sizes(verifier)
+    assistant_reads, assistant_emits = _vocabulary_sizes(assistant)
+    if assistant_reads < verifier_emits:
+        raise ValueError(
+            f"the assistant model's vocabulary is smaller than the verifier's: it embeds {assistant_reads} token ids "
+            f"(logits {assistant_emits}), the verifier emits {verifier_emits}, so they do not share a tokenizer. "
+            "Use an assistant trained with the verifier's tokenizer (a smaller model of the same family), "
+            "or drafter='ngram'."
+        )
+    return verifier_emits
+
+
 def _right_to_left(chunk: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Move right padding to the left (prompts are left-padded, like plain batched generate)."""
     shift = (mask == 0).sum(-1)  # [B]
@@ -196,7 +239,7 @@ def _ngram_factory(verifier: torch.nn.Module, config) -> Drafter:
 
 
 def _assistant_factory(verifier: torch.nn.Module, config) -> Drafter:
-    return AssistantDrafter(config.assistant_model, config.num_draft_tokens, **config.drafter_kwargs)
+    return AssistantDrafter(config.assistant_model, config.num_draft_tokens, verifier=verifier, **config.drafter_kwargs)
 
 
 def _self_factory(verifier: torch.nn.Module, config) -> Drafter:
