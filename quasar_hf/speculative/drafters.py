@@ -212,7 +212,7 @@ def check_assistant_vocabulary(verifier: torch.nn.Module, assistant: torch.nn.Mo
     tokenizer whose table is at least as large cannot be told apart by sizes; it only drafts
     badly (fewer accepted tokens); the output is still the verifier's.
     """
-    verifier_reads, verifier_emits = _vocabulary_sizes(verifier)
+    _, verifier_emits = _vocabulary_sizes(verifier)
     assistant_reads, assistant_emits = _vocabulary_sizes(assistant)
     if assistant_reads < verifier_emits:
         raise ValueError(
