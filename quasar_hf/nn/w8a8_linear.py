@@ -44,9 +44,6 @@ class W8A8Linear(nn.Module):
             self.register_buffer("act_prescale", torch.ones(in_features, dtype=torch.float32, device=device))
         else:
             self.act_prescale = None
-        # Backend-specific weight layouts (never serialized), rebuilt when `weight` changes.
-        self._packed: object | None = None
-        self._packed_key: tuple | None = None
         # The kernel bound to these buffers (validated and packed once), rebuilt when any changes.
         self._bound: object | None = None
         self._bound_key: tuple | None = None
@@ -91,19 +88,6 @@ class W8A8Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight this module computes with: W[n, k] = q[n, k] * scale[n] (prescale excluded)."""
         return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
-
-    def packed_weight(self) -> object | None:
-        """Backend-specific prepacked weight for the fused CPU kernel, cached until `weight` changes."""
-        from quasar_hf.ops import dispatch
-
-        pack = getattr(dispatch, "pack_weight_for", None)
-        if pack is None or self.weight.device.type == "meta":
-            return None
-        key = (self.weight.data_ptr(), self.weight._version, self.weight.device, self.backend)
-        if key != self._packed_key:
-            self._packed = pack(self.weight, self.backend)
-            self._packed_key = key
-        return self._packed
 
     def _buffers_key(self) -> tuple:
         """Identity and in-place version of every buffer the kernel reads, and the backend."""
