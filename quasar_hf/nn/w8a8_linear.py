@@ -97,6 +97,8 @@ class W8A8Linear(nn.Module):
         return tuple(key)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if torch.compiler.is_compiling():  # traced: one `quasar::w8a8_linear` op (ops/torch_ops.py)
+            return torch.ops.quasar.w8a8_linear(x, self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
         key = self._buffers_key()
         if key != self._bound_key:  # first call, .to(), load_state_dict, in-place edits, backend change
             from quasar_hf.ops.dispatch import bind_w8a8_linear
