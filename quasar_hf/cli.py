@@ -239,6 +239,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from quasar_hf.commands.doctor import run_doctor
+
+    return run_doctor()
+
+
 # ----------------------------------------------------------------------------- parser
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Declare every subcommand on `subparsers` (shared with `optimum-cli quasar`)."""
@@ -320,6 +326,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--max-new-tokens", type=positive_int, default=128)
     demo.add_argument("--num-draft-tokens", type=positive_int, default=5)
     demo.add_argument("--rebuild", action="store_true", help="re-quantize even if the cached checkpoint exists")
+
+    command("doctor", cmd_doctor, "Print the kernel backends, which are usable here and why not, and library versions")
 
 
 def build_parser(prog: str = "quasar-hf") -> argparse.ArgumentParser:
