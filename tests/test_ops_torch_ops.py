@@ -105,3 +105,16 @@ def test_tiny_w8a8_model_traces_into_one_graph_with_the_quasar_ops():
     if attention_cpu.is_available():
         assert sum("quasar.rowstable_attention_cpu" in t for t in seen) == 2
     assert torch.equal(compiled, eager)
+
+
+def test_module_and_op_built_under_inference_mode_run():
+    """Inference tensors keep no version counter: the bound kernel and the op cache key them by identity."""
+    w_q, w_scale, bias, _ = _layer()
+    with torch.inference_mode():
+        module = W8A8Linear.from_weight(torch.randn(24, 40), torch.randn(24))
+        x = torch.randn(3, 40)
+        y = module(x)
+        w_q, w_scale, bias = w_q.clone(), w_scale.clone(), bias.clone()
+        out = torch.ops.quasar.w8a8_linear(x, w_q, w_scale, bias, None, "auto")
+    assert torch.equal(y, w8a8_linear_reference(x, module.weight, module.weight_scale, module.bias))
+    assert torch.equal(out, w8a8_linear_reference(x, w_q, w_scale, bias))

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from quasar_hf.ops.reference import quantize_weight_per_channel
+from quasar_hf.ops.validation import tensor_version
 
 
 class W8A8Linear(nn.Module):
@@ -93,7 +94,7 @@ class W8A8Linear(nn.Module):
         """Identity and in-place version of every buffer the kernel reads, and the backend."""
         key = [self.backend]
         for t in (self.weight, self.weight_scale, self.bias, self.act_prescale):
-            key += (None, None) if t is None else (id(t), t._version)
+            key += (None, None) if t is None else (id(t), tensor_version(t))
         return tuple(key)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from quasar_hf.ops import dispatch
-from quasar_hf.ops.validation import validate_w8a8_inputs, x_matches
+from quasar_hf.ops.validation import tensor_version, validate_w8a8_inputs, x_matches
 
 _LIB = torch.library.Library("quasar", "DEF")
 _LIB.define(
@@ -41,7 +41,7 @@ _LIB.define("rowstable_attention_triton(Tensor query, Tensor key, Tensor value, 
 
 
 def _version_key(*tensors: torch.Tensor | None) -> tuple:
-    return tuple((None, None) if t is None else (id(t), t._version) for t in tensors)
+    return tuple((None, None) if t is None else (id(t), tensor_version(t)) for t in tensors)
 
 
 class _Prepared:
@@ -53,7 +53,7 @@ class _Prepared:
         self.packed = entry.pack(weight_q) if entry.pack is not None else None
         self.run: Callable[..., torch.Tensor] = entry.run_prepacked if self.packed is not None else entry.run
         # The other tensors are held (small vectors), so their ids in the key stay theirs.
-        self.key = (weight_q._version, backend, *_version_key(weight_scale, bias, act_prescale))
+        self.key = (tensor_version(weight_q), backend, *_version_key(weight_scale, bias, act_prescale))
         self.others = (weight_scale, bias, act_prescale)
 
 
@@ -63,7 +63,7 @@ _PREPARED: dict[int, tuple[weakref.ref, _Prepared]] = {}
 def _prepared_for(weight_q, weight_scale, bias, act_prescale, backend: str) -> _Prepared:
     """The cached preparation of these weights, rebuilt when any of them changed."""
     slot = _PREPARED.get(id(weight_q))
-    key = (weight_q._version, backend, *_version_key(weight_scale, bias, act_prescale))
+    key = (tensor_version(weight_q), backend, *_version_key(weight_scale, bias, act_prescale))
     if slot is not None and slot[0]() is weight_q and slot[1].key == key:
         return slot[1]
     prepared = _Prepared(weight_q, weight_scale, bias, act_prescale, backend)
