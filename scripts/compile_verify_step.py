@@ -58,10 +58,13 @@ def measure(model, mode: str, prefix, draft, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--modes", default="eager,inductor,inductor_emulate_casts")
+    parser.add_argument("--modes", default="eager,inductor_emulate_casts,inductor")
     parser.add_argument("--out", default="benchmarks/compile_verify_step_cpu")
     parser.add_argument("--quantized", help="a saved Quasar checkpoint (default: quantize now with few samples)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quantized:
         model = AutoModelForCausalLM.from_pretrained(args.quantized)
     else:
@@ -81,6 +84,11 @@ def main() -> None:
             row["max_abs_logit_diff"] = float((logits.float() - eager_logits.float()).abs().max())
         rows[mode] = row
         print(mode, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        write(args, model, rows)
+
+
+def write(args, model, rows: dict) -> None:
+    """The JSON so far (written after each mode, so a long compile never loses the earlier rows)."""
     result = {
         "command": "python scripts/compile_verify_step.py " + " ".join(sys.argv[1:]),
         "attn_implementation": model.config._attn_implementation,
@@ -93,7 +101,6 @@ def main() -> None:
     }
     with open(args.out + ".json", "w") as f:
         json.dump(result, f, indent=2)
-    print(f"wrote {args.out}.json")
 
 
 if __name__ == "__main__":
