@@ -203,3 +203,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     run_demo(max_new_tokens=args.max_new_tokens, num_draft_tokens=args.num_draft_tokens, rebuild=args.rebuild)
     return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from quasar_hf.commands.doctor import run_doctor
+
+    return run_doctor()

@@ -11,7 +11,7 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from quasar_hf.commands.handlers import cmd_bench, cmd_demo, cmd_eval, cmd_export, cmd_generate, cmd_quantize
+from quasar_hf.commands.handlers import cmd_bench, cmd_demo, cmd_doctor, cmd_eval, cmd_export, cmd_generate, cmd_quantize
 from quasar_hf.commands.loading import DTYPES, UsageError
 
 DRAFTERS = ("ngram", "assistant", "self")
@@ -136,6 +136,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--max-new-tokens", type=positive_int, default=128)
     demo.add_argument("--num-draft-tokens", type=positive_int, default=5)
     demo.add_argument("--rebuild", action="store_true", help="re-quantize even if the cached checkpoint exists")
+
+    command("doctor", cmd_doctor, "Print the kernel backends, which are usable here and why not, and library versions")
 
 
 def build_parser(prog: str = "quasar-hf") -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from quasar_hf.compat import allow_loading_attributes
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.detect import QUANT_METHOD, is_quasar_model
 
@@ -16,6 +17,7 @@ def register_with_transformers() -> None:
         auto.register_quantization_config(QUANT_METHOD)(QuasarConfig)
     if QUANT_METHOD not in auto.AUTO_QUANTIZER_MAPPING:
         auto.register_quantizer(QUANT_METHOD)(QuasarHfQuantizer)
+    allow_loading_attributes(QuasarConfig)  # QuasarConfig(backend=...) overrides a saved checkpoint's
 
 
 __all__ = ["QuasarConfig", "is_quasar_model", "register_with_transformers"]

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from quasar_hf.ops.reference import quantize_weight_per_channel
+from quasar_hf.ops.validation import tensor_version
 
 
 class W8A8Linear(nn.Module):
@@ -44,9 +45,6 @@ class W8A8Linear(nn.Module):
             self.register_buffer("act_prescale", torch.ones(in_features, dtype=torch.float32, device=device))
         else:
             self.act_prescale = None
-        # Backend-specific weight layouts (never serialized), rebuilt when `weight` changes.
-        self._packed: object | None = None
-        self._packed_key: tuple | None = None
         # The kernel bound to these buffers (validated and packed once), rebuilt when any changes.
         self._bound: object | None = None
         self._bound_key: tuple | None = None
@@ -92,27 +90,16 @@ class W8A8Linear(nn.Module):
         """The float weight this module computes with: W[n, k] = q[n, k] * scale[n] (prescale excluded)."""
         return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
 
-    def packed_weight(self) -> object | None:
-        """Backend-specific prepacked weight for the fused CPU kernel, cached until `weight` changes."""
-        from quasar_hf.ops import dispatch
-
-        pack = getattr(dispatch, "pack_weight_for", None)
-        if pack is None or self.weight.device.type == "meta":
-            return None
-        key = (self.weight.data_ptr(), self.weight._version, self.weight.device, self.backend)
-        if key != self._packed_key:
-            self._packed = pack(self.weight, self.backend)
-            self._packed_key = key
-        return self._packed
-
     def _buffers_key(self) -> tuple:
         """Identity and in-place version of every buffer the kernel reads, and the backend."""
         key = [self.backend]
         for t in (self.weight, self.weight_scale, self.bias, self.act_prescale):
-            key += (None, None) if t is None else (id(t), t._version)
+            key += (None, None) if t is None else (id(t), tensor_version(t))
         return tuple(key)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if torch.compiler.is_compiling():  # traced: one `quasar::w8a8_linear` op (ops/torch_ops.py)
+            return torch.ops.quasar.w8a8_linear(x, self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
         key = self._buffers_key()
         if key != self._bound_key:  # first call, .to(), load_state_dict, in-place edits, backend change
             from quasar_hf.ops.dispatch import bind_w8a8_linear

@@ -12,6 +12,9 @@ Public API:
     is_available() -> bool / unavailable_reason() -> str | None     never raise
     supports(query, key, value) -> bool                             dtype/device/layout check
     rowstable_attention(query, key, value, visible=None, scale=None) -> [B, Q, H, D]
+Under `torch.compile` `rowstable_attention` traces to the op `torch.ops.quasar.rowstable_attention_cpu`
+(`ops/torch_ops.py`). When the kernel cannot be built, `supports` says False and logs the reason
+once at warning level (callers then run SDPA, slower for verification).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import math
 import torch
 
 from .c_build import PORTABLE_CFLAGS, build_and_load, find_compiler, missing_cpu_flags
+from .fallback import warn_fallback_once
 from .reference import attention_layout_ok, attention_reference
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -68,8 +72,9 @@ def _smoke_test(fn) -> str | None:
     return None
 
 
+@torch.compiler.assume_constant_result
 def unavailable_reason() -> str | None:
-    """None when the kernel can run here, else why not."""
+    """None when the kernel can run here, else why not (a constant for torch.compile: decided once)."""
     try:
         return _library()[1]
     except Exception as err:  # noqa: BLE001 - this must never raise
@@ -83,10 +88,13 @@ def is_available() -> bool:
 
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """True if these tensors can go to the kernel: CPU, float32 or bfloat16, the layout of
-    `reference.attention_layout_ok`, and the kernel built here."""
-    return (
-        query.device.type == "cpu" and query.dtype in _DTYPE_CODES and attention_layout_ok(query, key, value) and is_available()
-    )
+    `reference.attention_layout_ok`, and the kernel built here (if not, the reason is logged once)."""
+    if not (query.device.type == "cpu" and query.dtype in _DTYPE_CODES and attention_layout_ok(query, key, value)):
+        return False
+    reason = unavailable_reason()
+    if reason is not None:
+        warn_fallback_once("the row-stable CPU attention kernel", "SDPA", reason)
+    return reason is None
 
 
 def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -143,6 +151,13 @@ def rowstable_attention(
     may attend) or None for bottom-right causal (row i sees keys 0 .. N - Q + i).
     kernel: an entry point from `load_variant` (tests compare builds); default: this CPU's build.
     """
+    if kernel is None and torch.compiler.is_compiling():
+        return torch.ops.quasar.rowstable_attention_cpu(query, key, value, visible, None if scale is None else float(scale))
+    return _rowstable_attention(query, key, value, visible, scale, kernel)
+
+
+def _rowstable_attention(query, key, value, visible, scale, kernel=None) -> torch.Tensor:
+    """The kernel call behind `rowstable_attention` (and its op): validate, lay out, run."""
     fn, error = (kernel, None) if kernel is not None else _library()
     if fn is None:
         raise RuntimeError(f"row-stable CPU attention is unavailable: {error}")

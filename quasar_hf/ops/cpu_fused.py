@@ -14,6 +14,7 @@ Public API (used lazily by `ops/dispatch.py`):
     unavailable_reason() -> str | None          why not, in words
     pack_weight(weight_q) -> PackedWeight       cache it beside the int8 weight
     w8a8_linear_cpu_fused(x, weight_q, weight_scale, bias=None, act_prescale=None, packed=None)
+    bind_linear(weight_q, ...) -> linear(x) / run_prepacked(...)    once-per-weight forms
     int8_accumulators_cpu_fused(x, weight_q, act_prescale=None, packed=None)   (tests/debug)
 
 Inference only: no autograd. Any M works (row blocks of 6 share each weight chunk in L2); the
@@ -267,6 +268,19 @@ def w8a8_linear_cpu_fused(
     `packed` (from pack_weight(weight_q)) avoids re-packing the weight on every call.
     """
     return _run(x, weight_q, weight_scale, bias, act_prescale, packed, want_output=True)
+
+
+def run_prepacked(
+    x: torch.Tensor,
+    weight_q: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    act_prescale: torch.Tensor | None,
+    packed: PackedWeight,
+) -> torch.Tensor:
+    """w8a8_linear_cpu_fused without the checks: for callers that validated every input and
+    built `packed` with pack_weight(weight_q) themselves (the `quasar::w8a8_linear` op)."""
+    return _call(_require_library(), x, weight_q, weight_scale, bias, act_prescale, packed, want_output=True)
 
 
 def bind_linear(

@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from .fallback import warn_fallback_once
 from .reference import attention_layout_ok, attention_reference
 
 try:
@@ -87,11 +88,13 @@ def _block_sizes(head_dim: int) -> tuple[int, int]:
     return (16 if _interpret_mode() else max(16, 8192 // block_d)), block_d
 
 
+@torch.compiler.assume_constant_result
 @functools.cache
 def works_on(device: torch.device) -> bool:
     """Compile and run a small GQA case on `device` against the fp64 oracle, once per device.
 
-    Decided once, so a process never mixes this kernel with SDPA between decode and verify steps.
+    Decided once (and a constant for torch.compile), so a process never mixes this kernel with
+    SDPA between decode and verify steps.
     """
     try:
         g = torch.Generator().manual_seed(0)
@@ -100,22 +103,36 @@ def works_on(device: torch.device) -> bool:
             torch.randn(2, 2, 7, 20, generator=g),
             torch.randn(2, 2, 7, 20, generator=g),
         )
-        out = rowstable_attention_triton(q.to(device), k.to(device), v.to(device), None, 0.25).cpu()
+        out = _rowstable_attention_triton(q.to(device), k.to(device), v.to(device), None, 0.25).cpu()
         return bool(torch.allclose(out, attention_reference(q, k, v, None, 0.25).float(), rtol=1e-4, atol=1e-5))
     except Exception:  # noqa: BLE001 - any failure means: use SDPA with row-wise verification instead
         return False
 
 
+def unavailable_reason(device: str | torch.device = "cuda") -> str | None:
+    """None when the kernel runs on `device` (checked once by `works_on`), else why not. Never raises."""
+    if triton is None:
+        return "the triton package is not installed (pip install 'quasar-hf[triton]')"
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device is visible to torch"
+    if device.type != "cuda" and not (device.type == "cpu" and _interpret_mode()):
+        return f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {device.type!r}"
+    if not works_on(device):
+        return f"the kernel failed its first-use check on {device} (compile error or wrong result)"
+    return None
+
+
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """True for CUDA tensors of one float dtype in the layout of `reference.attention_layout_ok`,
-    when triton is importable and the kernel passed its first-use check on that device."""
-    return (
-        triton is not None
-        and query.device.type == "cuda"
-        and query.dtype in _DTYPES
-        and attention_layout_ok(query, key, value)
-        and works_on(query.device)
-    )
+    when triton is importable and the kernel passed its first-use check on that device (if not,
+    the reason is logged once)."""
+    if not (query.device.type == "cuda" and query.dtype in _DTYPES and attention_layout_ok(query, key, value)):
+        return False
+    if triton is not None and works_on(query.device):
+        return True
+    warn_fallback_once("the row-stable Triton attention kernel", "SDPA", unavailable_reason(query.device) or "unknown")
+    return False
 
 
 def _row_ends(visible: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:
@@ -138,7 +155,15 @@ def rowstable_attention_triton(
 
     query [B, H, Q, D], key/value [B, KVH, N, D]; visible bool [B, Q, N] or None (bottom-right causal).
     Under TRITON_INTERPRET=1 it runs on CPU tensors too (that is how it is tested without a GPU).
+    Under `torch.compile` it traces to the op `torch.ops.quasar.rowstable_attention_triton`.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.quasar.rowstable_attention_triton(query, key, value, visible, None if scale is None else float(scale))
+    return _rowstable_attention_triton(query, key, value, visible, scale)
+
+
+def _rowstable_attention_triton(query, key, value, visible, scale) -> torch.Tensor:
+    """The kernel launch behind `rowstable_attention_triton` (and its op)."""
     if triton is None:
         raise RuntimeError("row-stable Triton attention needs the triton package: pip install triton")
     batch, heads, q_len, head_dim = query.shape
