@@ -1,27 +1,26 @@
 """quasar_hf: Quasar (W8A8 SmoothQuant-verified speculative decoding) for Hugging Face Transformers.
 
-Importing the package registers quant_method "quasar" with Transformers, lets `generate` take
-`quasar=...` and makes `save_pretrained` / `push_to_hub` of Quasar models write a model card.
-The last two wrap Transformers methods once (idempotently), because Transformers has no hook for
-extra generate keywords or for after-save work; both act only on Quasar models.
+Importing the package registers quant_method "quasar" with Transformers (its quantizer registry)
+and the self drafter with the speculative loop's drafter registry. Nothing else changes:
+Quasar models get `generate(quasar=...)` and model-card saving on the instance when they load,
+and any causal LM can decode with `model.generate(ids, custom_generate=quasar_hf.generate, quasar=...)`.
 """
 
-from quasar_hf.hf import QuasarConfig, is_quasar_model, register_with_transformers
-from quasar_hf.hf.generate_hook import install_generate_hook
-from quasar_hf.hf.save_hook import install_save_hook
+from quasar_hf.hf import QuasarConfig, is_quasar_model, register_self_drafter, register_with_transformers
 from quasar_hf.nn import W8A8Linear
+from quasar_hf.ops.rowstable_attention import use_rowstable_attention
 from quasar_hf.speculative import QuasarGenerationConfig, speculative_generate
-from quasar_hf.speculative.attention import use_rowstable_attention
+from quasar_hf.speculative.strategy import generate
 
 register_with_transformers()
-install_generate_hook()
-install_save_hook()
+register_self_drafter()
 
 __version__ = "0.1.0"
 __all__ = [
     "QuasarConfig",
     "QuasarGenerationConfig",
     "W8A8Linear",
+    "generate",
     "is_quasar_model",
     "speculative_generate",
     "use_rowstable_attention",

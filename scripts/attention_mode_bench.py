@@ -23,7 +23,7 @@ import quasar_hf  # noqa: F401
 from quasar_hf import QuasarConfig, QuasarGenerationConfig, speculative_generate
 from quasar_hf.bench.suites import load_suite, render_prompt
 from quasar_hf.models import smollm2_135m_instruct
-from quasar_hf.speculative.attention import QUASAR_ATTENTION, use_rowstable_attention
+from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION, use_rowstable_attention
 
 
 def main() -> None:

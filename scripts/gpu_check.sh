@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-call GPU check of quasar_hf (H200: torch 2.11, triton 3.6, transformers 5.17), < 8 minutes.
-#   scripts/gpu_check.sh [OUT_DIR] [extra args for python -m quasar_hf.bench.gpu_check]
+#   scripts/gpu_check.sh [OUT_DIR] [extra args for python -m scripts.gpu_check]
 # Runs from the source tree (no `pip install`: the GPU image has no network, and the package's
 # datasets/optimum requirements are not needed here). bitsandbytes is used when importable; to
 # include it, carry a CUDA bitsandbytes wheel and install it first with `pip install --no-deps`.
@@ -12,4 +12,4 @@ shift || true
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 python="${PYTHON:-python}"
 "$python" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
-exec timeout 470 "$python" -m quasar_hf.bench.gpu_check --out "$out" "$@"
+exec timeout 470 "$python" -m scripts.gpu_check --out "$out" "$@"

@@ -7,16 +7,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from quasar_hf.bench import fidelity
 from quasar_hf.bench.fidelity import (
     aggregate_stats,
     evaluate_fidelity,
-    new_stats,
     next_token_sums,
-    record_step,
     same_draft_acceptance,
     speculative_tokens,
 )
+from quasar_hf.speculative.stats import QuasarStats
 
 
 class CharTokenizer:
@@ -43,11 +41,11 @@ def tiny_model(seed=0, vocab=64):
 
 
 def test_stats_aggregate_to_L_and_per_position_rates():
-    stats = new_stats()
-    record_step(stats, 3, 2)
-    record_step(stats, 2, 0)
-    record_step(stats, 0, 0)
-    agg = aggregate_stats([stats])
+    stats = QuasarStats()
+    stats.record_step([3], [2], [3])
+    stats.record_step([2], [0], [1])
+    stats.record_step([0], [0], [1])
+    agg = aggregate_stats([stats.to_dict(), QuasarStats().to_dict()])  # a run without verify steps adds nothing
     assert agg["mean_acceptance_length"] == pytest.approx((3 + 1 + 1) / 3)
     assert agg["acceptance_per_position"] == [0.5, 0.5, 0.0]
     assert agg["acceptance_rate"] == pytest.approx(2 / 5)
@@ -59,7 +57,7 @@ def test_speculative_tokens_reproduce_greedy_generate_exactly():
     expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False, pad_token_id=0)[
         0, prompt.shape[1] :
     ].tolist()
-    tokens, stats = speculative_tokens(model, prompt, 30, "ngram", 4, "auto")
+    tokens, stats = speculative_tokens(model, prompt, 30, "ngram", 4)
     assert tokens == expected[: len(tokens)] and (len(tokens) == 30 or tokens[-1] == 1)
     assert stats["verify_steps"] < len(tokens)  # some drafts were accepted
 
@@ -123,5 +121,3 @@ def test_bad_inputs_raise_clear_errors():
         evaluate_fidelity(model, model, CharTokenizer(), "just a string")
     with pytest.raises(ValueError, match="seq_len"):
         evaluate_fidelity(model, model, CharTokenizer(), ["x"], seq_len=1)
-    with pytest.raises(ValueError, match="loop"):
-        fidelity.resolve_loop("fast")

@@ -61,7 +61,6 @@ def bench_result():
         repeats=2,
         warmup=0,
         num_draft_tokens=3,
-        loop="auto",
     )
 
 
@@ -158,7 +157,6 @@ def test_a_variant_that_cannot_run_is_reported_not_fatal():
         repeats=1,
         warmup=0,
         variants=[BASELINE, "quasar_ngram", "quasar_self"],
-        loop="auto",
     )
     assert "quasar_self" in result["unavailable_variants"] and "ngram" in result["unavailable_variants"]["quasar_self"]
     assert set(result["variants"]) == {BASELINE, "quasar_ngram"}
@@ -173,7 +171,7 @@ def test_acceptance_length_ratio_pools_prompts_and_brackets_the_estimate(bench_r
             "variant": variant,
             "prompt_index": prompt,
             "repeat": 0,
-            "stats": {"emitted_tokens": emitted, "verify_steps": steps},
+            "stats": {"new_tokens": emitted, "verify_steps": steps},
         }
 
     # Pooled L: baseline (10 + 30) / (10 + 10) = 2.0, variant (12 + 30) / (10 + 10) = 2.1.

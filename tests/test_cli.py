@@ -60,7 +60,7 @@ def test_every_subcommand_has_help(capsys):
         with pytest.raises(SystemExit) as exit_info:
             main([name, "--help"])
         assert exit_info.value.code == 0
-        expected = "usage: python -m quasar_hf.bench.runner" if name == "bench" else "usage: quasar-hf " + name
+        expected = "usage: quasar-hf bench" if name == "bench" else "usage: quasar-hf " + name
         assert expected in capsys.readouterr().out  # bench passes its options through to the runner
     assert set(SUBCOMMANDS) <= set(build_parser()._subparsers._group_actions[0].choices)
 

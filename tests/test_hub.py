@@ -12,12 +12,10 @@ from test_hub_support import HubStandIn, make_tiny_checkpoint, quantize_tiny
 from transformers import AutoModelForCausalLM
 
 from quasar_hf.hf.model_card import FALLBACK_CARD_NAME, is_quasar_card, validate_model_card
-from quasar_hf.hf.save_hook import install_save_hook, is_save_hook_installed
 
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
-    install_save_hook()
     base = make_tiny_checkpoint(tmp_path_factory.mktemp("base"))
     return quantize_tiny(base)
 
@@ -30,16 +28,6 @@ def hub():
     )
     yield standin
     huggingface_hub.set_client_factory(default_client_factory)
-
-
-def test_install_is_idempotent():
-    from transformers import PreTrainedModel
-
-    install_save_hook()
-    first = PreTrainedModel.save_pretrained
-    install_save_hook()
-    assert PreTrainedModel.save_pretrained is first
-    assert is_save_hook_installed()
 
 
 def test_save_pretrained_writes_card_and_reloads_identically(quantized, tmp_path):
@@ -69,7 +57,6 @@ def test_our_own_card_is_refreshed(quantized, tmp_path):
 
 
 def test_non_quasar_models_are_untouched(tmp_path):
-    install_save_hook()
     base = make_tiny_checkpoint(tmp_path / "plain")
     assert not (base / "README.md").exists()
 
@@ -101,9 +88,22 @@ def test_push_keeps_a_remote_readme_we_did_not_write(quantized, hub):
     assert is_quasar_card(files[FALLBACK_CARD_NAME].decode())
 
 
-def test_push_rejects_positional_options(quantized):
-    with pytest.raises(TypeError, match="keywords"):
-        quantized.push_to_hub("x", True)
+def test_push_takes_transformers_arguments_and_rejects_what_it_rejects(quantized, hub):
+    with pytest.raises(TypeError):  # Transformers' push_to_hub takes its options as keywords too
+        quantized.push_to_hub("x", "a commit message")
+    with pytest.raises(TypeError):
+        quantized.push_to_hub("x", no_such_option=True)
+    quantized.push_to_hub(
+        repo_id="all-options",
+        commit_message="m",
+        commit_description="d",
+        private=True,
+        token="hf_test_token",
+        create_pr=False,
+        max_shard_size="1GB",
+        tags=["extra-tag"],
+    )
+    assert is_quasar_card(hub.repos["tester/all-options"]["README.md"].decode())
 
 
 def test_card_usage_snippet_runs_as_written(quantized, tmp_path):

@@ -2,8 +2,8 @@
 
 This is the property behind "greedy quasar=True equals plain greedy generate": the cache a
 (k+1)-token verification writes must equal the cache k+1 one-token decode steps write. Checked for
-both ways of getting it (quasar_hf.speculative.attention): the row-stable kernel Quasar models
-load with, and SDPA one row at a time.
+both ways of getting it (quasar_hf.ops.rowstable_attention, chosen per call by
+quasar_hf.speculative.attention): the row-stable kernel Quasar models load with, and SDPA one row at a time.
 """
 
 import pytest
@@ -13,12 +13,8 @@ from transformers import AutoModelForCausalLM
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from quasar_hf import QuasarConfig
 from quasar_hf.ops import attention_cpu
-from quasar_hf.speculative.attention import (
-    LONG_PREFILL_ROWS,
-    QUASAR_ATTENTION,
-    rowstable_attention_for,
-    use_rowstable_attention,
-)
+from quasar_hf.ops.rowstable_attention import LONG_PREFILL_ROWS, QUASAR_ATTENTION, use_rowstable_attention
+from quasar_hf.speculative.attention import rowstable_attention_for, verification_attention
 from quasar_hf.speculative.kv_state import RowAlignedCache
 from tests.tiny_models import save_tiny, tiny_model
 
@@ -38,10 +34,11 @@ def w8a8_model(request, tmp_path_factory):
 
 def caches_after(model, prompt, chunks, shape_stable=True):
     """KV tensors per layer after a prefill and then `chunks` (lists of tokens), each one forward."""
-    state = RowAlignedCache(model, 1, torch.device("cpu"), shape_stable)
-    state.forward(prompt)
-    for chunk in chunks:
-        state.forward(torch.tensor([chunk]))
+    with verification_attention(model, shape_stable) as verify_kwargs:
+        state = RowAlignedCache(model, 1, torch.device("cpu"), verify_kwargs)
+        state.forward(prompt)
+        for chunk in chunks:
+            state.forward(torch.tensor([chunk]))
     return [(layer.keys.clone(), layer.values.clone()) for layer in state.cache.layers]
 
 

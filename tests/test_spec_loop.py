@@ -4,16 +4,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from quasar_hf.hf.generate_hook import install_generate_hook
+from quasar_hf.hf import bind_quasar_methods
+from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION, use_rowstable_attention
 from quasar_hf.speculative import NgramDrafter, QuasarGenerationConfig, speculative_generate
-from quasar_hf.speculative.attention import QUASAR_ATTENTION, use_rowstable_attention
 
 ARCHS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
 VOCAB = 256
 
 
 # Both ways verification rows are made equal to decode steps: SDPA one row at a time, and the
-# row-stable attention kernel that Quasar models get (quasar_hf.speculative.attention).
+# row-stable attention kernel that Quasar models get (quasar_hf.ops.rowstable_attention).
 ATTENTIONS = ["sdpa", QUASAR_ATTENTION]
 
 
@@ -257,12 +257,13 @@ def test_unsupported_options_raise_clear_errors():
         QuasarGenerationConfig.from_value("yes")
 
 
-def test_generate_hook_routes_quasar_models_and_refuses_plain_ones():
-    install_generate_hook()
-    install_generate_hook()  # idempotent
+def test_bound_generate_routes_quasar_models_and_refuses_plain_ones():
     model = tiny_model()
     prompt = repetitive_prompt(0)
     plain = model.generate(prompt, max_new_tokens=20, do_sample=False)
+    with pytest.raises(ValueError, match="quasar"):  # a stock model: Transformers' own unused-kwarg error
+        model.generate(prompt, max_new_tokens=20, quasar=True)
+    bind_quasar_methods(model)  # what the quantizer does on load
     with pytest.raises(ValueError, match="QuasarConfig"):
         model.generate(prompt, max_new_tokens=20, quasar=True)
     model.config.quantization_config = {"quant_method": "quasar"}  # what is_quasar_model reads

@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import quasar_hf.speculative.loop as loop_module
 from quasar_hf.speculative import QuasarGenerationConfig, speculative_generate
-from quasar_hf.speculative.hf_glue import prepare_generation
 from quasar_hf.speculative.verify import speculative_sample_accept
 
 VOCAB = 12
@@ -49,11 +48,22 @@ def grounded_prompt(model):
     return model.generate(SEED_TEXT, max_new_tokens=20, do_sample=False)
 
 
+def processors_of(model, prompt, options):
+    """The logits processors plain generate builds for these options (captured by a custom_generate callable)."""
+    captured = {}
+
+    def capture(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+        captured["processors"] = logits_processor
+        return input_ids
+
+    model.generate(prompt, custom_generate=capture, **dict(options, max_new_tokens=3))
+    return captured["processors"]
+
+
 @torch.no_grad()
 def exact_joint(model, prompt, options):
     """P(t1, t2, t3) [V, V, V] under plain sampling with the processors plain generate builds."""
-    prepared = prepare_generation(model, prompt, None, None, None, None, None, dict(options, max_new_tokens=3))
-    process = prepared.logits_processor
+    process = processors_of(model, prompt, options)
     joint = torch.ones(1)
     prefixes = prompt
     for _ in range(3):

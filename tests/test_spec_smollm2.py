@@ -3,7 +3,7 @@
 float32: identical token for token. bfloat16: a divergence is allowed only at a near-tie of the
 plain run. Why that bound: during verification the KV cache and hidden states are bit-identical
 to decode steps (INT8 GEMMs with per-token scales are row-independent; attention rows are computed
-alone, by the row-stable kernel or by SDPA one row at a time: quasar_hf.speculative.attention); only the bf16 lm_head GEMM sees M = k+1 rows instead of 1. Its
+alone, by the row-stable kernel or by SDPA one row at a time: quasar_hf.ops.rowstable_attention); only the bf16 lm_head GEMM sees M = k+1 rows instead of 1. Its
 fp32 accumulation order may then differ by ~1e-6 relative, which can move each bf16-rounded
 logit by at most one ulp, so the argmax can only change where the plain run's top-2 gap is at
 most 2 ulps of bf16 at the top logit's magnitude (ulp(x) = 2**(floor(log2|x|) - 7)).
@@ -57,10 +57,8 @@ def load(checkpoint, dtype, attention):
     """The saved W8A8 model; Quasar models load with the row-stable attention, "sdpa" switches back."""
     from transformers import AutoModelForCausalLM
 
-    from quasar_hf.hf.generate_hook import install_generate_hook
-    from quasar_hf.speculative.attention import QUASAR_ATTENTION
+    from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION
 
-    install_generate_hook()
     model = AutoModelForCausalLM.from_pretrained(checkpoint["path"], dtype=dtype).eval()
     assert model.config._attn_implementation == QUASAR_ATTENTION
     if attention == "sdpa":  # verification then runs SDPA one row at a time

@@ -16,122 +16,39 @@ project's built-in Python-docs split (`quasar_hf.smoothquant.data.builtin_texts`
 
 from __future__ import annotations
 
-import copy
-import inspect
 import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from quasar_hf import compat
+from quasar_hf.speculative.stats import QuasarStats
+
 
 # ---------------------------------------------------------------- speculative counters
-def new_stats() -> dict:
-    """Counters of one speculative run (the same names as quasar_hf.speculative's QuasarStats)."""
-    return {
-        "verify_steps": 0,
-        "drafted_tokens": 0,
-        "accepted_tokens": 0,
-        "emitted_tokens": 0,
-        "drafted_at_position": [],
-        "accepted_at_position": [],
-        "draft_time_s": 0.0,
-        "verify_time_s": 0.0,
-    }
-
-
-def record_step(stats: dict, draft_len: int, accepted: int) -> None:
-    """Add one verify step that checked `draft_len` drafted tokens and accepted `accepted` of them."""
-    for key in ("drafted_at_position", "accepted_at_position"):
-        stats[key].extend([0] * max(0, draft_len - len(stats[key])))
-    for i in range(draft_len):
-        stats["drafted_at_position"][i] += 1
-        stats["accepted_at_position"][i] += int(i < accepted)
-    stats["verify_steps"] += 1
-    stats["drafted_tokens"] += draft_len
-    stats["accepted_tokens"] += accepted
-    stats["emitted_tokens"] += accepted + 1
-
-
 def aggregate_stats(stats_list: list[dict]) -> dict:
-    """Sum counters over runs -> L (tokens per verify step), acceptance per position, times per step/token.
-
-    L = emitted tokens / verify steps, counting steps without a draft (what sets the speed);
-    acceptance_per_position[i] = P(draft token i accepted | it was drafted).
-    """
-    stats_list = [s for s in stats_list if s and s.get("verify_steps")]
-    if not stats_list:
-        return {}
-    total = new_stats()
-    for s in stats_list:
-        for key in ("verify_steps", "drafted_tokens", "accepted_tokens", "emitted_tokens", "draft_time_s", "verify_time_s"):
-            total[key] += s[key]
-        width = len(s["drafted_at_position"])
-        for key in ("drafted_at_position", "accepted_at_position"):
-            counts = total[key]
-            counts.extend([0] * max(0, width - len(counts)))
-            for i, c in enumerate(s[key][:width]):
-                counts[i] += c
-    steps = total["verify_steps"]
-    return {
-        "verify_steps": steps,
-        "drafted_tokens": total["drafted_tokens"],
-        "accepted_tokens": total["accepted_tokens"],
-        "mean_acceptance_length": total["emitted_tokens"] / steps,
-        "acceptance_rate": total["accepted_tokens"] / max(1, total["drafted_tokens"]),
-        "acceptance_per_position": [a / d for a, d in zip(total["accepted_at_position"], total["drafted_at_position"]) if d],
-        "time_per_verify_step_s": total["verify_time_s"] / steps,
-        "time_per_draft_token_s": total["draft_time_s"] / max(1, total["drafted_tokens"]),
-    }
+    """Sum `QuasarStats.to_dict()` records over runs -> L (tokens per verify step), acceptance per position,
+    times per step and per draft token ({} when no run made a verify step)."""
+    parts = [QuasarStats.from_dict(s) for s in stats_list if s and s.get("verify_steps")]
+    return QuasarStats.total(parts).summary() if parts else {}
 
 
 # ---------------------------------------------------------------- cached forward for fixed trajectories
-def _forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
-    """One cached forward; works with Transformers 5.17 (`past_key_values`) and 5.24 (`cache`)."""
-    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+def cached_forward(model: torch.nn.Module, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+    """One cached forward: (logits, cache)."""
     with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True, **{cache_kwarg: cache})
-    new_cache = out["cache"] if "cache" in out else out["past_key_values"]
-    return out["logits"], new_cache
-
-
-def _crop(cache: Any, remove: int) -> None:
-    """Drop the last `remove` positions of a DynamicCache (negative crop: Transformers 5.17 and 5.24)."""
-    if remove > 0:
-        cache.crop(-remove)
+        out = model(input_ids=ids, use_cache=True, **{compat.cache_argument_name(model): cache})
+    return out["logits"], compat.output_cache(out)
 
 
 # ---------------------------------------------------------------- the project's speculative loop
-def resolve_loop(loop: str) -> str:
-    """Validate the `loop` option: the project's speculative loop is the only one ("auto" = "project")."""
-    if loop not in ("auto", "project"):
-        raise ValueError(f"loop must be 'auto' or 'project', got {loop!r}")
-    return "project"
-
-
-def _stats_from_project(quasar_stats: Any) -> dict:
-    """Translate a quasar_hf.speculative QuasarStats into this module's counters (same definitions)."""
-    stats = new_stats()
-    stats.update(
-        verify_steps=int(quasar_stats.verify_steps),
-        drafted_tokens=int(quasar_stats.drafted_tokens),
-        accepted_tokens=int(quasar_stats.accepted_tokens),
-        emitted_tokens=int(quasar_stats.new_tokens),
-        drafted_at_position=list(quasar_stats.drafted_per_position),
-        accepted_at_position=list(quasar_stats.accepted_per_position),
-        draft_time_s=float(quasar_stats.draft_time_s),
-        verify_time_s=float(quasar_stats.verify_time_s),
-    )
-    return stats
-
-
 def speculative_tokens(
-    model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, drafter: str, num_draft_tokens: int, loop: str
+    model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, drafter: str, num_draft_tokens: int
 ) -> tuple[list[int], dict]:
-    """Run one greedy speculative generation with `model` as verifier, via the chosen loop."""
+    """One greedy speculative generation with `model` as verifier: (new tokens, `QuasarStats.to_dict()`)."""
     eos = getattr(model.generation_config, "eos_token_id", None)
     eos = eos[0] if isinstance(eos, list) else eos
-    resolve_loop(loop)
     from quasar_hf.speculative import QuasarGenerationConfig, speculative_generate
 
     config = QuasarGenerationConfig(drafter=drafter, num_draft_tokens=num_draft_tokens)
@@ -145,7 +62,7 @@ def speculative_tokens(
         return_dict_in_generate=True,
         pad_token_id=eos if eos is not None else 0,
     )
-    return out.sequences[0, input_ids.shape[1] :].tolist(), _stats_from_project(out.quasar_stats)
+    return out.sequences[0, input_ids.shape[1] :].tolist(), out.quasar_stats.to_dict()
 
 
 # ---------------------------------------------------------------- pure metric pieces
@@ -231,16 +148,17 @@ def same_draft_acceptance(model: torch.nn.Module, trajectory: list[int], start: 
     device = next(model.parameters()).device
     drafter = NgramDrafter(num_draft_tokens)
     tokens = torch.tensor(trajectory, device=device)
-    stats = new_stats()
-    _, cache = _forward(model, tokens[None, : start - 1], None)
+    stats = QuasarStats()
+    _, cache = cached_forward(model, tokens[None, : start - 1], None)
     for t in range(start, len(trajectory)):
         draft = drafter.lookup(tokens[:t], num_draft_tokens)  # [d]: the same draft for every verifier
-        logits, cache = _forward(model, torch.cat([tokens[t - 1 : t], draft])[None], cache)  # [1, 1 + d, V]
+        logits, cache = cached_forward(model, torch.cat([tokens[t - 1 : t], draft])[None], cache)  # [1, 1 + d, V]
         accepted, _ = greedy_accept(draft[None], logits.float())
-        _crop(cache, draft.shape[0])
         if draft.numel():
-            record_step(stats, draft.shape[0], int(accepted[0]))
-    return stats
+            cache.crop(-draft.shape[0])  # the cache holds trajectory[:t] again
+            kept = int(accepted[0])
+            stats.record_step([draft.shape[0]], [kept], [kept + 1])
+    return stats.to_dict()
 
 
 def compare_acceptance(
@@ -249,14 +167,13 @@ def compare_acceptance(
     prompts: list[torch.Tensor],
     max_new_tokens: int = 64,
     num_draft_tokens: int = 5,
-    loop: str = "auto",
 ) -> dict:
     """L of W8A8 vs reference verification: on the same drafts, and each in its own free-running loop."""
     same = {"model": [], "reference": []}
     free = {"model": [], "reference": []}
     for input_ids in prompts:  # [1, T]
-        ref_tokens, ref_stats = speculative_tokens(reference_model, input_ids, max_new_tokens, "ngram", num_draft_tokens, loop)
-        _, model_stats = speculative_tokens(model, input_ids, max_new_tokens, "ngram", num_draft_tokens, loop)
+        ref_tokens, ref_stats = speculative_tokens(reference_model, input_ids, max_new_tokens, "ngram", num_draft_tokens)
+        _, model_stats = speculative_tokens(model, input_ids, max_new_tokens, "ngram", num_draft_tokens)
         free["reference"].append(ref_stats)
         free["model"].append(model_stats)
         trajectory = input_ids[0].tolist() + ref_tokens
@@ -291,7 +208,6 @@ def evaluate_fidelity(
     acceptance_prompts: list[torch.Tensor] | None = None,
     max_new_tokens: int = 64,
     num_draft_tokens: int = 5,
-    loop: str = "auto",
 ) -> dict:
     """Fidelity of `model` (W8A8) vs `reference_model` (unquantized), on held-out `texts`.
 
@@ -317,53 +233,8 @@ def evaluate_fidelity(
         "acceptance": None,
     }
     if acceptance_prompts:
-        result["acceptance"] = compare_acceptance(
-            model, reference_model, acceptance_prompts, max_new_tokens, num_draft_tokens, loop
-        )
+        result["acceptance"] = compare_acceptance(model, reference_model, acceptance_prompts, max_new_tokens, num_draft_tokens)
     return result
-
-
-def fidelity_main(argv: list[str] | None = None) -> list[str]:
-    """CLI: W8A8 vs BF16 (and BF16 vs FP32, for scale) on held-out text + L comparison; write reports."""
-    import argparse
-    import shlex
-    import sys
-
-    from quasar_hf.bench.report import write_reports
-    from quasar_hf.bench.runner import load_bench_models
-    from quasar_hf.bench.suites import load_suites, render_prompt
-
-    parser = argparse.ArgumentParser(prog="python -m quasar_hf.bench.fidelity", description=fidelity_main.__doc__)
-    parser.add_argument("--model", default=None, help="checkpoint (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--quantized", default=None, help="saved Quasar checkpoint (default: quantize now)")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--max-windows", type=int, default=16)
-    parser.add_argument("--suites", default="all")
-    parser.add_argument("--limit-per-suite", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--skip-fp32", action="store_true", help="skip the BF16/W8A8 vs FP32 comparison")
-    parser.add_argument("--out", default="benchmarks")
-    parser.add_argument("--name", default="fidelity_cpu")
-    args = parser.parse_args(argv)
-    command = "python -m quasar_hf.bench.fidelity " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    reference, quantized, tokenizer, info = load_bench_models(args.model, args.quantized)
-    prompts = [torch.tensor([render_prompt(it, tokenizer)]) for it in load_suites(args.suites, args.limit_per_suite)]
-    result = {
-        "command": command,
-        "models": info,
-        "fidelity": evaluate_fidelity(quantized, reference, tokenizer, None, seq_len=args.seq_len, max_windows=args.max_windows),
-    }
-    write = lambda: write_reports(result, args.out, args.name, title="quasar_hf fidelity: W8A8 vs unquantized")  # noqa: E731
-    write()  # partial results first: the acceptance comparison is the slow part
-    if not args.skip_fp32:
-        fp32 = copy.deepcopy(reference).float()
-        windows = token_windows(tokenizer, heldout_texts(), args.seq_len, args.max_windows)
-        result["bf16_vs_fp32"] = compare_next_token(reference, fp32, windows)
-        result["w8a8_vs_fp32"] = compare_next_token(quantized, fp32, windows)
-        del fp32
-        write()
-    result["fidelity"]["acceptance"] = compare_acceptance(quantized, reference, prompts, args.max_new_tokens)
-    return write()
 
 
 def heldout_texts() -> list[str]:
@@ -371,8 +242,3 @@ def heldout_texts() -> list[str]:
     from quasar_hf.smoothquant.data import builtin_texts
 
     return builtin_texts("heldout")
-
-
-if __name__ == "__main__":
-    for path in fidelity_main():
-        print(path)

@@ -6,8 +6,8 @@ layer's weight comes from memory), and the achieved bandwidth
 `(weight bytes + activation bytes read) / time`, compared with a measured copy bandwidth
 (`dst.copy_(src)` of a large tensor, read + write bytes).
 
-    python -m quasar_hf.bench.kernels --out benchmarks/ --quick            # this device
-    python -m quasar_hf.bench.kernels --device cuda --out results/ --ms 1 16 64
+    python -m scripts.kernel_bench --out benchmarks/ --quick            # this device
+    python -m scripts.kernel_bench --device cuda --out results/ --ms 1 16 64
 
 Python API: `run_kernel_benchmark(device, shapes, ms, backends) -> dict`, then
 `write_json(result, path)` / `write_markdown(result, path)`.
@@ -15,14 +15,11 @@ Python API: `run_kernel_benchmark(device, shapes, ms, backends) -> dict`, then
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import platform
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from quasar_hf.bench.timing import timed
 from quasar_hf.ops.dispatch import available_backends, pack_weight_for, w8a8_linear
 
 # (label, in_features K, out_features N): the linears of the models the method targets.
@@ -50,19 +48,14 @@ MS: list[int] = [1, 2, 4, 8, 16, 32, 64]
 DEFAULT_EXCLUDED = ("reference",)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_batch(fn: Callable[[int], object], device: torch.device, first: int, batch: int) -> float:
     """Mean seconds per call of `fn(first) ... fn(first + batch - 1)` (the index cycles weight copies)."""
-    _sync(device)
-    start = time.perf_counter()
-    for i in range(first, first + batch):
-        fn(i)
-    _sync(device)
-    return (time.perf_counter() - start) / batch
+
+    def calls() -> None:
+        for i in range(first, first + batch):
+            fn(i)
+
+    return timed(calls, device)[1] / batch
 
 
 def interleaved_medians(
@@ -265,39 +258,3 @@ def write_markdown(result: dict, path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(to_markdown(result))
     return path
-
-
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m quasar_hf.bench.kernels", description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
-    parser.add_argument("--out", default="benchmarks", help="directory for kernels_<device>.json and .md")
-    parser.add_argument("--quick", action="store_true", help="7 samples per point instead of 15")
-    parser.add_argument("--ms", type=int, nargs="+", default=None, help=f"token counts M (default {MS})")
-    parser.add_argument("--backends", nargs="+", default=None, help="W8A8 backends (default: all available)")
-    parser.add_argument("--shapes", nargs="+", default=None, help="shape label prefixes, e.g. llama3 smollm2")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before timing")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = _parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    shapes = [s for s in SHAPES if args.shapes is None or s[0].startswith(tuple(args.shapes))]
-    if not shapes:
-        raise SystemExit(f"no shape matches {args.shapes}; labels are {[s[0] for s in SHAPES]}")
-    result = run_kernel_benchmark(args.device, shapes, args.ms, args.backends, samples=7 if args.quick else 15)
-    result["command"] = "python -m quasar_hf.bench.kernels " + shlex.join(sys.argv[1:] if argv is None else argv)
-    device_type = torch.device(result["environment"]["device"]).type
-    out = Path(args.out)
-    for path in (
-        write_json(result, out / f"kernels_{device_type}.json"),
-        write_markdown(result, out / f"kernels_{device_type}.md"),
-    ):
-        print(f"wrote {path}")
-    print(to_markdown(result))
-    return result
-
-
-if __name__ == "__main__":
-    main()

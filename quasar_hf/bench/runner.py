@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from quasar_hf.bench.fidelity import resolve_loop, speculative_tokens
+from quasar_hf.bench.fidelity import speculative_tokens
 from quasar_hf.bench.suites import load_suites, render_prompt
 from quasar_hf.bench.summary import (  # re-exported: part of the runner's result API
     BASELINE,
@@ -30,6 +30,7 @@ from quasar_hf.bench.summary import (  # re-exported: part of the runner's resul
     mark_token_agreement,
     summarize_variant,
 )
+from quasar_hf.bench.timing import timed
 from quasar_hf.speculative.attention import rowstable_attention_for
 
 DEFAULT_VARIANTS = ("bf16_generate", "bf16_prompt_lookup", "bf16_verify_ngram", "quasar_ngram")
@@ -90,7 +91,7 @@ def _hf_generate(model: torch.nn.Module, **extra: Any) -> Generate:
     return run
 
 
-def _speculative(model: torch.nn.Module, drafter: str, num_draft_tokens: int, loop: str) -> Generate:
+def _speculative(model: torch.nn.Module, drafter: str, num_draft_tokens: int) -> Generate:
     """A variant running the speculative loop with `model` as the verifier.
 
     Both verifiers run the same attention (the row-stable kernel Quasar models carry; an SDPA
@@ -99,7 +100,7 @@ def _speculative(model: torch.nn.Module, drafter: str, num_draft_tokens: int, lo
 
     def run(input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
         with rowstable_attention_for(model):
-            return speculative_tokens(model, input_ids, max_new_tokens, drafter, num_draft_tokens, loop)
+            return speculative_tokens(model, input_ids, max_new_tokens, drafter, num_draft_tokens)
 
     return run
 
@@ -109,7 +110,6 @@ def build_variants(
     reference_model: torch.nn.Module,
     quantized_model: torch.nn.Module | None,
     num_draft_tokens: int = 5,
-    loop: str = "auto",
 ) -> dict[str, Generate]:
     """Map variant names to generate functions; unknown names raise with the list of known ones."""
     variants: dict[str, Generate] = {}
@@ -119,11 +119,11 @@ def build_variants(
         elif name == "bf16_prompt_lookup":
             variants[name] = _hf_generate(reference_model, prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=3)
         elif name == "bf16_verify_ngram":
-            variants[name] = _speculative(reference_model, "ngram", num_draft_tokens, loop)
+            variants[name] = _speculative(reference_model, "ngram", num_draft_tokens)
         elif name.startswith("quasar_"):
             if quantized_model is None:
                 raise ValueError(f"variant {name!r} needs a quantized_model (a W8A8 copy of the model)")
-            variants[name] = _speculative(quantized_model, name.removeprefix("quasar_"), num_draft_tokens, loop)
+            variants[name] = _speculative(quantized_model, name.removeprefix("quasar_"), num_draft_tokens)
         else:
             raise ValueError(
                 f"unknown variant {name!r}: use bf16_generate, bf16_prompt_lookup, bf16_verify_ngram or quasar_<drafter>"
@@ -151,13 +151,7 @@ def _interleaved_order(names: list[str], step: int) -> list[str]:
 def _time_one(generate: Generate, input_ids: torch.Tensor, max_new_tokens: int, device: str) -> dict:
     """Run one generation; wall time (synchronized on CUDA), tokens, stats and peak memory."""
     with PeakMemory(device) as memory:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        tokens, stats = generate(input_ids, max_new_tokens)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        (tokens, stats), seconds = timed(lambda: generate(input_ids, max_new_tokens), device)
     return {"tokens": tokens, "seconds": seconds, "stats": stats, "peak_memory_bytes": memory.peak_bytes}
 
 
@@ -174,7 +168,6 @@ def run_bench(
     repeats: int = 3,
     warmup: int = 1,
     num_draft_tokens: int = 5,
-    loop: str = "auto",
     log: Callable[[str], None] | None = None,
 ) -> dict:
     """Benchmark generation variants, interleaved, on the same prompts; return a result dict.
@@ -182,7 +175,6 @@ def run_bench(
     reference_model: the unquantized (BF16) model; quantized_model: its W8A8 copy (None skips the
     quasar_* variants). prompts: suite items (see `suites.load_suite`), default `suites` loaded
     with `limit_per_suite`. Each (prompt, variant) runs `warmup` untimed then `repeats` timed times.
-    loop: "auto" or "project": the project's `quasar_hf.speculative` loop (kept for CLI compatibility).
     Returns {"config", "variants": {name: summary}, "headline": {name: speedup vs bf16_verify_ngram},
     "runs": [...]}; feed it to `report.write_reports`.
     """
@@ -194,7 +186,7 @@ def run_bench(
     if quantized_model is None:
         variants = [v for v in variants if not v.startswith("quasar_")]
     names = list(variants)
-    generators = build_variants(names, reference_model, quantized_model, num_draft_tokens, loop)
+    generators = build_variants(names, reference_model, quantized_model, num_draft_tokens)
     device = str(next(reference_model.parameters()).device)
     encoded = [torch.tensor([render_prompt(item, tokenizer)], device=device) for item in items]
     say = log or (lambda message: None)
@@ -232,7 +224,6 @@ def run_bench(
             "repeats": repeats,
             "warmup": warmup,
             "num_draft_tokens": num_draft_tokens,
-            "loop": resolve_loop(loop),
             "device": device,
             "interleaving": "repeat -> prompt -> variant order rotated by one each prompt",
         },
@@ -244,9 +235,8 @@ def run_bench(
 
 
 # ---------------------------------------------------------------- end to end (CLI level)
-def available_quasar_variants(loop: str = "auto") -> list[str]:
+def available_quasar_variants() -> list[str]:
     """quasar_<drafter> for every drafter that needs no extra model ("assistant" needs one: skipped)."""
-    resolve_loop(loop)
     from quasar_hf.speculative import DRAFTER_FACTORIES
 
     return [f"quasar_{name}" for name in DRAFTER_FACTORIES if name != "assistant"]
@@ -311,7 +301,7 @@ def quantization_config_from_args(args: Any) -> Any:
 def _parse_args(argv: list[str] | None) -> Any:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m quasar_hf.bench.runner", description=bench_main.__doc__)
+    parser = argparse.ArgumentParser(prog="quasar-hf bench", description=bench_main.__doc__)
     parser.add_argument("--model", default=None, help="checkpoint dir or Hub id (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--quantized", default=None, help="a saved Quasar W8A8 checkpoint (default: quantize now)")
     parser.add_argument("--alpha", default=None, help='SmoothQuant alpha when quantizing now (float or "auto")')
@@ -325,7 +315,6 @@ def _parse_args(argv: list[str] | None) -> Any:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--num-draft-tokens", type=int, default=5)
-    parser.add_argument("--loop", default="auto", choices=["auto", "project"])
     parser.add_argument("--fidelity", action="store_true", help="also evaluate fidelity (held-out ppl, top-1, KL, L)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--out", default="benchmarks", help="output folder for JSON, markdown and plots")
@@ -349,7 +338,7 @@ def bench_main(argv: list[str] | None = None) -> list[str]:
     if args.save_quantized:
         quantized.save_pretrained(args.save_quantized)
         tokenizer.save_pretrained(args.save_quantized)
-    default_variants = ["bf16_generate", "bf16_prompt_lookup", BASELINE, *available_quasar_variants(args.loop)]
+    default_variants = ["bf16_generate", "bf16_prompt_lookup", BASELINE, *available_quasar_variants()]
     variants = args.variants.split(",") if args.variants else default_variants
     result = run_bench(
         reference,
@@ -362,7 +351,6 @@ def bench_main(argv: list[str] | None = None) -> list[str]:
         repeats=args.repeats,
         warmup=args.warmup,
         num_draft_tokens=args.num_draft_tokens,
-        loop=args.loop,
         log=lambda m: print(m, file=sys.stderr, flush=True),
     )
     result["models"] = info
@@ -379,12 +367,6 @@ def bench_main(argv: list[str] | None = None) -> list[str]:
             acceptance_prompts=prompts,
             max_new_tokens=args.max_new_tokens,
             num_draft_tokens=args.num_draft_tokens,
-            loop=args.loop,
         )
-    result["command"] = "python -m quasar_hf.bench.runner " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    result["command"] = "quasar-hf bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     return write_reports(result, args.out, args.name, title="quasar_hf generation benchmark")
-
-
-if __name__ == "__main__":
-    for path in bench_main():
-        print(path)

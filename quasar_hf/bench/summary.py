@@ -42,7 +42,7 @@ def headline_ratios(summaries: dict[str, dict]) -> dict[str, float]:
 def acceptance_length_ratio(
     runs: list[dict], variant: str, baseline: str = BASELINE, resamples: int = 2000, seed: int = 0
 ) -> dict | None:
-    """L(variant) / L(baseline) with L = emitted tokens / verify steps summed over prompts, and a
+    """L(variant) / L(baseline) with L = new tokens / verify steps summed over prompts, and a
     paired bootstrap 95% interval over prompts (the spread that which prompts were chosen causes:
     per-prompt L ranges widely, because the two models write different continuations)."""
 
@@ -50,7 +50,7 @@ def acceptance_length_ratio(
         out: dict[int, tuple[int, int]] = {}
         for r in runs:
             if r["variant"] == name and r.get("stats") and r["repeat"] == 0:
-                out[r["prompt_index"]] = (r["stats"]["emitted_tokens"], r["stats"]["verify_steps"])
+                out[r["prompt_index"]] = (r["stats"]["new_tokens"], r["stats"]["verify_steps"])
         return out
 
     mine, base = totals(variant), totals(baseline)

@@ -111,7 +111,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Pass every option through to the benchmark runner (`python -m quasar_hf.bench.runner`)."""
+    """Pass every option through to the benchmark runner (`quasar_hf.bench.runner.bench_main`)."""
     from quasar_hf.bench.runner import bench_main
 
     passthrough = [arg for arg in args.bench_args if arg != "--debug"]

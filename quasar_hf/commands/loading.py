@@ -103,10 +103,8 @@ def quantize_checkpoint(path: str, options: dict, dtype: str) -> Any:
 def save_quantized(model: Any, tokenizer: Any, out_dir: str, base_model: str | None = None) -> None:
     """save_pretrained + tokenizer + our model card (rendered with the tokenizer's chat template)."""
     from quasar_hf.hf.model_card import model_card_for, write_model_card
-    from quasar_hf.hf.save_hook import install_save_hook
 
-    install_save_hook()
-    model.save_pretrained(out_dir)  # the hook writes a first card (and warns about a user README)
+    model.save_pretrained(out_dir)  # a Quasar model's save writes a first card (and warns about a user README)
     tokenizer.save_pretrained(out_dir)
     with warnings.catch_warnings():  # same README decision as the hook's, already reported
         warnings.simplefilter("ignore")

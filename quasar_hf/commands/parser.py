@@ -106,8 +106,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     # (prefix_chars="+" keeps argparse from reading its --options here; `bench --help` is the runner's).
     bench = subparsers.add_parser(
         "bench",
-        help="Benchmark plain, BF16-verified and W8A8-verified (Quasar) generation; "
-        "options of `python -m quasar_hf.bench.runner` (see `quasar-hf bench --help`)",
+        help="Benchmark plain, BF16-verified and W8A8-verified (Quasar) generation; (its options: `quasar-hf bench --help`)",
         add_help=False,
         prefix_chars="+",
     )

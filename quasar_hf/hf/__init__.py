@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from quasar_hf.compat import allow_loading_attributes
+from quasar_hf.hf.binding import bind_quasar_methods
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.detect import QUANT_METHOD, is_quasar_model
+from quasar_hf.hf.draft_path import register_self_drafter
 
 
 def register_with_transformers() -> None:
@@ -20,4 +22,4 @@ def register_with_transformers() -> None:
     allow_loading_attributes(QuasarConfig)  # QuasarConfig(backend=...) overrides a saved checkpoint's
 
 
-__all__ = ["QuasarConfig", "is_quasar_model", "register_with_transformers"]
+__all__ = ["QuasarConfig", "bind_quasar_methods", "is_quasar_model", "register_self_drafter", "register_with_transformers"]

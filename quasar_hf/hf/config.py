@@ -33,7 +33,7 @@ class QuasarConfig(QuantizationConfigMixin):
         draft_layers: None (no draft path), decoder-layer indices kept in high precision for the
             self-draft path, or "auto".
         draft_dtype: "model" keeps unquantized copies of the draft layers in the model's dtype (BF16 for a
-            BF16 model: the design card's dual-precision model); "int8" reuses the W8A8 verify layers
+            BF16 model: the dual-precision model); "int8" reuses the W8A8 verify layers
             (no extra memory).
         draft_budget: for draft_layers="auto", the largest fraction of decoder layers the draft may keep.
         tokenizer: tokenizer (or its path) for calibration; defaults to the model's own folder.

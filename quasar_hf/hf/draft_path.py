@@ -2,7 +2,7 @@
 
 Draft path = shared embeddings -> chosen decoder layers -> shared final norm -> shared lm_head.
 With draft_dtype="model" the chosen layers are unquantized copies taken *before* smoothing (in
-the model's dtype: BF16 for a BF16 model, the design card's setting), registered on the model as
+the model's dtype: BF16 for a BF16 model), registered on the model as
 `quasar_draft` so they are saved and reloaded. With "int8" the draft reuses the W8A8 verify
 layers themselves: no extra memory.
 
@@ -20,6 +20,8 @@ import math
 import torch
 from torch import nn
 
+from quasar_hf import compat
+
 DRAFT_ATTR = "quasar_draft"
 
 
@@ -31,11 +33,7 @@ def _renumbered(layer: nn.Module, index: int, deep: bool) -> nn.Module:
     if deep:
         new = copy.deepcopy(layer)
     else:
-        new = copy.copy(layer)
-        new._modules = dict(layer._modules)
-        attn = copy.copy(layer.self_attn)
-        attn._modules = dict(layer.self_attn._modules)
-        new._modules["self_attn"] = attn
+        new = compat.shallow_module_copy(layer, replace={"self_attn": compat.shallow_module_copy(layer.self_attn)})
     new.self_attn.layer_idx = index
     return new
 
@@ -96,6 +94,20 @@ def self_draft_model(model: nn.Module) -> nn.Module:
         copies = getattr(model, DRAFT_ATTR)
         layers = [copies[str(i)] for i in indices]
     return build_draft_model(model, indices, layers)
+
+
+def self_drafter_factory(verifier: nn.Module, config) -> object:
+    """Drafter factory for drafter="self": the model's own draft path, drafting like an assistant model."""
+    from quasar_hf.speculative.drafters import AssistantDrafter
+
+    return AssistantDrafter(self_draft_model(verifier), config.num_draft_tokens, **config.drafter_kwargs)
+
+
+def register_self_drafter() -> None:
+    """Make drafter="self" available to the speculative loop (its drafter registry)."""
+    from quasar_hf.speculative.drafters import DRAFTER_FACTORIES
+
+    DRAFTER_FACTORIES.setdefault("self", self_drafter_factory)
 
 
 @torch.no_grad()

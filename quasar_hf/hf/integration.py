@@ -79,7 +79,9 @@ def _load_tokenizer(model: nn.Module, config: QuasarConfig):
     tok = config.tokenizer
     if tok is not None and not isinstance(tok, (str, bytes)) and callable(tok):
         return tok
-    source = tok or getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    from quasar_hf import compat
+
+    source = tok or compat.name_or_path(model) or None
     try:
         return AutoTokenizer.from_pretrained(source)
     except Exception as err:

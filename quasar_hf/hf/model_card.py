@@ -72,8 +72,9 @@ def quantization_dict(source: Any) -> dict:
 
 def guess_base_model(model: Any) -> str | None:
     """The Hub repo id the model came from, when its name says so (local paths give None)."""
-    name = getattr(getattr(model, "config", None), "_name_or_path", "") or getattr(model, "name_or_path", "")
-    return base_model_from_name(str(name or ""))
+    from quasar_hf import compat
+
+    return base_model_from_name(compat.name_or_path(model))
 
 
 def base_model_from_name(name: str) -> str | None:

@@ -1,7 +1,8 @@
 """QuasarHfQuantizer: the lifecycle hooks Transformers calls during `from_pretrained`.
 
-This is the only module that depends on Transformers' quantizer internals (they move between 5.x
-releases). The work itself lives in `quasar_hf.hf.integration`.
+This is the only module that implements Transformers' quantizer hooks (they move between 5.x
+releases). The work itself lives in `quasar_hf.hf.integration`; after loading, the model gets the
+row-stable attention and its Quasar methods (`quasar_hf.hf.binding`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import os
 import torch
 from transformers.quantizers.base import HfQuantizer
 
+from quasar_hf.hf.binding import bind_quasar_methods
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.integration import quantize_model, replace_with_w8a8_skeleton
 from quasar_hf.nn import W8A8Linear
-from quasar_hf.speculative.attention import use_rowstable_attention
+from quasar_hf.ops.rowstable_attention import use_rowstable_attention
 
 _EXPECTED_DTYPES = {"weight": "I8", "weight_scale": "F32", "act_prescale": "F32"}
 
@@ -52,9 +54,10 @@ class QuasarHfQuantizer(HfQuantizer):
         else:
             quantize_model(model, config)
         model.config.quantization_config = config
-        # Decode and verification attention rows bit-identical (CPU kernel; SDPA elsewhere), so
-        # generate(quasar=True) equals plain greedy generate of this model without row-wise calls.
+        # Decode and verification attention rows bit-identical (C kernel on CPU, Triton on CUDA), so
+        # generate(quasar=True) equals plain greedy generate of this model in one verify call per layer.
         use_rowstable_attention(model)
+        bind_quasar_methods(model)  # generate(quasar=...), save_pretrained / push_to_hub with the model card
         return model
 
     def is_serializable(self, **kwargs) -> bool:

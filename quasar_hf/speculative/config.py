@@ -21,9 +21,9 @@ class QuasarGenerationConfig:
     drafter_kwargs: extra keyword arguments for the drafter factory.
     shape_stable_attention: True (default) makes every verified row's attention equal to the decode
         step's, so the KV cache and logits are bit-identical to plain decoding (greedy output equals
-        plain greedy token for token). Quasar models on CPU get this for free from their row-stable
-        attention kernel (one batched call); SDPA models (GPU, float16, or a user's choice) verify
-        with one SDPA call per query row instead, which costs ~0.2 ms per extra call on CPU.
+        plain greedy token for token). Quasar models get this from their row-stable attention
+        kernel (C on CPU, Triton on CUDA: one batched call); where no kernel applies (float16 on CPU,
+        or an SDPA model) verification runs one SDPA call per query row instead.
         False runs one batched call per layer whatever the attention: with SDPA that is faster,
         but its rounding then differs from decode steps, which W8A8 rounding can amplify into
         different tokens.

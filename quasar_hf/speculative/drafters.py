@@ -123,7 +123,7 @@ class AssistantDrafter:
     def start(self, prompts: list[torch.Tensor], setup: DraftSetup) -> None:
         self.setup = setup
         # Drafts need no bit-stability (q is whatever the drafter computed): one batched attention call.
-        self.state = RowAlignedCache(self.model, len(prompts), setup.device, shape_stable=False)
+        self.state = RowAlignedCache(self.model, len(prompts), setup.device)
         self.fed_drafts = torch.zeros(len(prompts), dtype=torch.long, device=setup.device)  # drafts in its cache
 
     @torch.no_grad()
@@ -242,18 +242,10 @@ def _assistant_factory(verifier: torch.nn.Module, config) -> Drafter:
     return AssistantDrafter(config.assistant_model, config.num_draft_tokens, verifier=verifier, **config.drafter_kwargs)
 
 
-def _self_factory(verifier: torch.nn.Module, config) -> Drafter:
-    """The dual-precision model's own draft path (QuasarConfig(draft_layers=...)), drafting like an assistant."""
-    from quasar_hf.hf.draft_path import self_draft_model
-
-    return AssistantDrafter(self_draft_model(verifier), config.num_draft_tokens, **config.drafter_kwargs)
-
-
 DRAFTER_FACTORIES: dict[str, DrafterFactory] = {
     "ngram": _ngram_factory,
     "assistant": _assistant_factory,
-    "self": _self_factory,
-}
+}  # quasar_hf.hf registers "self" (the dual-precision model's own draft path)
 
 
 def make_drafter(verifier: torch.nn.Module, config) -> Drafter:

@@ -13,24 +13,21 @@ import inspect
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from .attention import rowwise_verification
+from quasar_hf import compat
 
 
 class RowAlignedCache:
     """KV cache + slot mask [B, S] + real-token count [B] for one causal LM."""
 
-    def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device, shape_stable: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device, verify_kwargs: dict | None = None) -> None:
         self.model = model
-        self.shape_stable = shape_stable  # row-wise attention when verifying (see attention.py)
+        self.verify_kwargs = verify_kwargs or {}  # forward keywords of multi-token calls over the cache (attention.py)
         self.cache = DynamicCache(config=model.config)
         self.slot_mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, S]
         self.valid_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
-        parameters = inspect.signature(model.forward).parameters
-        self._takes_logits_to_keep = "logits_to_keep" in parameters
-        # Transformers 5.24 names the cache argument `cache`; earlier 5.x (5.17 on the GPU image) `past_key_values`.
-        self._cache_kwarg = "cache" if "cache" in parameters else "past_key_values"
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_kwarg = compat.cache_argument_name(model)
 
     @property
     def batch_size(self) -> int:
@@ -46,16 +43,16 @@ class RowAlignedCache:
         # Like plain generate: an all-ones mask is dropped so attention takes the same (maskless) path.
         attention_mask = None if bool(full_mask.all()) else full_mask
         kwargs = {"logits_to_keep": 1} if (last_only and self._takes_logits_to_keep) else {}
-        verifying = self.shape_stable and tokens.shape[1] > 1 and self.slot_mask.shape[1] > 0  # several tokens over a cache
-        with rowwise_verification(self.model, enabled=verifying):
-            outputs = self.model(
-                input_ids=tokens,
-                attention_mask=attention_mask,
-                position_ids=positions,
-                use_cache=True,
-                **{self._cache_kwarg: self.cache},
-                **kwargs,
-            )
+        if tokens.shape[1] > 1 and self.slot_mask.shape[1] > 0:  # several tokens over a cache: verification
+            kwargs.update(self.verify_kwargs)
+        outputs = self.model(
+            input_ids=tokens,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_kwarg: self.cache},
+            **kwargs,
+        )
         self.slot_mask = full_mask
         self.valid_len = self.valid_len + token_mask.sum(-1)
         logits = outputs.logits
@@ -89,7 +86,7 @@ class RowAlignedCache:
     def check_holes_supported(self) -> None:
         """Masked holes need plain full-attention layers (a sliding window counts slots, not tokens)."""
         for layer in self.cache.layers:
-            if type(layer) is not DynamicLayer:
+            if not compat.is_full_attention_layer(layer):
                 raise ValueError(
                     f"Speculative generation with batch size > 1 needs full-attention KV layers, but this model's cache "
                     f"uses {type(layer).__name__}. Run one prompt at a time (batch size 1) for this model."

@@ -1,8 +1,8 @@
 """The speculative decode loop: draft, verify in one forward, accept, roll back the KV cache.
 
-`speculative_generate` runs on any causal LM: a Quasar W8A8 model (what `generate(quasar=...)`
-calls) or a BF16/FP32 one (the like-for-like baseline "speculative decoding with BF16
-verification"). Tokens are chosen exactly as plain `generate` would choose them: the same
+`SpeculativeRun` runs on any causal LM: a Quasar W8A8 model or a BF16/FP32 one (the like-for-like
+baseline "speculative decoding with BF16 verification"); `strategy.py` feeds it what `generate`
+prepared, and `speculative_generate` is the function form of `generate(..., quasar=...)`. Tokens are chosen exactly as plain `generate` would choose them: the same
 processors on FP32 logits with the prefix each position would have seen, argmax when greedy,
 exact speculative sampling otherwise.
 """
@@ -18,8 +18,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .config import QuasarGenerationConfig
-from .drafters import Drafter, DraftSetup, make_drafter
-from .hf_glue import PreparedGeneration, prepare_generation
+from .drafters import Drafter, DraftSetup
 from .kv_state import RowAlignedCache
 from .stats import QuasarStats
 from .verify import greedy_accept, speculative_sample_accept
@@ -32,7 +31,20 @@ class QuasarGenerateOutput(GenerateDecoderOnlyOutput):
     quasar_stats: QuasarStats | None = None
 
 
-@torch.no_grad()
+@dataclass
+class PreparedGeneration:
+    """Everything the loop needs, as `generate` prepared it for this call."""
+
+    input_ids: torch.Tensor  # [B, T] left-padded prompts
+    attention_mask: torch.Tensor  # [B, T] long, 1 = real token
+    generation_config: GenerationConfig
+    logits_processor: LogitsProcessorList  # for the whole batch [B, ...]
+    row_logits_processors: list[LogitsProcessorList]  # one per row, for calls on a single row [1, ...]
+    stopping_criteria: StoppingCriteriaList
+    pad_token_id: int | None
+    max_length: int
+
+
 def speculative_generate(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -54,26 +66,31 @@ def speculative_generate(
     do_sample, temperature, top_k, top_p, repetition_penalty, eos_token_id, pad_token_id,
     stop_strings + tokenizer, return_dict_in_generate, ...). `quasar_config` chooses the drafter.
     `generator` seeds the acceptance and sampling randomness (None: torch's global RNG).
+    Runs `generate` with the Quasar strategy (quasar_hf.speculative.strategy).
     """
-    quasar_config = QuasarGenerationConfig.from_value(True if quasar_config is None else quasar_config)
-    prepared = prepare_generation(
-        model, input_ids, attention_mask, generation_config, logits_processor, stopping_criteria, tokenizer, generate_kwargs
+    from .strategy import generate_with_quasar
+
+    if attention_mask is not None:
+        generate_kwargs["attention_mask"] = attention_mask
+    return generate_with_quasar(
+        model,
+        input_ids,
+        generation_config=generation_config,
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
+        streamer=streamer,
+        quasar=quasar_config,
+        quasar_generator=generator,
+        tokenizer=tokenizer,
+        **generate_kwargs,
     )
-    if streamer is not None and input_ids.shape[0] > 1:
-        raise ValueError("streamer= supports batch size 1 only (as in plain generate); drop the streamer or the batch.")
-    drafter = make_drafter(model, quasar_config)
-    run = _SpeculativeRun(model, prepared, drafter, streamer, generator, quasar_config.shape_stable_attention)
-    sequences, stats = run.run()
-    if prepared.generation_config.return_dict_in_generate:
-        return QuasarGenerateOutput(sequences=sequences, quasar_stats=stats)
-    return sequences
 
 
-class _SpeculativeRun:
+class SpeculativeRun:
     """State of one call: per-row token lists, the verifier cache, pending tokens, stats."""
 
     def __init__(
-        self, model, prepared: PreparedGeneration, drafter: Drafter, streamer, generator, shape_stable: bool = True
+        self, model, prepared: PreparedGeneration, drafter: Drafter, streamer, generator, verify_kwargs: dict | None = None
     ) -> None:
         self.model = model
         self.prepared = prepared
@@ -86,12 +103,10 @@ class _SpeculativeRun:
         self.pad_lengths = (prepared.attention_mask == 0).sum(-1).tolist()
         self.active = list(range(len(self.rows)))  # original indices of unfinished rows
         self.stats = QuasarStats(prefill_tokens=int(prepared.attention_mask.sum()))
-        self.verifier = RowAlignedCache(model, len(self.rows), self.device, shape_stable)
+        self.verifier = RowAlignedCache(model, len(self.rows), self.device, verify_kwargs)
 
     def run(self) -> tuple[torch.Tensor, QuasarStats]:
-        started = time.perf_counter()
-        if self.streamer is not None:
-            self.streamer.put(self.prepared.input_ids.cpu())
+        started = time.perf_counter()  # the prompt was streamed by generate
         pending = self._prefill()
         while self.active:
             pending = self._verify_step(pending)

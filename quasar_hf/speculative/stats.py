@@ -4,6 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+_SUMMED = (
+    "verify_steps",
+    "drafted_tokens",
+    "accepted_tokens",
+    "new_tokens",
+    "prefill_tokens",
+    "draft_time_s",
+    "verify_time_s",
+    "prefill_time_s",
+    "total_time_s",
+)
+
 
 @dataclass
 class QuasarStats:
@@ -33,12 +45,13 @@ class QuasarStats:
             self.drafted_tokens += drafted
             self.accepted_tokens += kept
             self.new_tokens += new
-            self._grow(drafted)
+            self.ensure_positions(drafted)
             for position in range(drafted):
                 self.drafted_per_position[position] += 1
                 self.accepted_per_position[position] += int(position < kept)
 
-    def _grow(self, size: int) -> None:
+    def ensure_positions(self, size: int) -> None:
+        """Extend the per-position counters to at least `size` positions."""
         while len(self.drafted_per_position) < size:
             self.drafted_per_position.append(0)
             self.accepted_per_position.append(0)
@@ -58,6 +71,41 @@ class QuasarStats:
         """P(draft token i accepted | it was drafted), i = 0 .. num_draft_tokens - 1."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
+    @classmethod
+    def total(cls, parts: list[QuasarStats]) -> QuasarStats:
+        """The counters of several runs summed (per-position counts aligned at position 0)."""
+        total = cls()
+        for part in parts:
+            for name in _SUMMED:
+                setattr(total, name, getattr(total, name) + getattr(part, name))
+            total.ensure_positions(len(part.drafted_per_position))
+            for i, (drafted, accepted) in enumerate(zip(part.drafted_per_position, part.accepted_per_position)):
+                total.drafted_per_position[i] += drafted
+                total.accepted_per_position[i] += accepted
+        return total
+
+    @classmethod
+    def from_dict(cls, data: dict) -> QuasarStats:
+        """Back from `to_dict()` (derived rates are recomputed, not read)."""
+        stats = cls(**{name: data[name] for name in _SUMMED if name in data})
+        stats.drafted_per_position = list(data.get("drafted_per_position", []))
+        stats.accepted_per_position = list(data.get("accepted_per_position", []))
+        return stats
+
+    def summary(self) -> dict:
+        """The rates a benchmark reports: L, acceptance (overall and per position), time per step and per draft token."""
+        steps = max(1, self.verify_steps)
+        return {
+            "verify_steps": self.verify_steps,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_per_position": self.acceptance_per_position,
+            "time_per_verify_step_s": self.verify_time_s / steps,
+            "time_per_draft_token_s": self.draft_time_s / max(1, self.drafted_tokens),
+        }
+
     def to_dict(self) -> dict:
         """All counters plus the derived rates, JSON-ready."""
         return {
@@ -66,6 +114,8 @@ class QuasarStats:
             "accepted_tokens": self.accepted_tokens,
             "new_tokens": self.new_tokens,
             "prefill_tokens": self.prefill_tokens,
+            "drafted_per_position": list(self.drafted_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_rate": self.acceptance_rate,
             "acceptance_per_position": self.acceptance_per_position,

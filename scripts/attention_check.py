@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from quasar_hf.ops.reference import attention_reference
-from quasar_hf.speculative.attention import rowstable_kernel_for
+from quasar_hf.ops.rowstable_attention import rowstable_kernel_for
 
 
 def attention_check(device: str, tiny: bool, median_time: Callable[..., float]) -> dict:

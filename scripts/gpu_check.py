@@ -1,7 +1,7 @@
 """One-shot GPU check (H200): kernels, verify-step latency and end-to-end speed, within a time budget.
 
-    python -m quasar_hf.bench.gpu_check --out DIR            # on the GPU, < 8 minutes
-    python -m quasar_hf.bench.gpu_check --out DIR --tiny     # same code paths, tiny shapes, CPU, < 2 minutes
+    python -m scripts.gpu_check --out DIR            # on the GPU, < 8 minutes
+    python -m scripts.gpu_check --out DIR --tiny     # same code paths, tiny shapes, CPU, < 2 minutes
 
 Sections (each in its own try/except: a failure is recorded and the next section still runs;
 results are rewritten to DIR/gpu_check.json and .md after every section):
@@ -12,7 +12,7 @@ results are rewritten to DIR/gpu_check.json and .md after every section):
                 (`quasar_hf.bench.kernels.run_kernel_benchmark`, the ops helper's micro-benchmark)
   verify        verify-step latency of a random Qwen3-8B-shaped model, BF16 vs W8A8, 1..8 draft tokens
   end_to_end    tokens/s with n-gram drafts: BF16 generate, BF16-verify loop, Quasar (W8A8) loop
-  targets       the issue's H200 targets, checked against the numbers above (report, not assert)
+  targets       the H200 acceptance targets, checked against the numbers above (report, not assert)
 Optional packages (bitsandbytes, datasets, gguf, optimum) are never required here.
 """
 
@@ -28,6 +28,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from quasar_hf.bench.timing import median_time, sync
 
 TINY_SHAPES = [("tiny.up 128x256", 128, 256), ("tiny.down 256x128", 256, 128)]  # (label, K, N) as bench.kernels
 QWEN3_8B = dict(
@@ -60,25 +62,6 @@ class Budget:
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def median_time(fn: Callable[[], Any], device: str, iters: int, warmup: int = 2) -> float:
-    """Median seconds of `fn()` over `iters` calls (synchronized on CUDA)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 # ---------------------------------------------------------------- sections: bandwidth, correctness, kernels
@@ -162,7 +145,7 @@ def build_model(device: str, tiny: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    from quasar_hf.speculative.attention import use_rowstable_attention
+    from quasar_hf.ops.rowstable_attention import use_rowstable_attention
 
     use_rowstable_attention(model)  # what Quasar models run: exact verification without row-wise calls
     return model.eval()
@@ -207,12 +190,12 @@ def _describe(model: torch.nn.Module) -> dict:
 
 def verify_latency(model: torch.nn.Module, device: str, tiny: bool, copy_gbps: float, budget: Budget) -> list[dict]:
     """Latency of one verify step (1 + k tokens over a cached context), k = 1..8, and its bytes/bandwidth floor."""
-    from quasar_hf.bench.fidelity import _crop, _forward
+    from quasar_hf.bench.fidelity import cached_forward
 
     context = 64 if tiny else 1024
     config = model.config
     ids = torch.randint(0, config.vocab_size, (1, context + 9), device=device)
-    _, cache = _forward(model, ids[:, :context], None)
+    _, cache = cached_forward(model, ids[:, :context], None)
     kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context * 2
     floor_s = (weight_bytes(model) + kv_bytes) / (copy_gbps * 1e9)
     rows = []
@@ -224,8 +207,8 @@ def verify_latency(model: torch.nn.Module, device: str, tiny: bool, copy_gbps: f
 
         def step() -> None:
             nonlocal cache
-            _, cache = _forward(model, block, cache)
-            _crop(cache, k + 1)
+            _, cache = cached_forward(model, block, cache)
+            cache.crop(-(k + 1))
 
         seconds = median_time(step, device, iters=3 if tiny else 15)
         rows.append(
@@ -263,7 +246,7 @@ def end_to_end(model: torch.nn.Module, variants: list[str], device: str, tiny: b
             if name == "bf16_generate":
                 tokens, stats = _hf_generate(model)(prompt, max_new)
             else:
-                tokens, stats = speculative_tokens(model, prompt, max_new, "ngram", 5, "auto")
+                tokens, stats = speculative_tokens(model, prompt, max_new, "ngram", 5)
             sync(device)
             runs.append((len(tokens) / (time.perf_counter() - start), stats))
         out[name] = {
@@ -278,7 +261,7 @@ def end_to_end(model: torch.nn.Module, variants: list[str], device: str, tiny: b
 
 
 def check_targets(result: dict) -> dict:
-    """The issue's H200 targets against this run (None where the inputs are missing)."""
+    """The H200 acceptance targets against this run (None where the inputs are missing)."""
     kernels = [
         r
         for r in result.get("kernels") or []
@@ -389,9 +372,9 @@ def _section(result: dict, out_dir: str, name: str, fn: Callable[[], Any], budge
 
 def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 450.0, backend: str = "auto", command: str = "") -> dict:
     """Run every section within `budget_s` seconds; write DIR/gpu_check.{json,md}; return the result."""
-    from quasar_hf.bench.attention_check import attention_check
     from quasar_hf.bench.report import environment
     from quasar_hf.ops.dispatch import available_backends
+    from scripts.attention_check import attention_check
 
     os.makedirs(out_dir, exist_ok=True)
     device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
@@ -439,12 +422,12 @@ def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 450.0, bac
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: python -m quasar_hf.bench.gpu_check --out DIR [--tiny] [--budget-s 450] [--backend auto]."""
+    """CLI: python -m scripts.gpu_check --out DIR [--tiny] [--budget-s 450] [--backend auto]."""
     import shlex
     import sys
 
     parser = argparse.ArgumentParser(
-        prog="python -m quasar_hf.bench.gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m scripts.gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.md")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (a test of the code paths)")
@@ -452,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="auto", help="W8A8 backend of the quantized model (default auto)")
     args = parser.parse_args(argv)
     budget = args.budget_s if args.budget_s is not None else (100.0 if args.tiny else 450.0)
-    command = "python -m quasar_hf.bench.gpu_check " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "python -m scripts.gpu_check " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     result = run_gpu_check(args.out, tiny=args.tiny, budget_s=budget, backend=args.backend, command=command)
     print(to_markdown(result))
     return 1 if result.get("errors") else 0

@@ -1,0 +1,92 @@
+"""What a Quasar model does beyond its class: bound on the model instance by the quantizer.
+
+`bind_quasar_methods(model)` (called when a model is quantized on load and when a saved Quasar
+checkpoint is reloaded) sets three instance attributes; Transformers' classes are never changed,
+so every other model in the process behaves exactly as without quasar_hf.
+  * generate: `quasar=True | dict | QuasarGenerationConfig` runs Quasar speculative decoding
+    (`quasar_hf.speculative.strategy.generate_with_quasar`); `assistant_model=` alone means W8A8
+    verification of the assistant's drafts; `quasar=False` or neither is the class's generate.
+  * save_pretrained: the class's save, then the model card (README.md, or QUASAR_MODEL_CARD.md
+    beside a README quasar_hf did not write, with a warning).
+  * push_to_hub: the class's signature (repo_id positional, the options as keywords, plus
+    `tokenizer=` and `base_model=`), uploaded with the card kept (`hub.push_quasar_model`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import warnings
+from typing import Any
+
+from quasar_hf.hf.detect import is_quasar_model
+
+NOT_QUANTIZED_HELP = (
+    "quasar=... needs a Quasar W8A8 model. Quantize it first: "
+    "`import quasar_hf; from quasar_hf import QuasarConfig; model = AutoModelForCausalLM.from_pretrained(path, "
+    "quantization_config=QuasarConfig(), dtype=torch.bfloat16)`. To run the same speculative loop with this "
+    "(unquantized) model as verifier: model.generate(ids, custom_generate=quasar_hf.generate, quasar=True), "
+    "or quasar_hf.speculative_generate(model, ids, ...)."
+)
+
+
+def bind_quasar_methods(model: Any) -> None:
+    """Give this model instance Quasar's generate, save_pretrained and push_to_hub (idempotent)."""
+    model.generate = types.MethodType(quasar_generate, model)
+    model.save_pretrained = types.MethodType(save_pretrained_with_card, model)
+    model.push_to_hub = types.MethodType(push_to_hub_with_card, model)
+
+
+def quasar_generate(self: Any, *args: Any, quasar: Any = None, **kwargs: Any) -> Any:
+    """`generate` of a Quasar model: Transformers' own unless `quasar=` or `assistant_model=` asks for Quasar."""
+    from quasar_hf.speculative.strategy import generate_with_quasar
+
+    if quasar is False:
+        return type(self).generate(self, *args, **kwargs)
+    if quasar is None:
+        if _assistant_model(generate_with_quasar, self, args, kwargs) is None:
+            return type(self).generate(self, *args, **kwargs)
+        quasar = True  # an assistant's drafts, verified by the W8A8 model
+    if not is_quasar_model(self):
+        raise ValueError(NOT_QUANTIZED_HELP)
+    return generate_with_quasar(self, *args, quasar=quasar, **kwargs)
+
+
+def _assistant_model(entry: Any, model: Any, args: tuple, kwargs: dict) -> Any:
+    """The assistant_model of a generate call, given positionally or by keyword."""
+    if "assistant_model" in kwargs:
+        return kwargs["assistant_model"]
+    return inspect.signature(entry).bind_partial(model, *args).arguments.get("assistant_model") if args else None
+
+
+def save_pretrained_with_card(self: Any, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """The class's save_pretrained, then the model card (main process only)."""
+    original = type(self).save_pretrained
+    result = original(self, save_directory, *args, **kwargs)
+    arguments = inspect.signature(original).bind(self, save_directory, *args, **kwargs).arguments
+    if is_quasar_model(self) and arguments.get("is_main_process", True):
+        save_card(self, save_directory)
+    return result
+
+
+def push_to_hub_with_card(self: Any, *args: Any, tokenizer: Any = None, base_model: str | None = None, **kwargs: Any) -> Any:
+    """Transformers' push_to_hub arguments (checked against its signature), uploaded with the Quasar card."""
+    original = type(self).push_to_hub
+    if not is_quasar_model(self):
+        return original(self, *args, **kwargs)
+    arguments = inspect.signature(original).bind(self, *args, **kwargs).arguments
+    arguments.pop("self")
+    arguments.update(arguments.pop("kwargs", {}))
+    from quasar_hf.hf.hub import push_quasar_model
+
+    return push_quasar_model(self, tokenizer=tokenizer, base_model=base_model, **arguments)
+
+
+def save_card(model: Any, save_directory: Any) -> None:
+    """Render and write the card; a card failure warns instead of failing an otherwise good save."""
+    from quasar_hf.hf.model_card import model_card_for, write_model_card
+
+    try:
+        write_model_card(save_directory, model_card_for(model))
+    except (ValueError, TypeError, OSError) as error:
+        warnings.warn(f"quasar_hf could not write the model card to {save_directory}: {error}", UserWarning, stacklevel=3)

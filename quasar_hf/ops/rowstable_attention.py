@@ -1,0 +1,134 @@
+"""Row-stable attention as Transformers attention functions: verification rows bit-identical to decode steps.
+
+Why: torch's SDPA with q_len = k+1 takes another code path than decode's q_len = 1, so its outputs
+differ in the last bits. In a W8A8 model such a difference can flip the INT8 rounding of a
+per-token activation, and the flipped K/V of one position then shifts every later logit. The INT8
+GEMMs (per-token scales, exact int32 accumulation), norms, rotary and MLP are row-independent
+already; attention is the one shape-dependent op.
+
+Two registered attention implementations:
+* `QUASAR_ATTENTION` ("quasar_rowstable", what Quasar models load with; `use_rowstable_attention`
+  switches any SDPA model): every decode and verify call runs a kernel that computes each query
+  row alone (`attention_cpu` on CPU in float32/bfloat16, `triton_attention` on CUDA), so a
+  verified row equals its decode step by construction, in one batched call. Where no kernel
+  applies (CPU float16, a device where the Triton kernel fails its first-use check) and for long
+  prefills it is SDPA.
+* `QUASAR_SDPA` ("quasar_sdpa"): plain SDPA, for SDPA models during one speculative call.
+Both take the forward keyword `quasar_rowwise=True` (Transformers passes a forward's extra keyword
+arguments through to the attention function): a multi-token call over a cache that no kernel
+computes then runs SDPA once per query row, on exactly the keys a decode step would see (exact,
+one SDPA call per row). Without it they never split a call.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from quasar_hf import compat
+from quasar_hf.ops import attention_cpu
+
+QUASAR_ATTENTION = "quasar_rowstable"
+QUASAR_SDPA = "quasar_sdpa"
+ROWWISE_KWARG = "quasar_rowwise"  # forward keyword asking for verification rows equal to decode steps
+# A fresh prefill longer than this goes to SDPA (multi-threaded, flash-style): it is the same call
+# in plain and speculative generation, so it needs no row stability, only speed.
+LONG_PREFILL_ROWS = 64
+_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+
+
+def _visible_keys(attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor):
+    """bool [B, Q, N] from SDPA's mask [B, 1, Q, >=N] (None stays None: bottom-right causal); False if unusable."""
+    if attention_mask is None:
+        return None
+    batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+        return False
+    if attention_mask.shape[2] != q_len or attention_mask.shape[3] < kv_len:
+        return False
+    return attention_mask[:, 0, :, :kv_len].expand(batch, q_len, kv_len)
+
+
+def rowstable_kernel_for(query, key, value):
+    """The row-stable kernel for these tensors: C on CPU, Triton on CUDA, None where neither applies."""
+    if query.device.type == "cpu":
+        return attention_cpu.rowstable_attention if attention_cpu.supports(query, key, value) else None
+    if query.device.type == "cuda":
+        try:
+            from quasar_hf.ops import triton_attention
+        except ImportError:
+            return None
+        return triton_attention.rowstable_attention_triton if triton_attention.supports(query, key, value) else None
+    return None
+
+
+def _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs):
+    """(kernel, visible) when a row-stable kernel computes this call; (None, None) otherwise."""
+    if dropout or not getattr(module, "is_causal", True) or any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS):
+        return None, None
+    kernel = rowstable_kernel_for(query, key, value)
+    visible = _visible_keys(attention_mask, query, key) if kernel is not None else False
+    return (None, None) if visible is False else (kernel, visible)
+
+
+def _rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """SDPA with query [B, H, q, D] split into q one-row calls, each on the keys its decode step saw."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    outputs = []
+    for i in range(q_len):
+        visible = kv_len - q_len + 1 + i  # keys a decode step at this position would see
+        row_mask = None if attention_mask is None else attention_mask[:, :, i : i + 1, :visible]
+        if row_mask is not None and row_mask.dtype == torch.bool and bool(row_mask.all()):
+            row_mask = None  # plain decode drops an all-visible mask too
+        out, _ = sdpa_attention_forward(
+            module, query[:, :, i : i + 1], key[:, :, :visible], value[:, :, :visible], row_mask, **kwargs
+        )
+        outputs.append(out)  # [B, 1, H, D]
+    return torch.cat(outputs, dim=1), None
+
+
+def _verifying_over_cache(query: torch.Tensor, key: torch.Tensor, rowwise: bool) -> bool:
+    return rowwise and 1 < query.shape[2] < key.shape[2]
+
+
+def rowstable_attention_forward(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, quasar_rowwise: bool = False, **kwargs
+):
+    """QUASAR_ATTENTION: the row-stable kernel where it applies, else SDPA (row by row when verifying)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if not (q_len == kv_len and q_len > LONG_PREFILL_ROWS):
+        kernel, visible = _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs)
+        if kernel is not None:
+            return kernel(query, key, value, visible, scaling), None
+    if _verifying_over_cache(query, key, quasar_rowwise):
+        return _rowwise_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def rowwise_sdpa_attention(module, query, key, value, attention_mask, quasar_rowwise: bool = False, **kwargs):
+    """QUASAR_SDPA: plain SDPA; one call per query row when verifying over a cache."""
+    if _verifying_over_cache(query, key, quasar_rowwise):
+        return _rowwise_sdpa(module, query, key, value, attention_mask, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+ATTENTION_FUNCTIONS = {QUASAR_ATTENTION: rowstable_attention_forward, QUASAR_SDPA: rowwise_sdpa_attention}
+
+
+def register_attention() -> None:
+    """Register both attention functions (with SDPA's mask builder) with Transformers; idempotent."""
+    for name, function in ATTENTION_FUNCTIONS.items():
+        compat.register_attention_function(name, function)
+
+
+def use_rowstable_attention(model: torch.nn.Module) -> bool:
+    """Switch an SDPA model to QUASAR_ATTENTION (decode and verification rows bit-identical).
+
+    Returns True if switched. Models on another attention implementation (eager, flash, ...) are
+    left alone: the user chose it.
+    """
+    if compat.attn_implementation(model) not in ("sdpa", QUASAR_ATTENTION):
+        return False
+    register_attention()
+    model.set_attn_implementation(QUASAR_ATTENTION)
+    return compat.attn_implementation(model) == QUASAR_ATTENTION

@@ -1,0 +1,242 @@
+"""Quasar decoding as a Transformers custom generation strategy.
+
+`model.generate(ids, custom_generate=quasar_hf.generate, quasar=...)` runs `generate` below as the
+decoding method: Transformers merges the generation config, prepares the inputs, builds the
+logits processors and stopping criteria, then hands them over; the speculative loop uses exactly
+those. Works on any causal LM (a Quasar W8A8 model, or a BF16 one as the like-for-like baseline).
+
+Transformers gives a callable strategy neither the `streamer` nor the `tokenizer` (which
+`stop_strings` needs). `generate_with_quasar` is the full entry point that keeps both: it takes
+`generate`'s own arguments, turns stop strings into a stopping criterion, and calls Transformers'
+`generate` with a strategy that carries the streamer. `model.generate(..., quasar=True)` on a
+Quasar model, `quasar_hf.speculative_generate` and the Hub folder `hub/quasar-generate` all go
+through it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+
+from quasar_hf import compat
+
+from .attention import verification_attention
+from .checks import _check_inputs, _refuse_unsupported
+from .config import QuasarGenerationConfig
+from .drafters import make_drafter
+from .loop import PreparedGeneration, QuasarGenerateOutput, SpeculativeRun
+
+# model_kwargs that Transformers' generate prepares itself; anything else is a model input we refuse.
+_PREPARED_MODEL_KWARGS = ("attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache", "past_key_values")
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer: Any = None,
+    quasar: QuasarGenerationConfig | dict | bool = True,
+    quasar_generator: torch.Generator | None = None,
+    **model_kwargs: Any,
+) -> torch.Tensor | QuasarGenerateOutput:
+    """The decoding method for `model.generate(ids, custom_generate=quasar_hf.generate, quasar=...)`.
+
+    `quasar` chooses the drafter (True | dict | QuasarGenerationConfig); `quasar_generator` seeds
+    acceptance and sampling. Everything else arrives prepared by `generate` (the streamer, when
+    given, has already received the prompt).
+    """
+    if synced_gpus:
+        raise ValueError("Quasar generation does not support synced_gpus=True (multi-GPU lockstep decoding).")
+    config = QuasarGenerationConfig.from_value(True if quasar is None else quasar)
+    return run_prepared(
+        model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, config, streamer, quasar_generator
+    )
+
+
+def run_prepared(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    model_kwargs: dict,
+    quasar_config: QuasarGenerationConfig,
+    streamer: Any = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor | QuasarGenerateOutput:
+    """Run the speculative loop on what `generate` prepared for this call."""
+    attention_mask = model_kwargs.get("attention_mask")
+    _check_inputs(model, input_ids, attention_mask)
+    _refuse_unsupported(generation_config, {k: v for k, v in model_kwargs.items() if k not in _PREPARED_MODEL_KWARGS})
+    _refuse_filled_cache(model_kwargs)
+    batch_size = input_ids.shape[0]
+    if streamer is not None and batch_size > 1:
+        raise ValueError("streamer= supports batch size 1 only (as in plain generate); drop the streamer or the batch.")
+    if attention_mask is None:  # generate drops an all-ones mask
+        attention_mask = torch.ones_like(input_ids)
+    prepared = PreparedGeneration(
+        input_ids=input_ids,
+        attention_mask=attention_mask.long(),
+        generation_config=generation_config,
+        logits_processor=logits_processor,
+        row_logits_processors=row_processors(logits_processor, batch_size),
+        stopping_criteria=stopping_criteria,
+        pad_token_id=compat.pad_token_id(generation_config),
+        max_length=int(generation_config.max_length),
+    )
+    drafter = make_drafter(model, quasar_config)
+    with verification_attention(model, quasar_config.shape_stable_attention) as verify_kwargs:
+        sequences, stats = SpeculativeRun(model, prepared, drafter, streamer, generator, verify_kwargs).run()
+    if generation_config.return_dict_in_generate:
+        return QuasarGenerateOutput(sequences=sequences, quasar_stats=stats)
+    return sequences
+
+
+def row_processors(processors: LogitsProcessorList, batch_size: int) -> list[LogitsProcessorList]:
+    """One processor list per row, for calls on a single row [1, ...].
+
+    Repetition penalty holds per-row state (the padding length to skip in each row); its row view
+    keeps that row's entry. Every other processor is shared (it holds no per-row state).
+    """
+    if batch_size == 1:
+        return [processors]
+    return [LogitsProcessorList([_row_view(p, row, batch_size) for p in processors]) for row in range(batch_size)]
+
+
+def _row_view(processor: Any, row: int, batch_size: int) -> Any:
+    ignore = getattr(processor, "prompt_ignore_length", None)
+    if isinstance(processor, RepetitionPenaltyLogitsProcessor) and isinstance(ignore, torch.Tensor):
+        if ignore.dim() == 1 and ignore.shape[0] == batch_size:
+            view = copy.copy(processor)
+            view.prompt_ignore_length = ignore[row : row + 1]
+            return view
+    return processor
+
+
+def _refuse_filled_cache(model_kwargs: dict) -> None:
+    for name in ("cache", "past_key_values"):
+        cache = model_kwargs.get(name)
+        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+            raise ValueError(
+                "Quasar generation starts from the prompt and keeps its own KV cache; a filled cache was passed "
+                f"({name}=...). Pass the whole conversation as input_ids instead."
+            )
+
+
+# generate() arguments the speculative loop cannot honour: refused with a clear error.
+_REFUSED_ARGUMENTS = ("prefix_allowed_tokens_fn", "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate")
+
+
+@torch.no_grad()
+def generate_with_quasar(
+    model: torch.nn.Module,
+    inputs: torch.Tensor | None = None,
+    generation_config: GenerationConfig | None = None,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    prefix_allowed_tokens_fn: Any = None,
+    synced_gpus: bool | None = None,
+    assistant_model: torch.nn.Module | None = None,
+    streamer: Any = None,
+    negative_prompt_ids: torch.Tensor | None = None,
+    negative_prompt_attention_mask: torch.Tensor | None = None,
+    custom_generate: Any = None,
+    *,
+    quasar: QuasarGenerationConfig | dict | bool | None = True,
+    quasar_generator: torch.Generator | None = None,
+    tokenizer: Any = None,
+    **kwargs: Any,
+) -> torch.Tensor | QuasarGenerateOutput:
+    """Quasar generation with `generate`'s own arguments (positional order included), streamer and stop strings kept.
+
+    `assistant_model` drafts for the speculative loop (drafter="assistant"); `quasar` chooses the
+    drafter and its settings; `quasar_generator` seeds acceptance and sampling.
+    """
+    refused = {
+        "prefix_allowed_tokens_fn": prefix_allowed_tokens_fn,
+        "negative_prompt_ids": negative_prompt_ids,
+        "negative_prompt_attention_mask": negative_prompt_attention_mask,
+        "custom_generate": custom_generate,
+    }
+    for name in _REFUSED_ARGUMENTS:
+        if refused[name] is not None:
+            raise ValueError(f"generate(quasar=...) does not support {name}=; remove it or call generate without quasar.")
+    if synced_gpus:
+        raise ValueError("generate(quasar=...) does not support synced_gpus=True (multi-GPU lockstep decoding).")
+    config = QuasarGenerationConfig.from_value(True if quasar is None else quasar)
+    if assistant_model is not None:
+        drafter = "assistant" if config.drafter == "ngram" else config.drafter
+        config = QuasarGenerationConfig(**{**config.__dict__, "assistant_model": assistant_model, "drafter": drafter})
+    input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+    if input_ids is None:
+        raise ValueError("generate(quasar=...) needs input_ids (the tokenized prompt).")
+    _check_inputs(model, input_ids, kwargs.get("attention_mask"))
+    generation_config, stopping_criteria = _stop_strings_as_criterion(
+        model, generation_config, stopping_criteria, tokenizer, kwargs
+    )
+
+    def quasar_decoding(
+        model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False, **model_kwargs
+    ):
+        return run_prepared(
+            model,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            model_kwargs,
+            config,
+            streamer,
+            quasar_generator,
+        )
+
+    return type(model).generate(
+        model,
+        inputs,
+        generation_config=generation_config,
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
+        streamer=streamer,  # generate streams the prompt; the loop streams the new tokens
+        custom_generate=quasar_decoding,
+        **kwargs,
+    )
+
+
+def _stop_strings_as_criterion(
+    model: torch.nn.Module,
+    generation_config: GenerationConfig | None,
+    stopping_criteria: StoppingCriteriaList | None,
+    tokenizer: Any,
+    kwargs: dict,
+) -> tuple[GenerationConfig | None, StoppingCriteriaList | None]:
+    """Build the StopStringCriteria plain generate would build (generate withholds the tokenizer from strategies)."""
+    stop_strings = kwargs.pop("stop_strings", None)
+    if generation_config is not None and generation_config.stop_strings is not None:
+        if stop_strings is None:
+            stop_strings = generation_config.stop_strings
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.stop_strings = None
+    if getattr(model.generation_config, "stop_strings", None) is not None:  # generate would merge it in
+        raise ValueError(
+            "model.generation_config.stop_strings is set; Quasar generation takes stop strings per call. Set "
+            "model.generation_config.stop_strings = None and pass stop_strings=... and tokenizer=... to generate."
+        )
+    if stop_strings is None:
+        return generation_config, stopping_criteria
+    if tokenizer is None:
+        raise ValueError("stop_strings needs the model's tokenizer: pass tokenizer=... to generate (as plain generate requires).")
+    criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
+    return generation_config, StoppingCriteriaList([*(stopping_criteria or []), criterion])

@@ -1,0 +1,133 @@
+"""Layering rules: private Transformers names only in quasar_hf/compat.py; no upward imports between subpackages.
+
+The private-name scan reads every module's AST and flags
+  * imports of underscore names from transformers (`from transformers.x import _y`, `transformers._x`),
+  * imports of KV-cache layer classes from `transformers.cache_utils` (their set changes between releases),
+  * attribute access to a single-underscore name (`model.config._attn_implementation`,
+    `AttentionInterface._global_mapping`) unless it is on `self`/`cls` or on a module imported from a
+    package other than transformers (`torch._int_mm`), and `getattr`/`hasattr`/`setattr` with such a name.
+Negative controls feed it snippets that reach private Transformers API and check each is flagged.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "quasar_hf"
+ALLOWED_FILES = {PACKAGE / "compat.py"}
+# torch's own private names a module may use (tensor version counters): not Transformers API.
+TORCH_PRIVATE_OK = {"_version"}
+CACHE_LAYER_SUFFIXES = ("Layer",)
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    if isinstance(node, ast.Call):
+        return _root_name(node.func)
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def private_transformers_uses(source: str, filename: str = "<snippet>") -> list[str]:
+    """Every place in `source` that reaches a private Transformers name (see the module docstring)."""
+    tree = ast.parse(source, filename)
+    other_modules = set()  # names bound to modules/objects of packages other than transformers
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                top = alias.name.split(".")[0]
+                if top == "transformers":
+                    if any(_is_private(part) for part in alias.name.split(".")):
+                        found.append(f"{filename}:{node.lineno}: import {alias.name}")
+                else:
+                    other_modules.add(alias.asname or top)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            parts = node.module.split(".")
+            if parts[0] != "transformers" or node.level:
+                other_modules.update(alias.asname or alias.name for alias in node.names)
+                continue
+            if any(_is_private(part) for part in parts):
+                found.append(f"{filename}:{node.lineno}: from {node.module} import ...")
+            for alias in node.names:
+                if _is_private(alias.name):
+                    found.append(f"{filename}:{node.lineno}: from {node.module} import {alias.name}")
+                elif node.module == "transformers.cache_utils" and alias.name.endswith(CACHE_LAYER_SUFFIXES):
+                    found.append(f"{filename}:{node.lineno}: cache layer class {alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in TORCH_PRIVATE_OK:
+            root = _root_name(node.value)
+            if root in ("self", "cls", "super") or root in other_modules:
+                continue
+            found.append(f"{filename}:{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr", "setattr"):
+            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                name = node.args[1].value
+                root = _root_name(node.args[0])
+                if _is_private(name) and root not in ("self", "cls") and root not in other_modules:
+                    found.append(f"{filename}:{node.lineno}: {node.func.id}(..., {name!r})")
+    return found
+
+
+def test_only_compat_reaches_private_transformers_names():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path not in ALLOWED_FILES:
+            found += private_transformers_uses(path.read_text(encoding="utf-8"), str(path.relative_to(REPO)))
+    assert not found, "private Transformers names outside quasar_hf/compat.py:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "from transformers import AttentionInterface\nAttentionInterface._global_mapping",
+        "def f(model):\n    return model.config._attn_implementation",
+        "def f(model, config):\n    return model._prepare_generation_config(config)",
+        "from transformers.cache_utils import DynamicLayer",
+        "from transformers.generation.utils import _split_model_inputs",
+        "import transformers._private_module",
+        "def f(config):\n    return getattr(config, '_name_or_path', None)",
+        "def f(module):\n    module._modules = {}",
+    ],
+)
+def test_negative_control_the_scanner_flags_private_uses(snippet):
+    assert private_transformers_uses(snippet)
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import torch\ntorch._int_mm",
+        "class A:\n    def f(self):\n        return self._state",
+        "from transformers import DynamicCache\nDynamicCache(config=None)",
+        "def f(t):\n    return t._version",
+    ],
+)
+def test_public_uses_are_not_flagged(snippet):
+    assert not private_transformers_uses(snippet)
+
+
+def test_import_graph_has_no_upward_edge():
+    result = subprocess.run([sys.executable, "-m", "scripts.import_graph"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no upward edges" in result.stdout
+
+
+def test_negative_control_an_upward_edge_is_reported():
+    sys.path.insert(0, str(REPO))
+    try:
+        from scripts.import_graph import upward_edges
+    finally:
+        sys.path.remove(str(REPO))
+    assert upward_edges({("speculative", "hf"): ["quasar_hf/speculative/x.py"]})
+    assert not upward_edges({("hf", "speculative"): ["quasar_hf/hf/x.py"]})
