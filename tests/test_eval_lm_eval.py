@@ -12,8 +12,9 @@ from lm_eval.models.huggingface import HFLM
 from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig, is_quasar_model
-from quasar_hf.eval.lm_eval_model import QuasarLM, RowStopSequences
+from quasar_hf.eval.lm_eval_model import QuasarLM
 from quasar_hf.eval.lm_eval_runner import compare_tasks, eval_main, to_markdown
+from quasar_hf.eval.stopping import RowStopSequences
 from quasar_hf.eval.tasks import LOCAL_TASKS, load_task_yaml, task_specs
 from tests.tiny_models import char_tokenizer, save_tiny
 
