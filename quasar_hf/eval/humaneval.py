@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .loading import add_quantize_arguments
 from .report import environment, recovery_pct
 from .sandbox import PASSED, run_python
 
@@ -232,6 +233,7 @@ def build_parser():
     parser.add_argument("--out", default="benchmarks", help="folder for NAME.json and NAME.md")
     parser.add_argument("--name", default="humaneval")
     parser.add_argument("--record", action="store_true", help="record pass@1 in the Quasar checkpoint's config and model card")
+    add_quantize_arguments(parser)
     return parser
 
 
@@ -239,13 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     """Load the pair, run the variants, print and write the report (and record it in the card)."""
     import sys
 
-    from .loading import load_pair
+    from .loading import load_pair, quantize_options
     from .report import write_report
 
     args = build_parser().parse_args(argv)
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     problems = load_problems(args.limit)  # before loading models: a bad --limit fails fast
-    pair = load_pair(args.model, args.reference, args.dtype)
+    pair = load_pair(args.model, args.reference, args.dtype, quantize_options(args))
     if args.record and pair.quantized_path is None:
         raise SystemExit("--record writes into a saved Quasar checkpoint; MODEL was quantized in this run (save it first)")
     result = evaluate_models(

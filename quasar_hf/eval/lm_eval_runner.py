@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from .loading import add_quantize_arguments
 from .report import environment, environment_lines, fmt, recovery_pct, table, write_report
 
 _IGNORED_KEYS = {"alias", "name", "sample_len", "samples", " "}
@@ -195,18 +196,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--record", action="store_true", help="record the accuracy in the Quasar checkpoint's config and model card"
     )
+    add_quantize_arguments(parser)
     return parser
 
 
 def eval_main(argv: list[str] | None = None) -> int:
     """`quasar-hf eval --tasks ...`: run, print the markdown table, write JSON + markdown."""
     args = build_parser().parse_args(argv)
-    from .loading import load_pair
+    from .loading import load_pair, quantize_options
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    pair = load_pair(args.model, args.reference, args.dtype)
+    pair = load_pair(args.model, args.reference, args.dtype, quantize_options(args))
     result = compare_tasks(
         pair.quantized,
         pair.reference,

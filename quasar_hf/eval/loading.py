@@ -43,6 +43,24 @@ def is_quasar_folder(path: str) -> bool:
     return (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method") == "quasar"
 
 
+def add_quantize_arguments(parser: Any) -> None:
+    """Options for quantizing an unquantized MODEL in this run (ignored for a Quasar checkpoint)."""
+    group = parser.add_argument_group("quantizing an unquantized MODEL now (QuasarConfig)")
+    group.add_argument("--alpha", default="auto", help="SmoothQuant alpha in [0, 1] or 'auto' (default)")
+    group.add_argument("--num-calibration-samples", type=int, default=32)
+    group.add_argument("--calibration-seq-len", type=int, default=512)
+
+
+def quantize_options(args: Any) -> dict[str, Any]:
+    """QuasarConfig keyword arguments from `add_quantize_arguments`' options."""
+    alpha = args.alpha if args.alpha == "auto" else float(args.alpha)
+    return {
+        "alpha": alpha,
+        "num_calibration_samples": args.num_calibration_samples,
+        "calibration_seq_len": args.calibration_seq_len,
+    }
+
+
 def load_pair(model: str, reference: str | None, dtype: str = "bfloat16", quantize_options: dict | None = None) -> ModelPair:
     """Load both models (eval mode). An unquantized MODEL is quantized now and is its own reference."""
     import torch
