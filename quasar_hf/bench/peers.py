@@ -7,8 +7,8 @@
 Each peer is optional: it exists only when its package imports (`available_peers()` names them
 with the package version, for the report), and asking for it without the package raises an
 error that says what to install. `build_peer_variants` is the runner's hook: it returns the
-generate functions of the peers among the requested names. `exactness` tells, per peer,
-whether its greedy tokens equal its own plain greedy tokens (prompt lookup on the torchao model
+generate functions of the peers among the requested names. `mark_peer_exactness` tells, per
+peer, how often its greedy tokens equal its own plain greedy tokens (prompt lookup on the torchao model
 vs plain generate on the torchao model).
 """
 
@@ -103,16 +103,17 @@ def build_peer_variants(
     return {name: builders[name]() for name in wanted}
 
 
-def exactness(tokens: dict[str, list[list[int]]]) -> dict[str, bool | None]:
-    """Per peer present in `tokens` (variant -> per-prompt token lists): equal to its plain greedy tokens?
-
-    None when the baseline variant did not run.
-    """
-    result: dict[str, bool | None] = {}
+def mark_peer_exactness(summaries: dict[str, dict], runs: list[dict]) -> None:
+    """Set summaries[peer]["same_tokens_as_own_plain_greedy"]: the fraction of the peer's runs whose
+    tokens equal its plain greedy variant's tokens on the same prompt (runs: {variant, prompt_index,
+    tokens}, as the runner records them); None when the plain variant did not run."""
     for name, baseline in PLAIN_BASELINE.items():
-        if name in tokens:
-            result[name] = tokens[name] == tokens[baseline] if baseline in tokens else None
-    return result
+        if name not in summaries:
+            continue
+        plain = {r["prompt_index"]: r["tokens"] for r in runs if r["variant"] == baseline}
+        mine = [r for r in runs if r["variant"] == name]
+        same = [r["tokens"] == plain[r["prompt_index"]] for r in mine if r["prompt_index"] in plain]
+        summaries[name]["same_tokens_as_own_plain_greedy"] = sum(same) / len(same) if same else None
 
 
 def report_names(names: list[str]) -> dict[str, str]:
