@@ -140,3 +140,16 @@ def test_task_yaml_data_files_resolve_next_to_the_yaml(tmp_path, monkeypatch):
         load_task_yaml(tmp_path / "missing.yaml")
     with pytest.raises(ValueError, match="no tasks"):
         task_specs([])
+
+
+def test_registered_by_name_for_lm_eval(tiny_pair, tmp_path):
+    from lm_eval.api.registry import get_model
+
+    quantized, _, tokenizer, _ = tiny_pair
+    quantized.save_pretrained(tmp_path / "q")
+    tokenizer.save_pretrained(tmp_path / "q")
+    assert get_model("quasar-hf") is QuasarLM
+    lm = QuasarLM.create_from_arg_string(f"pretrained={tmp_path / 'q'}", {"batch_size": 1, "device": "cpu"})
+    assert lm.quasar_decoding and is_quasar_model(lm.model)
+    plain = QuasarLM.create_from_arg_string(f"pretrained={tmp_path / 'q'},quasar=False", {"batch_size": 1, "device": "cpu"})
+    assert not plain.quasar_decoding
