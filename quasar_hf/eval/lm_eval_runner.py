@@ -171,7 +171,7 @@ def to_markdown(result: dict[str, Any], title: str = "Task accuracy: W8A8 (Quasa
 # ----------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="quasar-hf eval --tasks",
+        prog="quasar-hf eval",
         description="Task accuracy (lm-evaluation-harness) of a Quasar W8A8 model vs its unquantized original",
     )
     parser.add_argument(
