@@ -57,9 +57,14 @@ def test_generated_code_never_runs_in_this_process(tmp_path, monkeypatch):
 def test_compare_variants_reports_pass_at_1_recovery_and_exactness(problems):
     canonical = {p["prompt"]: p["canonical_solution"] for p in problems}
     half_wrong = dict(canonical, **{problems[1]["prompt"]: WRONG})
+    lines = []
     result = compare_variants(
-        {"bf16": stub(canonical), "w8a8": stub(half_wrong), "w8a8_quasar": stub(half_wrong)}, problems, timeout_s=5.0
+        {"bf16": stub(canonical), "w8a8": stub(half_wrong), "w8a8_quasar": stub(half_wrong)},
+        problems,
+        timeout_s=5.0,
+        log=lines.append,
     )
+    assert len(lines) == 9 and lines[0].startswith("bf16 1/3 HumanEval/0:")  # progress: one line per generation
     assert result["pass_at_1"] == {"bf16": 1.0, "w8a8": pytest.approx(2 / 3), "w8a8_quasar": pytest.approx(2 / 3)}
     assert result["recovery_pct"]["w8a8"] == pytest.approx(200 / 3)
     assert result["quasar_equals_plain_w8a8"] is True and result["quasar_differs_on"] == []

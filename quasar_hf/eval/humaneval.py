@@ -98,11 +98,21 @@ def model_generator(model: Any, tokenizer: Any, max_new_tokens: int, quasar: Any
 
 
 def run_variant(
-    name: str, generate: Callable[[str], Generation], problems: list[dict[str, Any]], timeout_s: float, workers: int
+    name: str,
+    generate: Callable[[str], Generation],
+    problems: list[dict[str, Any]],
+    timeout_s: float,
+    workers: int,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Generate a completion for every problem, then score them; times kept apart."""
     started = time.perf_counter()
-    generations = [generate(p["prompt"]) for p in problems]
+    generations = []
+    for i, problem in enumerate(problems):
+        generations.append(generate(problem["prompt"]))
+        if log is not None:
+            g = generations[-1]
+            log(f"{name} {i + 1}/{len(problems)} {problem['task_id']}: {len(g.token_ids)} tokens in {g.seconds:.1f} s")
     generation_s = time.perf_counter() - started
     outcomes = score(problems, [g.text for g in generations], timeout_s, workers)
     return {
@@ -117,10 +127,14 @@ def run_variant(
 
 
 def compare_variants(
-    generators: dict[str, Callable[[str], Generation]], problems: list[dict[str, Any]], timeout_s: float = 10.0, workers: int = 2
+    generators: dict[str, Callable[[str], Generation]],
+    problems: list[dict[str, Any]],
+    timeout_s: float = 10.0,
+    workers: int = 2,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run every variant on the problems; pass@1, recovery (W8A8 / bf16), times, exactness of Quasar decoding."""
-    variants = {name: run_variant(name, gen, problems, timeout_s, workers) for name, gen in generators.items()}
+    variants = {name: run_variant(name, gen, problems, timeout_s, workers, log) for name, gen in generators.items()}
     passes = {name: v["pass_at_1"] for name, v in variants.items()}
     result: dict[str, Any] = {
         "num_problems": len(problems),
@@ -188,6 +202,7 @@ def evaluate_models(
     timeout_s: float = 10.0,
     workers: int = 2,
     variants: tuple[str, ...] = VARIANTS,
+    log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """All variants on a loaded `quasar_hf.eval.loading.ModelPair`; the JSON-ready result."""
     quasar = {"drafter": "ngram", "num_draft_tokens": num_draft_tokens}
@@ -199,7 +214,7 @@ def evaluate_models(
     unknown = [v for v in variants if v not in makers]
     if unknown:
         raise ValueError(f"unknown variants {unknown}; choose from {list(makers)}")
-    result = compare_variants({name: makers[name]() for name in variants}, problems, timeout_s, workers)
+    result = compare_variants({name: makers[name]() for name in variants}, problems, timeout_s, workers, log)
     result["settings"] = {
         "max_new_tokens": max_new_tokens,
         "num_draft_tokens": num_draft_tokens,
@@ -258,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout,
         workers=args.workers,
         variants=variants,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
     )
     result["settings"]["dtype"] = args.dtype
     result["command"] = " ".join(["python", "scripts/humaneval.py", *(sys.argv[1:] if argv is None else argv)])
