@@ -43,6 +43,7 @@ SPEED_LABELS = {
     "device": "Device",
     "speed_suite": "Prompt suite",
 }
+ACCURACY_KEY = "accuracy"  # measured["accuracy"]: rows written by quasar_hf.eval.accuracy.record_accuracy
 KNOWN_BASE_MODELS = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
@@ -104,8 +105,19 @@ def _rows(measured: dict, labels: dict[str, str]) -> list[tuple[str, str]]:
 
 
 def _other_rows(measured: dict) -> list[tuple[str, str]]:
-    known = set(FIDELITY_LABELS) | set(SPEED_LABELS) | {"command"}
+    known = set(FIDELITY_LABELS) | set(SPEED_LABELS) | {"command", ACCURACY_KEY}
     return [(f"`{key}`", _format(value)) for key, value in measured.items() if key not in known and value is not None]
+
+
+def _accuracy_rows(measured: dict) -> list[tuple[str, ...]]:
+    """(task, metric, unquantized, W8A8, recovery, harness) cells of the measured task accuracy."""
+    rows = []
+    for row in measured.get(ACCURACY_KEY) or []:
+        recovery = row.get("recovery_pct")
+        recovery_text = f"{recovery:.1f} %" if recovery is not None else "-"
+        scores = [_format(row.get(key)) if row.get(key) is not None else "-" for key in ("reference", "quantized")]
+        rows.append((row.get("task"), row.get("metric"), *scores, recovery_text, row.get("harness", "")))
+    return rows
 
 
 def _natural_key(name: str) -> list:
@@ -180,6 +192,8 @@ def render_model_card(
         fidelity=_rows(measured, FIDELITY_LABELS),
         speed=_rows(measured, SPEED_LABELS),
         other_measured=_other_rows(measured),
+        accuracy=_accuracy_rows(measured),
+        accuracy_commands=list(dict.fromkeys(r["command"] for r in measured.get(ACCURACY_KEY) or [] if r.get("command"))),
         command=measured.get("command"),
     )
     text = str(card)

@@ -1,0 +1,122 @@
+"""Peer variants for the benchmark: what a Transformers user would run instead of Quasar.
+
+  ao_w8a8                Transformers + torchao W8A8 (`TorchAoConfig(Int8DynamicActivationInt8WeightConfig())`),
+                         plain greedy `generate`
+  ao_w8a8_prompt_lookup  the same model with Transformers' prompt lookup decoding (same draft length, n-gram <= 3)
+
+Each peer is optional: it exists only when its package imports (`available_peers()` names them
+with the package version, for the report), and asking for it without the package raises an
+error that says what to install. `build_peer_variants` is the runner's hook: it returns the
+generate functions of the peers among the requested names. `mark_peer_exactness` tells, per
+peer, how often its greedy tokens equal its own plain greedy tokens (prompt lookup on the torchao model
+vs plain generate on the torchao model).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Generate = Callable[[torch.Tensor, int], tuple[list[int], dict]]
+
+TORCHAO_PEERS = ("ao_w8a8", "ao_w8a8_prompt_lookup")
+# peer -> the variant whose greedy tokens it must reproduce (its own plain greedy decoding)
+PLAIN_BASELINE = {"ao_w8a8": "ao_w8a8", "ao_w8a8_prompt_lookup": "ao_w8a8"}
+INSTALL_HELP = {"torchao": "pip install --no-deps torchao==0.18.0  (next to torch 2.13; --no-deps keeps your torch)"}
+
+
+def _version(package: str) -> str | None:
+    """The installed version when the package imports, else None."""
+    try:
+        __import__(package)
+        return importlib.metadata.version(package)
+    except Exception:  # an installed but broken package is as good as absent here
+        return None
+
+
+def available_peers() -> dict[str, str]:
+    """Peer variant name -> "package version" for every peer whose package imports here."""
+    version = _version("torchao")
+    return {name: f"torchao {version}" for name in TORCHAO_PEERS} if version else {}
+
+
+def torchao_w8a8_model(reference_model: torch.nn.Module) -> torch.nn.Module:
+    """The reference model quantized by torchao's Int8DynamicActivationInt8WeightConfig.
+
+    Loaded with `from_pretrained(..., quantization_config=TorchAoConfig(...))` when the model came
+    from a local folder (what a user writes); otherwise a copy is quantized with `quantize_`, which
+    is what TorchAoConfig runs after loading.
+    """
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    path = getattr(reference_model, "name_or_path", "") or ""
+    if os.path.isdir(path):
+        from transformers import AutoModelForCausalLM, TorchAoConfig
+
+        config = TorchAoConfig(Int8DynamicActivationInt8WeightConfig())
+        dtype = next(reference_model.parameters()).dtype
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=dtype).eval()
+    model = copy.deepcopy(reference_model).eval()
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    return model
+
+
+def _greedy(model: torch.nn.Module, **extra: Any) -> Generate:
+    def run(input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=model.generation_config.eos_token_id or 0,
+            **extra,
+        )
+        return out[0, input_ids.shape[1] :].tolist(), {}
+
+    return run
+
+
+def build_peer_variants(
+    names: tuple[str, ...] | list[str], reference_model: torch.nn.Module, num_draft_tokens: int = 5
+) -> dict[str, Generate]:
+    """Runner hook: generate functions for the peer variants among `names` (other names are ignored).
+
+    The torchao model is quantized once and shared by both torchao peers. A peer whose package does
+    not import raises a ValueError saying what to install.
+    """
+    wanted = [name for name in names if name in TORCHAO_PEERS]
+    if not wanted:
+        return {}
+    missing = [name for name in wanted if name not in available_peers()]
+    if missing:
+        raise ValueError(f"variants {missing} need torchao, which does not import here: {INSTALL_HELP['torchao']}")
+    model = torchao_w8a8_model(reference_model)
+    builders = {
+        "ao_w8a8": lambda: _greedy(model),
+        "ao_w8a8_prompt_lookup": lambda: _greedy(model, prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=3),
+    }
+    return {name: builders[name]() for name in wanted}
+
+
+def mark_peer_exactness(summaries: dict[str, dict], runs: list[dict]) -> None:
+    """Set summaries[peer]["same_tokens_as_own_plain_greedy"]: the fraction of the peer's runs whose
+    tokens equal its plain greedy variant's tokens on the same prompt (runs: {variant, prompt_index,
+    tokens}, as the runner records them); None when the plain variant did not run."""
+    for name, baseline in PLAIN_BASELINE.items():
+        if name not in summaries:
+            continue
+        plain = {r["prompt_index"]: r["tokens"] for r in runs if r["variant"] == baseline}
+        mine = [r for r in runs if r["variant"] == name]
+        same = [r["tokens"] == plain[r["prompt_index"]] for r in mine if r["prompt_index"] in plain]
+        summaries[name]["same_tokens_as_own_plain_greedy"] = sum(same) / len(same) if same else None
+
+
+def report_names(names: list[str]) -> dict[str, str]:
+    """Variant -> its name in reports, with the peer package version ("ao_w8a8 (torchao 0.18.0)")."""
+    versions = available_peers()
+    return {name: f"{name} ({versions[name]})" if name in versions else name for name in names}

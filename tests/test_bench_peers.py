@@ -1,0 +1,51 @@
+"""Peer variants (torchao W8A8 through Transformers): built only when torchao imports, named with its
+version, and checked for exactness against their own plain greedy output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from quasar_hf.bench import peers
+from tests.tiny_models import save_tiny
+
+PROMPT = torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88, 12, 3, 5, 17, 33, 2, 71]])
+
+
+def test_missing_package_gives_an_install_hint(monkeypatch):
+    monkeypatch.setattr(peers, "available_peers", lambda: {})
+    with pytest.raises(ValueError, match="pip install --no-deps torchao"):
+        peers.build_peer_variants(["bf16_generate", "ao_w8a8"], torch.nn.Linear(2, 2))
+    assert peers.build_peer_variants(["bf16_generate", "quasar_ngram"], torch.nn.Linear(2, 2)) == {}
+    assert peers.report_names(["ao_w8a8", "quasar_ngram"]) == {"ao_w8a8": "ao_w8a8", "quasar_ngram": "quasar_ngram"}
+
+
+def runs_of(tokens):
+    return [{"variant": v, "prompt_index": i, "tokens": t} for v, per_prompt in tokens.items() for i, t in enumerate(per_prompt)]
+
+
+def test_exactness_compares_each_peer_with_its_plain_greedy_run():
+    tokens = {"ao_w8a8": [[1, 2, 3], [4]], "ao_w8a8_prompt_lookup": [[1, 2, 3], [5]], "quasar_ngram": [[9], [9]]}
+    summaries = {name: {} for name in tokens}
+    peers.mark_peer_exactness(summaries, runs_of(tokens))
+    assert summaries["ao_w8a8"]["same_tokens_as_own_plain_greedy"] == 1.0
+    assert summaries["ao_w8a8_prompt_lookup"]["same_tokens_as_own_plain_greedy"] == 0.5
+    assert "same_tokens_as_own_plain_greedy" not in summaries["quasar_ngram"]
+    alone = {"ao_w8a8_prompt_lookup": {}}
+    peers.mark_peer_exactness(alone, runs_of({"ao_w8a8_prompt_lookup": [[1]]}))
+    assert alone["ao_w8a8_prompt_lookup"]["same_tokens_as_own_plain_greedy"] is None
+
+
+def test_torchao_peers_run_on_a_tiny_model(tmp_path):
+    pytest.importorskip("torchao", reason="torchao is an optional peer (pip install --no-deps torchao==0.18.0)")
+    reference = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path / "src"), dtype=torch.float32).eval()
+    variants = peers.build_peer_variants(list(peers.TORCHAO_PEERS) + ["quasar_ngram"], reference)
+    assert set(variants) == set(peers.TORCHAO_PEERS)
+    tokens = {name: [generate(PROMPT, 12)[0]] for name, generate in variants.items()}
+    assert all(len(t[0]) == 12 for t in tokens.values())
+    summaries = {name: {} for name in tokens}
+    peers.mark_peer_exactness(summaries, runs_of(tokens))
+    assert summaries["ao_w8a8"]["same_tokens_as_own_plain_greedy"] == 1.0  # the other's value is what the bench reports
+    names = peers.report_names(["ao_w8a8"])
+    assert names["ao_w8a8"].startswith("ao_w8a8 (torchao ")
