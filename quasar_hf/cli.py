@@ -10,11 +10,15 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from quasar_hf.commands.parser import build_parser, run_parsed
+from quasar_hf.commands.parser import build_parser, delegated_eval, run_parsed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: the process arguments), run the subcommand, return its exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    delegate = delegated_eval(argv)
+    if delegate is not None:  # `eval --tasks ...` / `eval --per-layer ...` own their options
+        return delegate(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):

@@ -298,3 +298,12 @@ def test_generate_without_tokenizer_files_is_a_usage_error(quantized, tmp_path, 
     assert main(["generate", str(bare), "--prompt", "abc", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "has no tokenizer files" in err and "Traceback" not in err
+
+
+def test_eval_with_tasks_goes_to_lm_eval(capsys):
+    """`eval MODEL --tasks ...` is lm-eval's command line (its own options), not the fidelity eval."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "some-model", "--tasks", "quasar_tiny_mc", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--tasks" in out and "--plain-w8a8" in out and "--max-windows" not in out

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from quasar_hf.bench.fidelity import speculative_tokens
+from quasar_hf.bench.peers import TORCHAO_PEERS, build_peer_variants, mark_peer_exactness
 from quasar_hf.bench.suites import load_suites, render_prompt
 from quasar_hf.bench.summary import (  # re-exported: part of the runner's result API
     BASELINE,
@@ -112,8 +113,8 @@ def build_variants(
     num_draft_tokens: int = 5,
 ) -> dict[str, Generate]:
     """Map variant names to generate functions; unknown names raise with the list of known ones."""
-    variants: dict[str, Generate] = {}
-    for name in names:
+    variants: dict[str, Generate] = build_peer_variants(names, reference_model, num_draft_tokens)
+    for name in [n for n in names if n not in variants]:
         if name == "bf16_generate":
             variants[name] = _hf_generate(reference_model)
         elif name == "bf16_prompt_lookup":
@@ -126,7 +127,8 @@ def build_variants(
             variants[name] = _speculative(quantized_model, name.removeprefix("quasar_"), num_draft_tokens)
         else:
             raise ValueError(
-                f"unknown variant {name!r}: use bf16_generate, bf16_prompt_lookup, bf16_verify_ngram or quasar_<drafter>"
+                f"unknown variant {name!r}: use bf16_generate, bf16_prompt_lookup, bf16_verify_ngram, quasar_<drafter> "
+                f"or a peer ({', '.join(TORCHAO_PEERS)})"
             )
     return variants
 
@@ -211,6 +213,7 @@ def run_bench(
         say(f"repeat {repeat + 1}/{repeats} done")
     summaries = {name: summarize_variant([r for r in runs if r["variant"] == name]) for name in names}
     mark_token_agreement(summaries, runs)
+    mark_peer_exactness(summaries, runs)
     if BASELINE in names:
         for name in names:
             if name.startswith("quasar_"):

@@ -113,7 +113,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(handler=cmd_bench, command="bench", debug=False)
 
-    evaluate = command("eval", cmd_eval, "Perplexity, top-1 agreement and KL of a Quasar model vs its unquantized reference")
+    evaluate = command(
+        "eval",
+        cmd_eval,
+        "Perplexity, top-1 agreement and KL of a Quasar model vs its unquantized reference; "
+        "`eval MODEL --tasks a,b` runs lm-eval tasks instead (see `quasar-hf eval --tasks x --help`)",
+    )
     evaluate.add_argument("model", help="the Quasar checkpoint")
     evaluate.add_argument("--reference", required=True, help="the unquantized model: " + model_help)
     source = evaluate.add_mutually_exclusive_group()
@@ -161,3 +166,23 @@ def run_parsed(args: argparse.Namespace, prog: str = "quasar-hf") -> int:
         traceback.print_exception(failure)
     print(f"{prog} {args.command}: error: {message}", file=sys.stderr)
     return code
+
+
+def _lm_eval_main(argv: list[str]) -> int:
+    from quasar_hf.eval import eval_main
+
+    return eval_main(argv)
+
+
+# `eval` modes with options of their own: the first flag present picks the entry point.
+_EVAL_MODES = {"--tasks": _lm_eval_main}
+
+
+def delegated_eval(argv: list[str]) -> Callable[[list[str]], int] | None:
+    """The entry point that owns `argv` when it is `eval ... --tasks ...` (or another eval mode), else None."""
+    if not argv or argv[0] != "eval":
+        return None
+    for flag, entry in _EVAL_MODES.items():
+        if any(arg == flag or arg.startswith(flag + "=") for arg in argv[1:]):
+            return entry
+    return None
