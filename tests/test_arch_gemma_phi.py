@@ -176,3 +176,97 @@ def test_quantize_on_load(tmp_path, arch, alpha):
     assert sum(isinstance(m, W8A8Linear) for m in reloaded.modules()) == sum(isinstance(m, W8A8Linear) for m in model.modules())
     with torch.no_grad():
         assert torch.equal(reloaded(IDS).logits, got)
+
+
+# ---- sliding windows: row-stable attention and speculative decoding ---------------------------
+
+
+def window_mask(q_len: int, kv_len: int, window: int) -> torch.Tensor:
+    """Transformers' sliding causal mask [1, 1, Q, N]: row i (key index N - Q + i) sees the last `window` keys."""
+    rows = torch.arange(kv_len - q_len, kv_len)[:, None]
+    cols = torch.arange(kv_len)[None, :]
+    return ((cols <= rows) & (cols > rows - window))[None, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rowstable_attention_rows_equal_sliding_window_decode_steps(dtype):
+    """A verify call over a full cache with a window mask gives, row for row, the bits of a decode step
+    over a sliding cache layer (only the last `window` keys, no mask)."""
+    from types import SimpleNamespace
+
+    from quasar_hf.ops.reference import attention_reference
+    from quasar_hf.speculative.attention import rowstable_attention_forward
+
+    module = SimpleNamespace(is_causal=True)
+    gen = torch.Generator().manual_seed(0)
+    q_len, kv_len, scale = 5, 30, 0.25
+    q = torch.randn(1, 4, q_len, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 2, kv_len, 16, generator=gen).to(dtype) for _ in range(2))
+    mask = window_mask(q_len, kv_len, WINDOW)
+    verify, _ = rowstable_attention_forward(module, q, k, v, mask, scaling=scale, sliding_window=WINDOW)
+    maskless, _ = rowstable_attention_forward(module, q, k, v, None, scaling=scale, sliding_window=WINDOW)
+    assert torch.equal(maskless, verify)  # the window holds even when no mask comes with the call
+    for i in range(q_len):
+        end = kv_len - q_len + 1 + i
+        keys, values = k[:, :, end - WINDOW : end], v[:, :, end - WINDOW : end]
+        step, _ = rowstable_attention_forward(
+            module, q[:, :, i : i + 1], keys, values, None, scaling=scale, sliding_window=WINDOW
+        )
+        assert torch.equal(verify[:, i], step[:, 0]), f"row {i} differs from its decode step"
+    reference = attention_reference(q, k, v, mask[:, 0], scale).to(dtype)  # [B, Q, H, D]
+    torch.testing.assert_close(
+        verify.float(),
+        reference.float(),
+        rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+        atol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+    )
+
+
+@pytest.fixture(scope="module")
+def quantized_gemma3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3")
+    src = save_tiny_arch(path / "src", "gemma3")
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=QuasarConfig(alpha=0.5, **FAST), dtype=torch.float32)
+    model.save_pretrained(path / "w8a8")
+    return path / "w8a8"
+
+
+PROMPTS = [
+    IDS[:, :12],
+    torch.tensor([[3, 9, 27, 81, 50, 22, 66, 71, 5, 15, 45, 8, 24, 72, 89, 40, 33, 99, 14, 42, 3, 9, 27, 81]]),
+]
+
+
+@pytest.mark.parametrize("attention", ["quasar_rowstable", "sdpa"])
+def test_gemma3_greedy_quasar_equals_plain_past_the_window(quantized_gemma3, attention):
+    """Prompts and generations run well past the window (8): rejected drafts are cropped from a cache
+    whose sliding layers have already moved on, and every token matches plain greedy decoding."""
+    from quasar_hf.hf.generate_hook import install_generate_hook
+
+    install_generate_hook()
+    model = AutoModelForCausalLM.from_pretrained(quantized_gemma3).eval()
+    if attention == "sdpa":
+        model.set_attn_implementation("sdpa")
+    rejected = 0
+    for ids in PROMPTS:
+        plain = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        for quasar in ({"drafter": "ngram"}, {"drafter": "ngram", "num_draft_tokens": 3, "min_ngram_size": 1}):
+            out = model.generate(
+                ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, quasar=quasar, return_dict_in_generate=True
+            )
+            assert torch.equal(out.sequences, plain), f"{attention} {quasar}: speculative output differs from plain greedy"
+            stats = out.quasar_stats
+            assert stats.verify_steps > 0
+            rejected += stats.drafted_tokens - stats.accepted_tokens
+    assert rejected > 0, "no draft was ever rejected: the rollback path was not exercised"
+
+
+def test_gemma3_batch_with_holes_is_refused(quantized_gemma3):
+    from quasar_hf.hf.generate_hook import install_generate_hook
+
+    install_generate_hook()
+    model = AutoModelForCausalLM.from_pretrained(quantized_gemma3).eval()
+    ids = torch.tensor([[96, 96, 5, 17, 33, 2, 71, 40], [9, 88, 12, 3, 64, 21, 7, 90]])
+    mask = (ids != 96).long()
+    with pytest.raises(ValueError, match="sliding-window"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, quasar=True)
