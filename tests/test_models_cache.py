@@ -14,9 +14,23 @@ import pytest
 from quasar_hf import models
 from quasar_hf.ops import c_build
 
+# Child scripts import the cache modules without the package's __init__ (which loads torch and
+# Transformers: seconds per process), so the concurrency tests cost little more than the builds.
+LIGHT_IMPORTS = """
+import os, sys, types
+from pathlib import Path
+root = Path(os.environ["PYTHONPATH"].split(os.pathsep)[0])  # the repository (child_env)
+for name in ("quasar_hf", "quasar_hf.ops"):
+    package = types.ModuleType(name)
+    package.__path__ = [str(root.joinpath(*name.split(".")))]
+    sys.modules[name] = package
+"""
+
 # A stand-in for the GGUF conversion: records each call in $CONVERT_LOG, writes two files slowly.
-FAKE_CONVERT = """
-import os, sys, time
+FAKE_CONVERT = (
+    LIGHT_IMPORTS
+    + """
+import time
 from quasar_hf import models
 
 def convert(chunks, out):
@@ -28,6 +42,7 @@ def convert(chunks, out):
 
 print(models.build_embedded("smollm2", convert=convert))
 """
+)
 
 
 def fake_convert(calls: list):
@@ -39,12 +54,15 @@ def fake_convert(calls: list):
     return convert
 
 
-def run_concurrently(script: str, count: int, env: dict) -> list[subprocess.CompletedProcess]:
-    procs = [
-        subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(count)
-    ]
-    return [subprocess.CompletedProcess(p.args, p.wait(timeout=300), *p.communicate()) for p in procs]
+def run_concurrently(script: str, count: int, env: dict, tmp_path: Path) -> list[subprocess.CompletedProcess]:
+    """Start `count` interpreters on `script` at once; output goes to files (a full pipe would block a child)."""
+    logs = [(tmp_path / f"child{i}.out", tmp_path / f"child{i}.err") for i in range(count)]
+    procs = []
+    for out, err in logs:
+        with open(out, "w") as stdout, open(err, "w") as stderr:
+            procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, stdout=stdout, stderr=stderr))
+    codes = [p.wait(timeout=600) for p in procs]
+    return [subprocess.CompletedProcess(p.args, c, o.read_text(), e.read_text()) for p, c, (o, e) in zip(procs, codes, logs)]
 
 
 def child_env(**extra: str) -> dict:
@@ -55,7 +73,7 @@ def child_env(**extra: str) -> dict:
 def test_concurrent_builds_convert_once_and_all_succeed(tmp_path):
     log = tmp_path / "convert.log"
     env = child_env(QUASAR_HF_CACHE=str(tmp_path / "cache"), CONVERT_LOG=str(log))
-    done = run_concurrently(FAKE_CONVERT, 3, env)
+    done = run_concurrently(FAKE_CONVERT, 3, env, tmp_path)
     assert [d.returncode for d in done] == [0, 0, 0], [d.stderr[-2000:] for d in done]
     target = tmp_path / "cache" / models.EMBEDDED_MODELS["smollm2"].folder
     assert {d.stdout.strip() for d in done} == {str(target)}
@@ -162,10 +180,8 @@ def test_cli_aliases_resolve_to_embedded_models():
 # ---- C kernels -------------------------------------------------------------------------------
 
 TINY_C = "int qhf_answer(void) { return 42; }\n"
-KERNEL_SCRIPT = textwrap.dedent(
+KERNEL_SCRIPT = LIGHT_IMPORTS + textwrap.dedent(
     """
-    import sys
-    from pathlib import Path
     from quasar_hf.ops import c_build
     c_build.CSRC = Path(sys.argv[1])
     lib = c_build.build_and_load("tiny.c", c_build.PORTABLE_CFLAGS, c_build.find_compiler())
@@ -188,19 +204,9 @@ def tiny_source(tmp_path, monkeypatch):
 
 def test_concurrent_kernel_builds_all_load(tiny_source, tmp_path):
     env = child_env(QUASAR_HF_KERNEL_CACHE=str(tmp_path / "kernels"))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", KERNEL_SCRIPT, str(tiny_source)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(3)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], [e[-2000:] for _, e in outs]
-    assert [o.strip() for o, _ in outs] == ["42"] * 3
+    done = run_concurrently(KERNEL_SCRIPT.replace("sys.argv[1]", repr(str(tiny_source))), 3, env, tmp_path)
+    assert [d.returncode for d in done] == [0, 0, 0], [d.stderr[-2000:] for d in done]
+    assert [d.stdout.strip() for d in done] == ["42"] * 3
     assert not list((tmp_path / "kernels").glob("*/tmp*.so"))
 
 
@@ -227,11 +233,11 @@ def test_unwritable_kernel_cache_names_the_folder(tiny_source, tmp_path, monkeyp
 def test_concurrent_real_smollm2_builds_on_an_empty_cache(tmp_path):
     """Three processes convert the real GGUF on an empty cache: all get a loadable checkpoint."""
     script = "from quasar_hf import models; print(models.smollm2_135m_instruct())"
-    done = run_concurrently(script, 3, child_env(QUASAR_HF_CACHE=str(tmp_path)))
+    done = run_concurrently(script, 3, child_env(QUASAR_HF_CACHE=str(tmp_path / "cache")), tmp_path)
     assert [d.returncode for d in done] == [0, 0, 0], [d.stderr[-2000:] for d in done]
     (target,) = {d.stdout.strip().splitlines()[-1] for d in done}
     assert models.is_complete(Path(target))
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(target).model_type == "llama"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{Path(target).name}.lock", Path(target).name]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [f".{Path(target).name}.lock", Path(target).name]
