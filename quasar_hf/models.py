@@ -141,10 +141,11 @@ def build_embedded(alias: str, rebuild: bool = False, convert: Callable[[list[Pa
         return str(target)
     chunks = gguf_chunks(spec)
     require_writable_cache(root)
-    with exclusive_lock(root / f".{spec.folder}.lock"):
+    with exclusive_lock(root / f".{spec.folder}.lock") as locked:
         if not rebuild and is_complete(target):  # another process built it while we waited
             return str(target)
-        _remove_leftovers(root, spec.folder)
+        if locked:  # without a real lock another process may be using its staging folder
+            _remove_leftovers(root, spec.folder)
         staging = Path(tempfile.mkdtemp(prefix=spec.folder + STAGING_MARK, dir=root))
         try:
             (convert or convert_gguf)(chunks, staging)
