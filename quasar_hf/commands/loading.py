@@ -7,7 +7,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-EMBEDDED_ALIASES = ("smollm2", "embedded")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -16,11 +15,11 @@ class UsageError(Exception):
 
 
 def resolve_model(name: str) -> str:
-    """A local checkpoint folder, a Hub repo id, or 'smollm2' (the embedded SmolLM2-135M-Instruct)."""
-    if name in EMBEDDED_ALIASES:
-        from quasar_hf.models import smollm2_135m_instruct
+    """A local checkpoint folder, a Hub repo id, or an embedded model's alias ('smollm2', 'gemma3', 'qwen2.5-coder')."""
+    from quasar_hf.models import EMBEDDED_ALIASES, build_embedded
 
-        return smollm2_135m_instruct()
+    if name in EMBEDDED_ALIASES:
+        return build_embedded(EMBEDDED_ALIASES[name])
     path = Path(os.path.expanduser(name))
     if path.is_dir():
         if not (path / "config.json").is_file():

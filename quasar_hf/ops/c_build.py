@@ -2,7 +2,10 @@
 
 Libraries go to a per-user cache (`$QUASAR_HF_KERNEL_CACHE`, else `$XDG_CACHE_HOME/quasar_hf/kernels`,
 else `~/.cache/quasar_hf/kernels`), keyed by a hash of source + compiler + flags, so editing a
-source or upgrading the package rebuilds, and concurrent processes never see a half-written file.
+source or upgrading the package rebuilds. Builds hold an exclusive file lock per key folder and
+publish the library by atomic rename, so concurrent processes never see a half-written file;
+under the lock, temporary files left by a crashed compile and empty or unloadable libraries are
+removed and rebuilt.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from quasar_hf.locking import exclusive_lock
+
 CSRC = Path(__file__).parent / "csrc"
 # Never -ffast-math; -ffp-contract=off forbids FMA contraction (both would change rounding).
 PORTABLE_CFLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math")
+TEMP_PREFIX = "tmp"  # compiles write <folder>/tmp*.so, then rename it onto the library
 
 
 def missing_cpu_flags(required: tuple[str, ...]) -> list[str]:
@@ -52,18 +58,62 @@ def find_compiler() -> str | None:
 
 def _compile(compiler: str, source: Path, flags: tuple[str, ...], target: Path) -> None:
     """Compile `source` into `target` atomically (temp file + rename; safe across processes)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         cmd = [compiler, *flags, "-o", tmp, str(source), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{done.stderr.strip()[-2000:]}")
+        if os.path.getsize(tmp) == 0:
+            raise RuntimeError(f"`{' '.join(cmd)}` wrote an empty library")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _remove_stale(folder: Path, target: Path) -> None:
+    """Temporary files of crashed compiles, and `target` if it is empty (only called under the lock)."""
+    for stray in folder.glob(f"{TEMP_PREFIX}*.so"):
+        stray.unlink(missing_ok=True)
+    if target.exists() and target.stat().st_size == 0:
+        target.unlink()
+
+
+def _require_writable(folder: Path) -> None:
+    """Create `folder`; a clear error naming it (and the variable that moves it) when that fails."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        writable = os.access(folder, os.W_OK | os.X_OK)
+    except OSError as err:
+        writable, reason = False, err.strerror or str(err)
+    else:
+        reason = "not writable"
+    if not writable:
+        raise RuntimeError(
+            f"cannot write the kernel cache folder {folder} ({reason}); set QUASAR_HF_KERNEL_CACHE to a writable folder"
+        )
+
+
+def _load_or_build(compiler: str, source: Path, flags: tuple[str, ...], target: Path) -> ctypes.CDLL:
+    """The library at `target`, compiled first (under the folder's lock) when missing, empty or unloadable."""
+    if target.exists() and target.stat().st_size > 0:
+        try:
+            return ctypes.CDLL(str(target))
+        except OSError:
+            pass  # truncated or corrupt: rebuilt below
+    _require_writable(target.parent)
+    with exclusive_lock(target.parent / ".lock") as locked:
+        if locked:
+            _remove_stale(target.parent, target)
+        if target.exists() and target.stat().st_size > 0:
+            try:
+                return ctypes.CDLL(str(target))  # another process built it while we waited
+            except OSError:
+                target.unlink()
+        _compile(compiler, source, flags, target)
+    return ctypes.CDLL(str(target))
 
 
 def build_and_load(source_name: str, flags: tuple[str, ...], compiler: str) -> ctypes.CDLL:
@@ -78,9 +128,7 @@ def build_and_load(source_name: str, flags: tuple[str, ...], compiler: str) -> c
         key = hashlib.sha256(text + repr((compiler, variant)).encode()).hexdigest()[:16]
         target = cache_dir() / key / f"libqhf_{source.stem}.so"
         try:
-            if not target.exists():
-                _compile(compiler, source, variant, target)
-            return ctypes.CDLL(str(target))
+            return _load_or_build(compiler, source, variant, target)
         except (RuntimeError, OSError, subprocess.SubprocessError) as err:
             errors.append(str(err))
     raise RuntimeError("\n".join(errors))

@@ -68,7 +68,27 @@ def _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs):
         return None, None
     kernel = rowstable_kernel_for(query, key, value)
     visible = _visible_keys(attention_mask, query, key) if kernel is not None else False
+    if visible is not False:
+        visible = _within_sliding_window(visible, query, key, kwargs.get("sliding_window"))
     return (None, None) if visible is False else (kernel, visible)
+
+
+def _within_sliding_window(visible, query: torch.Tensor, key: torch.Tensor, window: int | None):
+    """`visible` [B, Q, N] (or None: bottom-right causal) limited to the last `window` keys of each row.
+
+    Transformers' sliding masks already say this (key j visible from row position p iff
+    p - window < j <= p); applying the band again is a no-op for them and keeps a call that
+    arrives without a mask from attending past the window. Rows are bottom-right aligned
+    (row i sits at key index N - Q + i), as in a cache without holes (batches with holes are
+    refused for sliding-window models).
+    """
+    batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+    if not window or kv_len <= window:
+        return visible
+    rows = torch.arange(kv_len - q_len, kv_len, device=key.device)[:, None]  # [Q, 1] key index of each row
+    cols = torch.arange(kv_len, device=key.device)[None, :]  # [1, N]
+    band = (cols <= rows) & (cols > rows - window)  # [Q, N]
+    return band.expand(batch, q_len, kv_len) if visible is None else visible & band
 
 
 def _rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):

@@ -104,10 +104,11 @@ def smooth_mapping(
     weights = [float_weights[p] for p in mapping.balance]  # each [N_b, K]
     act = act_absmax.float()
 
+    rows = _smooth_rows(layer, mapping, float_weights, weights[0].shape[1])  # the smooth linear's rows read
     grouped = None
-    if mapping.kind == "grouped_linear":
+    if mapping.kind == "grouped_linear" and rows is not None:
         head_dim = getattr(layer.get_submodule(mapping.smooth.rsplit(".", 1)[0]), "head_dim", None)
-        v_out, o_in = float_weights[mapping.smooth].shape[0], weights[0].shape[1]
+        v_out, o_in = rows.stop - rows.start, weights[0].shape[1]
         if head_dim and v_out % head_dim == 0 and o_in % head_dim == 0 and (o_in // head_dim) % (v_out // head_dim) == 0:
             grouped = (o_in // head_dim, v_out // head_dim, head_dim)
 
@@ -129,21 +130,45 @@ def smooth_mapping(
     for _p, w in zip(mapping.balance, weights):
         w.mul_(s)  # columns *= s
     prescale: dict[str, torch.Tensor] = {}
-    foldable = mapping.kind == "norm" or mapping.kind == "linear" or grouped is not None
+    foldable = mapping.kind == "norm" or (rows is not None and (mapping.kind == "linear" or grouped is not None))
     if mapping.kind == "norm" and foldable and isinstance(getattr(smooth, "weight", None), torch.Tensor):
-        _fold_into_norm(smooth, s)
+        _fold_into_norm(smooth, s, mapping.norm_offset)
     elif mapping.kind in ("linear", "grouped_linear") and foldable and mapping.smooth in float_weights:
-        s_rows = reduce(s)  # the factor of each output row of the smooth linear
-        float_weights[mapping.smooth].div_(s_rows[:, None])
+        s_rows = reduce(s)  # the factor of each output row of the smooth linear that the balance reads
+        float_weights[mapping.smooth][rows].div_(s_rows[:, None])
         if getattr(smooth, "bias", None) is not None:
-            smooth.bias.copy_((smooth.bias.float() / s_rows).to(smooth.bias.dtype))
+            smooth.bias[rows] = (smooth.bias[rows].float() / s_rows).to(smooth.bias.dtype)
     else:
         prescale = {p: (1.0 / s) for p in mapping.balance}
     return SmoothResult(alpha=chosen, prescale=prescale)
 
 
-def _fold_into_norm(norm: nn.Module, s: torch.Tensor) -> None:
-    """norm output channel j is divided by s_j: weight (and bias) /= s."""
-    norm.weight.copy_((norm.weight.float() / s).to(norm.weight.dtype))
+def _smooth_rows(layer: nn.Module, mapping: SmoothMapping, float_weights: dict, balance_in: int) -> slice | None:
+    """Rows of the smooth linear whose outputs the balance linears read (None: cannot tell, do not fold).
+
+    "all": every row. "last": the tail of a fused projection: `balance_in` rows for a linear
+    (up inside gate_up_proj), num_key_value_heads * head_dim for grouped v -> o (v inside qkv_proj).
+    """
+    if mapping.kind == "norm" or mapping.smooth not in float_weights:
+        return None
+    total = float_weights[mapping.smooth].shape[0]
+    if mapping.smooth_rows == "all":
+        return slice(0, total)
+    count = balance_in
+    if mapping.kind == "grouped_linear":
+        attention = layer.get_submodule(mapping.smooth.rsplit(".", 1)[0])
+        config = getattr(attention, "config", None)
+        kv_heads = getattr(attention, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None)
+        head_dim = getattr(attention, "head_dim", None)
+        if not kv_heads or not head_dim:
+            return None
+        count = kv_heads * head_dim
+    return slice(total - count, total) if 0 < count <= total else None
+
+
+def _fold_into_norm(norm: nn.Module, s: torch.Tensor, offset: float = 0.0) -> None:
+    """norm output channel j is divided by s_j. The norm multiplies by (offset + weight), so
+    weight' = (offset + weight) / s - offset (offset 1 for Gemma's (1 + w) RMSNorm); bias /= s."""
+    norm.weight.copy_(((offset + norm.weight.float()) / s - offset).to(norm.weight.dtype))
     if getattr(norm, "bias", None) is not None:
         norm.bias.copy_((norm.bias.float() / s).to(norm.bias.dtype))

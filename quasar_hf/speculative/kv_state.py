@@ -24,6 +24,13 @@ class RowAlignedCache:
         self.model = model
         self.verify_kwargs = verify_kwargs or {}  # forward keywords of multi-token calls over the cache (attention.py)
         self.cache = DynamicCache(config=model.config)
+        # Sliding-window layers (Gemma 3, Mistral-style windows) drop keys that leave the window, after
+        # which rejected drafts cannot be cropped away. Keep full layers instead: the model's sliding
+        # mask still limits every query to its window, so each row sees exactly the keys it would in
+        # plain decoding (the row-stable kernel skips masked keys, so the bits match too).
+        self.has_sliding_layers = any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
+        if self.has_sliding_layers:
+            self.cache = DynamicCache()
         self.slot_mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, S]
         self.valid_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -85,12 +92,13 @@ class RowAlignedCache:
 
     def check_holes_supported(self) -> None:
         """Masked holes need plain full-attention layers (a sliding window counts slots, not tokens)."""
-        for layer in self.cache.layers:
-            if not compat.is_full_attention_layer(layer):
-                raise ValueError(
-                    f"Speculative generation with batch size > 1 needs full-attention KV layers, but this model's cache "
-                    f"uses {type(layer).__name__}. Run one prompt at a time (batch size 1) for this model."
-                )
+        kinds = ["sliding-window attention"] if self.has_sliding_layers else []
+        kinds += [type(layer).__name__ for layer in self.cache.layers if not compat.is_full_attention_layer(layer)]
+        if kinds:
+            raise ValueError(
+                f"Speculative generation with batch size > 1 needs full-attention KV layers, but this model uses "
+                f"{kinds[0]}. Run one prompt at a time (batch size 1) for this model."
+            )
 
     def _crop_empty_tail(self) -> None:
         """Remove trailing slots that no row uses."""
