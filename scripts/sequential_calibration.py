@@ -71,6 +71,7 @@ def run_variant(variant: str, eval_blocks: int) -> dict:
         "peak_rss_mib": peak_rss_mib(),
         "quantize_seconds": round(seconds, 1),
         "quasar_hf_file": quasar_hf.__file__,
+        "torch_threads": torch.get_num_threads(),
     }
     result["perplexity"] = perplexity(model, blocks)
     if variant == "quantized":  # the BF16 reference, once, in the same way
@@ -152,24 +153,41 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def merge(paths: list[str], out: Path) -> None:
+    """One report from several runs: results side by side, each run's command and environment kept."""
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    merged = {**reports[0], "results": {}, "runs": []}
+    for report in reports:
+        merged["results"].update(report["results"])
+        merged["runs"].append({k: report[k] for k in ("command", "environment", "load_average_at_end")})
+    merged["command"] = " ; ".join(r["command"] for r in merged["runs"])
+    out.write_text(json.dumps(merged, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(merged))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before-ref", default="e57a22f", help="git ref of the whole-model calibration code")
     parser.add_argument("--eval-blocks", type=int, default=16)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--out", default="benchmarks/sequential_calibration_cpu.json")
+    parser.add_argument("--merge", nargs="+", help="combine the JSON reports of separate runs (one variant each) into --out")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
         print(json.dumps(run_variant(args.variant, args.eval_blocks)))
         return
+    if args.merge:
+        merge(args.merge, Path(args.out))
+        return
     report = {
-        "command": f"python scripts/sequential_calibration.py --before-ref {args.before_ref} --out {args.out}",
+        "command": f"python scripts/sequential_calibration.py --before-ref {args.before_ref} --variants {args.variants} --out {args.out}",
         "before_ref": args.before_ref,
         "eval": f"{args.eval_blocks} x 512 tokens of the built-in heldout text",
         "environment": environment(),
         "results": {},
     }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         before = source_tree(args.before_ref, Path(tmp))
         for variant in args.variants.split(","):
@@ -177,7 +195,8 @@ def main() -> None:
             print(variant, report["results"][variant], flush=True)
     report["load_average_at_end"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    Path(args.out).with_suffix(".md").write_text(markdown(report))
+    if set(VARIANTS) <= set(report["results"]):
+        Path(args.out).with_suffix(".md").write_text(markdown(report))
 
 
 if __name__ == "__main__":
