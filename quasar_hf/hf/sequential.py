@@ -120,7 +120,7 @@ def quantize_layers_sequentially(
     layers = decoder_layers(model, arch)
     homes = [_layer_device(layer, i) for i, layer in enumerate(layers)]
     captured = capture_layer_inputs(model, layers, blocks, progress)
-    hidden = captured.hidden  # per block [1, T, H]
+    hidden, captured.hidden = captured.hidden, []  # per block [1, T, H]; only `hidden` keeps them alive
     rows_per_block = max(1, config.calibration_sample_rows // len(hidden))
     generator = torch.Generator().manual_seed(config.seed)
     result = SequentialResult()
