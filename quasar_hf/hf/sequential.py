@@ -3,8 +3,8 @@
 The calibration batch's inputs to layer 0 are captured once; then for each layer i: its linears'
 input statistics are collected on the current hidden states, the layer is smoothed and its
 linears swapped for W8A8 copies (the float weights are dropped as soon as the copies exist), and
-the hidden states for layer i+1 are produced — by the *quantized* layer i by default, so later
-layers are calibrated on the activations they will actually see (GPTQ-style). Peak memory is
+the hidden states for layer i+1 are produced by the float layer i (default) or by the quantized
+layer i (`layer_inputs="quantized"`, GPTQ-style). Peak memory is
 the model plus one layer's fp32 working copies and the calibration batch's hidden states.
 
 A layer on the CPU is moved to the CUDA device for its turn when one is present, then back.
@@ -30,10 +30,10 @@ from quasar_hf.smoothquant.mappings import ArchitectureMappings, decoder_layers
 from quasar_hf.smoothquant.smoothing import smooth_mapping
 
 # Which activations feed layer i+1 during calibration: "quantized" (layer i after W8A8) or
-# "float" (layer i before smoothing). Chosen by held-out perplexity on SmolLM2-135M
-# (benchmarks/sequential_calibration_cpu.md).
+# "float" (layer i before smoothing). "float" measured a slightly lower held-out perplexity and a
+# lower peak RSS on SmolLM2-135M (benchmarks/sequential_calibration_cpu.md).
 LAYER_INPUTS = ("quantized", "float")
-DEFAULT_LAYER_INPUTS = "quantized"
+DEFAULT_LAYER_INPUTS = "float"
 
 
 @dataclass
