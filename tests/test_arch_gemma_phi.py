@@ -195,7 +195,7 @@ def test_rowstable_attention_rows_equal_sliding_window_decode_steps(dtype):
     from types import SimpleNamespace
 
     from quasar_hf.ops.reference import attention_reference
-    from quasar_hf.speculative.attention import rowstable_attention_forward
+    from quasar_hf.ops.rowstable_attention import rowstable_attention_forward
 
     module = SimpleNamespace(is_causal=True)
     gen = torch.Generator().manual_seed(0)

@@ -12,7 +12,7 @@ import torch
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.ops import attention_cpu, dispatch, torch_ops
 from quasar_hf.ops.reference import quantize_weight_per_channel, w8a8_linear_reference
-from quasar_hf.speculative.attention import use_rowstable_attention
+from quasar_hf.ops.rowstable_attention import use_rowstable_attention
 from tests.tiny_models import tiny_model
 
 CPU_BACKENDS = [b for b in ("reference", "torch", "cpu_fused") if b in dispatch.available_backends("cpu")]

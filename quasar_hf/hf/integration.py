@@ -1,4 +1,4 @@
-"""Module replacement: calibrate, smooth and swap nn.Linear -> W8A8Linear (no Transformers internals here)."""
+"""Quantize-on-load and reload: calibration text, draft path, layer-by-layer W8A8 (no Transformers internals here)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import time
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.draft_path import (
@@ -16,11 +15,10 @@ from quasar_hf.hf.draft_path import (
     select_draft_layers,
     top1_agreement,
 )
+from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially, set_submodule
 from quasar_hf.nn import W8A8Linear
-from quasar_hf.smoothquant.calibration import collect_linear_input_stats
 from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibration_texts
-from quasar_hf.smoothquant.mappings import decoder_layers, resolve_mappings
-from quasar_hf.smoothquant.smoothing import smooth_mapping
+from quasar_hf.smoothquant.mappings import resolve_mappings
 
 
 def _excluded(name: str, patterns: list[str]) -> bool:
@@ -36,11 +34,6 @@ def find_quantizable_linears(model: nn.Module, layers_path: str, modules_to_not_
     if not names:
         raise ValueError(f"found no nn.Linear to quantize under {layers_path!r} (all excluded by modules_to_not_convert?)")
     return names
-
-
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
 def replace_with_w8a8_skeleton(model: nn.Module, config: QuasarConfig) -> None:
@@ -70,7 +63,7 @@ def replace_with_w8a8_skeleton(model: nn.Module, config: QuasarConfig) -> None:
             bias_dtype=linear.weight.dtype,
             device=linear.weight.device,
         )
-        _set_submodule(model, name, skeleton)
+        set_submodule(model, name, skeleton)
 
 
 def _load_tokenizer(model: nn.Module, config: QuasarConfig):
@@ -91,79 +84,40 @@ def _load_tokenizer(model: nn.Module, config: QuasarConfig):
         ) from None
 
 
-@torch.no_grad()
-def smooth_model(
-    model: nn.Module, config: QuasarConfig, names: list[str], stats, arch, progress: bool = True
-) -> tuple[dict, dict, dict]:
-    """Apply SmoothQuant to every decoder layer; the float function is unchanged.
-
-    Returns (float_weights: full name -> smoothed fp32 weight [out, in], prescales: full name -> [in],
-    alphas: "layer.smooth" -> alpha). Norm weights (and folded biases) are updated in the model;
-    linear weights are returned in fp32 so quantization starts from exact smoothed values.
-    """
-    name_set = set(names)
-    smoothed: dict[str, torch.Tensor] = {}
-    alphas: dict[str, float] = {}
-    prescales: dict[str, torch.Tensor] = {}
-    layers = decoder_layers(model, arch)
-    desc = "Quasar alpha search + smoothing" if config.alpha == "auto" else "Quasar smoothing"
-    for index, layer in enumerate(tqdm(layers, desc=desc, disable=not progress, unit="layer")):
-        prefix = f"{arch.layers_path}.{index}."
-        float_weights = {
-            path[len(prefix) :]: module.weight.detach().float().clone()
-            for path, module in layer.named_modules(prefix=prefix[:-1])
-            if path in name_set
-        }
-        for mapping in arch.mappings:
-            if not all(b in float_weights for b in mapping.balance):
-                continue  # a balance linear is excluded from quantization: leave this mapping alone
-            if mapping.kind != "norm" and mapping.smooth not in float_weights:
-                continue  # the smooth linear stays high precision; folding into it would change it
-            first = stats.by_module[prefix + mapping.balance[0]]
-            result = smooth_mapping(layer, mapping, first.absmax, first.samples, config.alpha, config.alpha_grid, float_weights)
-            alphas[f"{index}.{mapping.smooth}"] = result.alpha
-            prescales.update({prefix + p: v for p, v in result.prescale.items()})
-        smoothed.update({prefix + rel: w for rel, w in float_weights.items()})
-    return smoothed, prescales, alphas
-
-
-def swap_in_w8a8(model: nn.Module, float_weights: dict, prescales: dict, backend: str) -> None:
-    """Replace each named nn.Linear by a W8A8Linear quantized from its (smoothed) fp32 weight."""
-    for name, weight in float_weights.items():
-        linear = model.get_submodule(name)
-        quantized = W8A8Linear.from_weight(weight, linear.bias, prescales.get(name), backend=backend)
-        _set_submodule(model, name, quantized)
-
-
-def calibrate(model: nn.Module, config: QuasarConfig, names: list[str], progress: bool = True):
-    """(stats, blocks, source): calibration statistics of the named linears' inputs."""
+def calibration_blocks(model: nn.Module, config: QuasarConfig) -> tuple[torch.Tensor, str]:
+    """(blocks [N, T] of token ids, source description) from the configured calibration text."""
     tokenizer = _load_tokenizer(model, config)
     texts, source = load_calibration_texts(config.calibration_dataset, config.calibration_text_column, config.calibration_split)
     blocks = build_calibration_blocks(texts, tokenizer, config.num_calibration_samples, config.calibration_seq_len, config.seed)
-    stats = collect_linear_input_stats(model, blocks, names, config.calibration_sample_rows, config.seed, progress)
-    return stats, blocks, source
+    return blocks, source
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, config: QuasarConfig, progress: bool = True) -> dict:
-    """Calibrate, smooth and quantize `model` in place; returns a summary and records it in `config`."""
+def quantize_model(
+    model: nn.Module, config: QuasarConfig, progress: bool = True, layer_inputs: str = DEFAULT_LAYER_INPUTS
+) -> dict:
+    """Calibrate, smooth and quantize `model` in place, one decoder layer at a time.
+
+    Returns a summary and records it in `config`. `layer_inputs` says which activations feed the
+    next layer's calibration: "quantized" (the W8A8 layer's outputs) or "float".
+    """
     started = time.perf_counter()
     arch = resolve_mappings(model, config.smoothquant_mappings)
     names = find_quantizable_linears(model, arch.layers_path, config.modules_to_not_convert)
-    stats, blocks, source = calibrate(model, config, names, progress)
+    blocks, source = calibration_blocks(model, config)
     if config.draft_layers is not None:
         config.draft_info = build_draft_path(model, config, blocks, progress)
-    float_weights, prescales, alphas = smooth_model(model, config, names, stats, arch, progress)
-    swap_in_w8a8(model, float_weights, prescales, config.backend)
+    result = quantize_layers_sequentially(model, arch, names, blocks, config, layer_inputs, progress)
 
     config.quantized_modules = names
-    config.prescaled_modules = sorted(prescales)
-    config.searched_alphas = alphas if config.alpha == "auto" else None
+    config.prescaled_modules = sorted(result.prescales)
+    config.searched_alphas = result.alphas if config.alpha == "auto" else None
     config.calibration_info = {
         "source": source,
         "num_samples": int(blocks.shape[0]),
         "seq_len": int(blocks.shape[1]),
         "tokens": int(blocks.numel()),
+        "layer_inputs": layer_inputs,
         "seconds": round(time.perf_counter() - started, 2),
     }
     return config.calibration_info

@@ -1,13 +1,19 @@
-"""Calibration: run the float model over token blocks and record what each linear sees.
+"""Calibration: record what each linear sees, for the whole model or one decoder layer at a time.
 
 For every linear that will be quantized we keep the per-input-channel abs-max of its input
 (SmoothQuant's statistic) and a fixed-size random sample of input rows (for the alpha search).
-Hooks are always removed, even when a forward fails.
+`capture_layer_inputs` records what the model hands its decoder layers (layer 0's hidden states,
+every layer's keyword arguments: masks, position embeddings, ...) without running any layer, so
+layers can then be calibrated one at a time. Hooks and bindings are always removed, even when a
+forward fails.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,6 +54,27 @@ def _make_hook(name: str, stats: CalibrationStats, rows_per_block: int, generato
     return hook
 
 
+@contextmanager
+def recording_linear_inputs(
+    root: nn.Module, module_names: list[str], stats: CalibrationStats, rows_per_block: int, generator: torch.Generator
+) -> Iterator[None]:
+    """While open, every forward through `root` adds the named linears' inputs to `stats` (keyed by those names)."""
+    handles = []
+    try:
+        for name in module_names:
+            module = root.get_submodule(name)
+            handles.append(module.register_forward_pre_hook(_make_hook(name, stats, rows_per_block, generator)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _check_blocks(blocks: torch.Tensor) -> None:
+    if blocks.dim() != 2 or blocks.shape[0] == 0:
+        raise ValueError(f"calibration blocks must be a non-empty [num_blocks, seq_len] tensor, got {tuple(blocks.shape)}")
+
+
 @torch.no_grad()
 def collect_linear_input_stats(
     model: nn.Module,
@@ -57,21 +84,107 @@ def collect_linear_input_stats(
     seed: int = 0,
     progress: bool = True,
 ) -> CalibrationStats:
-    """Forward each block [N, T] through `model` and record stats for the named linears."""
-    if blocks.dim() != 2 or blocks.shape[0] == 0:
-        raise ValueError(f"calibration blocks must be a non-empty [num_blocks, seq_len] tensor, got {tuple(blocks.shape)}")
+    """Forward each block [N, T] through the whole `model` and record stats for the named linears."""
+    _check_blocks(blocks)
     stats = CalibrationStats(num_blocks=blocks.shape[0], seq_len=blocks.shape[1])
     rows_per_block = max(1, max_sample_rows // blocks.shape[0])
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    handles = []
-    try:
-        for name in module_names:
-            module = model.get_submodule(name)
-            handles.append(module.register_forward_pre_hook(_make_hook(name, stats, rows_per_block, generator)))
+    with recording_linear_inputs(model, module_names, stats, rows_per_block, generator):
         for block in tqdm(blocks, desc="Quasar calibration", disable=not progress, unit="block"):
             model(input_ids=block[None].to(device), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
     return stats
+
+
+# ---------------------------------------------------------------- one decoder layer at a time
+class _StopForward(Exception):
+    """Raised by the last bypassed layer: everything after the decoder layers is not needed."""
+
+
+@dataclass
+class LayerCall:
+    """How the model called one decoder layer, less the hidden states: extra positional args and kwargs."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class LayerInputs:
+    """Per block: layer 0's hidden states [1, T, H], and per layer the rest of its call."""
+
+    hidden: list[torch.Tensor]
+    calls: list[list[LayerCall]]  # [block][layer]
+
+
+def _bypass(calls: list[LayerCall | None], index: int, last: bool, first_hidden: list[torch.Tensor]):
+    """A forward for decoder layer `index` that records its call and returns the hidden states unchanged."""
+
+    def forward(*args, **kwargs):
+        if args:
+            hidden, rest = args[0], tuple(args[1:])
+        else:
+            hidden, rest = kwargs.pop("hidden_states"), ()
+        calls[index] = LayerCall(rest, dict(kwargs))
+        if index == 0:
+            first_hidden.append(hidden.detach())
+        if last:
+            raise _StopForward
+        return hidden
+
+    return forward
+
+
+@torch.no_grad()
+def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, blocks: torch.Tensor, progress: bool = True) -> LayerInputs:
+    """Run each block [N, T] through `model` with every decoder layer bypassed (no layer computes).
+
+    Each layer's `forward` is bound on the instance to a recorder for the duration (restored after),
+    so per-layer arguments (sliding-window vs global masks and rotary embeddings, any extra kwargs
+    a model passes) are captured exactly as the model builds them. The forward stops after the
+    last layer: the final norm and lm_head never run.
+    """
+    _check_blocks(blocks)
+    device = next(model.parameters()).device
+    saved = [layer.__dict__.get("forward") for layer in layers]  # accelerate hooks bind a forward too
+    hidden: list[torch.Tensor] = []
+    all_calls: list[list[LayerCall]] = []
+    try:
+        for block in tqdm(blocks, desc="Quasar capturing layer inputs", disable=not progress, unit="block"):
+            calls: list[LayerCall | None] = [None] * len(layers)
+            for index, layer in enumerate(layers):
+                layer.forward = _bypass(calls, index, index == len(layers) - 1, hidden)
+            try:
+                model(input_ids=block[None].to(device), use_cache=False)
+            except _StopForward:
+                pass
+            if any(call is None for call in calls):
+                missing = [i for i, call in enumerate(calls) if call is None]
+                raise ValueError(
+                    f"{type(model).__name__}'s forward did not call decoder layers {missing}; "
+                    "layer-by-layer calibration needs every layer called once per forward"
+                )
+            all_calls.append(calls)
+    finally:
+        for layer, forward in zip(layers, saved):
+            del layer.forward
+            if forward is not None:
+                layer.forward = forward
+    return LayerInputs(hidden=hidden, calls=all_calls)
+
+
+def move_to(obj: Any, device: torch.device) -> Any:
+    """Tensors inside tuples/lists/dicts moved to `device`; everything else as is."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(move_to(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: move_to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def run_layer(layer: nn.Module, hidden: torch.Tensor, call: LayerCall, device: torch.device) -> torch.Tensor:
+    """One decoder layer on one block's hidden states [1, T, H], called as the model called it."""
+    out = layer(hidden.to(device), *move_to(call.args, device), **move_to(call.kwargs, device))
+    return out[0] if isinstance(out, (tuple, list)) else out

@@ -1,0 +1,150 @@
+"""Calibrate, smooth and quantize one decoder layer at a time (bounded memory).
+
+The calibration batch's inputs to layer 0 are captured once; then for each layer i: its linears'
+input statistics are collected on the current hidden states, the layer is smoothed and its
+linears swapped for W8A8 copies (the float weights are dropped as soon as the copies exist), and
+the hidden states for layer i+1 are produced by the float layer i (default) or by the quantized
+layer i (`layer_inputs="quantized"`, GPTQ-style). Peak memory is
+the model plus one layer's fp32 working copies and the calibration batch's hidden states.
+
+A layer on the CPU is moved to the CUDA device for its turn when one is present, then back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from quasar_hf.hf.config import QuasarConfig
+from quasar_hf.nn import W8A8Linear
+from quasar_hf.smoothquant.calibration import (
+    CalibrationStats,
+    capture_layer_inputs,
+    recording_linear_inputs,
+    run_layer,
+)
+from quasar_hf.smoothquant.mappings import ArchitectureMappings, decoder_layers
+from quasar_hf.smoothquant.smoothing import smooth_mapping
+
+# Which activations feed layer i+1 during calibration: "quantized" (layer i after W8A8) or
+# "float" (layer i before smoothing). "float" measured a slightly lower held-out perplexity and a
+# lower peak RSS on SmolLM2-135M (benchmarks/sequential_calibration_cpu.md).
+LAYER_INPUTS = ("quantized", "float")
+DEFAULT_LAYER_INPUTS = "float"
+
+
+@dataclass
+class SequentialResult:
+    prescales: dict[str, torch.Tensor] = field(default_factory=dict)  # full name -> 1/s [in]
+    alphas: dict[str, float] = field(default_factory=dict)  # "layer.smooth" -> alpha
+
+
+def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, module)
+
+
+def _layer_device(layer: nn.Module, index: int) -> torch.device:
+    tensors = list(layer.parameters()) + list(layer.buffers())
+    devices = {t.device for t in tensors}
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(
+            f"decoder layer {index} has weights on the meta device (offloaded by device_map); "
+            "Quasar quantization needs every decoder layer's weights in memory: load with a device_map "
+            'that keeps layers on "cpu" or a GPU (no "disk" offload), or without device_map'
+        )
+    if len(devices) != 1:
+        raise ValueError(
+            f"decoder layer {index} is split across devices {sorted(map(str, devices))}; keep each layer on one device"
+        )
+    return devices.pop()
+
+
+def _compute_device(home: torch.device, layer: nn.Module) -> torch.device:
+    """Where a layer is calibrated: a CPU layer goes to CUDA when present, unless accelerate dispatches it."""
+    if home.type == "cpu" and torch.cuda.is_available() and not hasattr(layer, "_hf_hook"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return home
+
+
+def smooth_layer(
+    layer: nn.Module, index: int, names: list[str], stats: CalibrationStats, arch: ArchitectureMappings, config: QuasarConfig
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
+    """Smooth one decoder layer in place; the float function is unchanged.
+
+    `names` and the keys of `stats` are paths inside the layer. Returns (float_weights: path ->
+    smoothed fp32 weight [out, in], prescales: path -> [in], alphas: "index.smooth" -> alpha).
+    Norm weights (and folded biases) are updated in the layer; linear weights are returned in
+    fp32 so quantization starts from the exact smoothed values.
+    """
+    float_weights = {name: layer.get_submodule(name).weight.detach().float().clone() for name in names}
+    prescales: dict[str, torch.Tensor] = {}
+    alphas: dict[str, float] = {}
+    for mapping in arch.mappings:
+        if not all(b in float_weights for b in mapping.balance):
+            continue  # a balance linear is excluded from quantization: leave this mapping alone
+        if mapping.kind != "norm" and mapping.smooth not in float_weights:
+            continue  # the smooth linear stays high precision; folding into it would change it
+        first = stats.by_module[mapping.balance[0]]
+        result = smooth_mapping(layer, mapping, first.absmax, first.samples, config.alpha, config.alpha_grid, float_weights)
+        alphas[f"{index}.{mapping.smooth}"] = result.alpha
+        prescales.update(result.prescale)
+    return float_weights, prescales, alphas
+
+
+def swap_in_w8a8(root: nn.Module, float_weights: dict, prescales: dict, backend: str) -> None:
+    """Replace each named nn.Linear under `root` by a W8A8Linear quantized from its (smoothed) fp32 weight."""
+    for name in list(float_weights):
+        linear = root.get_submodule(name)
+        weight = float_weights.pop(name)  # drop the fp32 copy as soon as its int8 copy exists
+        set_submodule(root, name, W8A8Linear.from_weight(weight, linear.bias, prescales.get(name), backend=backend))
+        del weight, linear
+
+
+@torch.no_grad()
+def quantize_layers_sequentially(
+    model: nn.Module,
+    arch: ArchitectureMappings,
+    names: list[str],
+    blocks: torch.Tensor,
+    config: QuasarConfig,
+    layer_inputs: str = DEFAULT_LAYER_INPUTS,
+    progress: bool = True,
+) -> SequentialResult:
+    """Calibrate, smooth and W8A8-quantize the named linears (full names) one decoder layer at a time."""
+    if layer_inputs not in LAYER_INPUTS:
+        raise ValueError(f"layer_inputs must be one of {LAYER_INPUTS}; got {layer_inputs!r}")
+    layers = decoder_layers(model, arch)
+    homes = [_layer_device(layer, i) for i, layer in enumerate(layers)]
+    captured = capture_layer_inputs(model, layers, blocks, progress)
+    hidden, captured.hidden = captured.hidden, []  # per block [1, T, H]; only `hidden` keeps them alive
+    rows_per_block = max(1, config.calibration_sample_rows // len(hidden))
+    generator = torch.Generator().manual_seed(config.seed)
+    result = SequentialResult()
+    desc = "Quasar layer-by-layer calibration" + (" + alpha search" if config.alpha == "auto" else "")
+    for index, layer in enumerate(tqdm(layers, desc=desc, disable=not progress, unit="layer")):
+        prefix = f"{arch.layers_path}.{index}."
+        local = [name[len(prefix) :] for name in names if name.startswith(prefix)]
+        home = homes[index]
+        device = _compute_device(home, layer)
+        layer.to(device)
+        stats = CalibrationStats(num_blocks=len(hidden), seq_len=int(blocks.shape[1]))
+        outputs = []
+        with recording_linear_inputs(layer, local, stats, rows_per_block, generator):
+            for block_hidden, calls in zip(hidden, captured.calls):
+                out = run_layer(layer, block_hidden, calls[index], device)
+                if layer_inputs == "float":
+                    outputs.append(out)
+        float_weights, prescales, alphas = smooth_layer(layer, index, local, stats, arch, config)
+        del stats
+        swap_in_w8a8(layer, float_weights, prescales, config.backend)
+        if layer_inputs == "quantized":
+            outputs = [run_layer(layer, h, calls[index], device) for h, calls in zip(hidden, captured.calls)]
+        hidden = outputs
+        layer.to(home)
+        result.prescales.update({prefix + p: v for p, v in prescales.items()})
+        result.alphas.update(alphas)
+    return result

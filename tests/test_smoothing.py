@@ -1,0 +1,100 @@
+"""Smoothing alone leaves an fp32 model's function unchanged, for every mapping kind and architecture.
+
+Each test makes a few channels of the smoothed activation large (so the SmoothQuant factors are
+far from 1), collects real calibration statistics on random tokens, smooths one mapping of every
+decoder layer, writes the smoothed fp32 weights back and compares the logits with the original.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from quasar_hf.smoothquant.calibration import collect_linear_input_stats
+from quasar_hf.smoothquant.mappings import SmoothMapping, resolve_mappings
+from quasar_hf.smoothquant.smoothing import smooth_mapping
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+MAPPINGS = {
+    "norm->qkv": SmoothMapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    "v->o (GQA)": SmoothMapping("self_attn.v_proj", ("self_attn.o_proj",), kind="grouped_linear"),
+    "norm->gate/up": SmoothMapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    "up->down": SmoothMapping("mlp.up_proj", ("mlp.down_proj",), kind="linear"),
+}
+OUTLIER_CHANNELS = [3, 17, 29]
+GRID = [0.0, 0.5, 0.8, 1.0]
+
+
+def _with_outliers(model: torch.nn.Module, mapping: SmoothMapping) -> None:
+    """Scale a few output channels of each layer's smooth module so its activations have outliers."""
+    for layer in model.model.layers:
+        smooth = layer.get_submodule(mapping.smooth)
+        with torch.no_grad():
+            if mapping.kind == "norm":
+                smooth.weight[OUTLIER_CHANNELS] *= 40.0
+            else:
+                smooth.weight[OUTLIER_CHANNELS, :] *= 40.0
+                if smooth.bias is not None:
+                    smooth.bias[OUTLIER_CHANNELS] *= 40.0
+
+
+def _smooth_only(model: torch.nn.Module, mapping: SmoothMapping, alpha) -> list[float]:
+    """Smooth `mapping` in every decoder layer (no quantization); returns the chosen alphas."""
+    names = [f"model.layers.{i}.{mapping.balance[0]}" for i in range(len(model.model.layers))]
+    blocks = torch.randint(0, 96, (4, 48), generator=torch.Generator().manual_seed(1))
+    stats = collect_linear_input_stats(model, blocks, names, max_sample_rows=128, progress=False)
+    alphas = []
+    for index, layer in enumerate(model.model.layers):
+        paths = (*mapping.balance, mapping.smooth) if mapping.kind != "norm" else mapping.balance
+        float_weights = {p: layer.get_submodule(p).weight.detach().clone() for p in paths}
+        entry = stats.by_module[names[index]]
+        result = smooth_mapping(layer, mapping, entry.absmax, entry.samples, alpha, GRID, float_weights)
+        assert result.prescale == {}, "every built-in mapping kind folds its factors into weights"
+        with torch.no_grad():
+            for path, weight in float_weights.items():
+                layer.get_submodule(path).weight.copy_(weight)
+        alphas.append(result.alpha)
+    return alphas
+
+
+def _max_relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", list(MAPPINGS))
+@pytest.mark.parametrize("alpha", [0.8, "auto"])
+def test_smoothing_leaves_fp32_outputs_unchanged(arch: str, kind: str, alpha) -> None:
+    mapping = MAPPINGS[kind]
+    model = tiny_model(arch, seed=3)
+    assert mapping in resolve_mappings(model).mappings
+    _with_outliers(model, mapping)
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    before = copy.deepcopy(model.model.layers[0].get_submodule(mapping.balance[0]).weight)
+
+    _smooth_only(model, mapping, alpha)
+
+    after = model.model.layers[0].get_submodule(mapping.balance[0]).weight
+    factors = (after / before)[0]  # column factors s_j of the first balance linear, row 0
+    assert factors.max() / factors.min() > 5.0, "factors must be far from 1 for the test to mean anything"
+    with torch.no_grad():
+        smoothed = model(input_ids=ids).logits
+    assert _max_relative_error(smoothed, reference) < 2e-5
+
+
+def test_grouped_factors_are_shared_by_the_query_heads_of_one_kv_head() -> None:
+    """v -> o under GQA: o_proj columns that read the same KV channel get the same factor."""
+    model = tiny_model("llama", seed=3)
+    mapping = MAPPINGS["v->o (GQA)"]
+    _with_outliers(model, mapping)
+    before = model.model.layers[0].self_attn.o_proj.weight.detach().clone()
+    _smooth_only(model, mapping, 0.8)
+    factors = (model.model.layers[0].self_attn.o_proj.weight / before)[0]  # [num_heads * head_dim]
+    heads, kv, head_dim = 4, 2, 16
+    per_head = factors.view(kv, heads // kv, head_dim)
+    torch.testing.assert_close(per_head[:, 0], per_head[:, 1], rtol=1e-6, atol=0)
