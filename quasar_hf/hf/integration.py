@@ -19,6 +19,7 @@ from quasar_hf.hf.draft_path import (
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.smoothquant.calibration import collect_linear_input_stats
 from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibration_texts
+from quasar_hf.smoothquant.keep_float import KeepFloatSelector
 from quasar_hf.smoothquant.mappings import decoder_layers, resolve_mappings
 from quasar_hf.smoothquant.smoothing import smooth_mapping
 
@@ -152,10 +153,18 @@ def quantize_model(model: nn.Module, config: QuasarConfig, progress: bool = True
     if config.draft_layers is not None:
         config.draft_info = build_draft_path(model, config, blocks, progress)
     float_weights, prescales, alphas = smooth_model(model, config, names, stats, arch, progress)
+    keep = None
+    if config.keep_float is not None:  # measure before the swap: original and smoothed weights both exist
+        keep = KeepFloatSelector(config.keep_float, config.keep_float_budget, model, names)
+        for name, weight in float_weights.items():
+            module = model.get_submodule(name)
+            keep.offer(name, stats.by_module[name].samples, module.weight, weight, module.bias, prescales.get(name))
     swap_in_w8a8(model, float_weights, prescales, config.backend)
+    kept = keep.apply(model) if keep is not None else []
+    config.keep_float_info = keep.info() if keep is not None else None
 
-    config.quantized_modules = names
-    config.prescaled_modules = sorted(prescales)
+    config.quantized_modules = [n for n in names if n not in kept]
+    config.prescaled_modules = sorted(set(prescales) - set(kept))
     config.searched_alphas = alphas if config.alpha == "auto" else None
     config.calibration_info = {
         "source": source,
