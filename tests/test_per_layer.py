@@ -183,3 +183,5 @@ def test_cli_writes_markdown_and_strict_json(tmp_path, outlier_pair):
     for name in quantized.config.quantization_config.quantized_modules:
         assert f"| {name} |" in markdown
     assert any(isinstance(m, W8A8Linear) for m in quantized.modules())
+    preview = data["report"]["keep_float_preview"]
+    assert preview["added_bytes"] <= 0.05 * preview["int8_weight_bytes"] and "## keep_float price" in markdown

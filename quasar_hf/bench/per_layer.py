@@ -225,6 +225,17 @@ def report_markdown(result: dict) -> str:
     ]
     for kind, e in report["by_kind"].items():
         lines.append(f"| {e['linears']} | {kind} | " + " | ".join(cells(e)) + " |")
+    preview = report.get("keep_float_preview")
+    if preview:
+        lines += [
+            "",
+            "## keep_float price",
+            "",
+            f'keep_float="auto" with budget {preview["budget"]} ranked by these held-out errors would keep '
+            f"{len(preview['modules'])} linears ({', '.join(preview['modules']) or 'none'}), adding "
+            f"{preview['added_bytes'] / 1e6:.2f} MB per verify step to {preview['int8_weight_bytes'] / 1e6:.2f} MB of int8 "
+            "decoder weights (quantization ranks by calibration rows instead, so its choice may differ).",
+        ]
     lines += ["", "## Per linear (worst first)", "", "| # | linear | " + " | ".join(split_head) + " | recon. residual (steps) |"]
     lines.append("|" + "---|" * (len(split_head) + 3))
     for i, row in enumerate(report["rows"], 1):
@@ -258,7 +269,28 @@ def evaluate_per_layer(
         texts, source = heldout_texts(), "builtin held-out split"
     windows = token_windows(tokenizer, texts, seq_len, max_windows)
     errors = per_layer_errors(quantized, reference, windows, arch)
-    return {"heldout": f"{len(windows)} windows x {windows[0].numel()} tokens, {source}", "report": build_report(errors)}
+    report = build_report(errors)
+    report["keep_float_preview"] = keep_float_preview(report, reference)
+    return {"heldout": f"{len(windows)} windows x {windows[0].numel()} tokens, {source}", "report": report}
+
+
+def keep_float_preview(report: dict, reference: nn.Module, budget: float = 0.05) -> dict:
+    """What keep_float="auto" would keep if it ranked by these held-out errors, and the bytes it adds.
+
+    (Quantization ranks by calibration rows; this shows the price of the default budget.)
+    """
+    from quasar_hf.smoothquant.keep_float import choose_keep_float, float_bytes, int8_bytes
+
+    weights = {row["name"]: reference.get_submodule(row["name"]).weight for row in report["rows"]}
+    added = {n: float_bytes(w, w.dtype) - int8_bytes(w) for n, w in weights.items()}
+    int8_total = sum(int8_bytes(w) for w in weights.values())
+    chosen = choose_keep_float({r["name"]: r["both_rel_mse"] for r in report["rows"]}, added, int8_total, budget)
+    return {
+        "budget": budget,
+        "modules": chosen,
+        "added_bytes": sum(added[n] for n in chosen),
+        "int8_weight_bytes": int8_total,
+    }
 
 
 def _json_safe(value):
