@@ -185,3 +185,15 @@ def test_cli_writes_markdown_and_strict_json(tmp_path, outlier_pair):
     assert any(isinstance(m, W8A8Linear) for m in quantized.modules())
     preview = data["report"]["keep_float_preview"]
     assert preview["added_bytes"] <= 0.05 * preview["int8_weight_bytes"] and "## keep_float price" in markdown
+
+
+def test_kept_float_producers_are_unsmoothed_too(tmp_path):
+    """With keep_float, a float v_proj/up_proj still scales its output rows: o_proj/down_proj are reconstructed from it."""
+    src = save_outlier(tmp_path / "src", "qwen2")
+    kept = ["model.layers.0.mlp.up_proj", "model.layers.0.self_attn.v_proj"]
+    quantized = quantize(src, keep_float=kept)
+    result = evaluate_per_layer(quantized, outlier_model("qwen2"), char_tokenizer(), TEXTS, seq_len=48, max_windows=2)
+    rows = {row["name"]: row for row in result["report"]["rows"]}
+    assert len(rows) == 12 and not set(kept) & set(rows)
+    for consumer in ("model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj"):
+        assert rows[consumer]["step_residual"] <= 0.5 + 1e-3, rows[consumer]
