@@ -18,13 +18,13 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # Lowest first; units in one layer may import each other. "__init__" is the package's public
 # facade (`from quasar_hf import QuasarConfig`), at the application layer with the CLI and the bench.
 LAYERS: list[tuple[str, ...]] = [
-    ("compat",),
+    ("compat", "locking"),
     ("ops",),
     ("nn",),
     ("smoothquant", "speculative"),
     ("hf",),
     ("models", "export"),
-    ("bench", "commands", "cli", "__init__"),
+    ("bench", "eval", "commands", "cli", "__init__"),
 ]
 LAYER_OF = {unit: level for level, units in enumerate(LAYERS) for unit in units}
 

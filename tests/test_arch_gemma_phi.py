@@ -241,9 +241,6 @@ PROMPTS = [
 def test_gemma3_greedy_quasar_equals_plain_past_the_window(quantized_gemma3, attention):
     """Prompts and generations run well past the window (8): rejected drafts are cropped from a cache
     whose sliding layers have already moved on, and every token matches plain greedy decoding."""
-    from quasar_hf.hf.generate_hook import install_generate_hook
-
-    install_generate_hook()
     model = AutoModelForCausalLM.from_pretrained(quantized_gemma3).eval()
     if attention == "sdpa":
         model.set_attn_implementation("sdpa")
@@ -262,9 +259,6 @@ def test_gemma3_greedy_quasar_equals_plain_past_the_window(quantized_gemma3, att
 
 
 def test_gemma3_batch_with_holes_is_refused(quantized_gemma3):
-    from quasar_hf.hf.generate_hook import install_generate_hook
-
-    install_generate_hook()
     model = AutoModelForCausalLM.from_pretrained(quantized_gemma3).eval()
     ids = torch.tensor([[96, 96, 5, 17, 33, 2, 71, 40], [9, 88, 12, 3, 64, 21, 7, 90]])
     mask = (ids != 96).long()

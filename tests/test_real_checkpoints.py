@@ -29,10 +29,8 @@ def test_greedy_quasar_equals_plain_w8a8_bf16(name):
 
     from quasar_hf import QuasarConfig, models
     from quasar_hf.bench.suites import load_suite, render_prompt
-    from quasar_hf.hf.generate_hook import install_generate_hook
     from quasar_hf.speculative.attention import QUASAR_ATTENTION
 
-    install_generate_hook()
     source = getattr(models, BUILDERS[name])()
     tokenizer = AutoTokenizer.from_pretrained(source)
     config = QuasarConfig(alpha=0.7, num_calibration_samples=2, calibration_seq_len=64)

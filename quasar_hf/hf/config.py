@@ -37,8 +37,13 @@ class QuasarConfig(QuantizationConfigMixin):
             (no extra memory).
         draft_budget: for draft_layers="auto", the largest fraction of decoder layers the draft may keep.
         tokenizer: tokenizer (or its path) for calibration; defaults to the model's own folder.
+        keep_float: None, "auto" or a list of full linear names kept in the model's float dtype: "auto"
+            keeps the decoder linears with the largest W8A8 error on calibration rows, most damaging
+            first, while the bytes they add stay within `keep_float_budget`.
+        keep_float_budget: the bytes kept linears may add (float minus int8 bytes), as a fraction of all
+            int8 weight bytes.
     Written by the quantizer (read back on reload): calibration_info, searched_alphas,
-    quantized_modules, prescaled_modules, draft_info, measured.
+    quantized_modules, prescaled_modules, draft_info, keep_float_info, measured.
     """
 
     bits: int = 8
@@ -57,6 +62,8 @@ class QuasarConfig(QuantizationConfigMixin):
     draft_dtype: str = "model"
     draft_budget: float = 0.5
     seed: int = 0
+    keep_float: list[str] | str | None = None
+    keep_float_budget: float = 0.05
     tokenizer: Any = None
     version: str = QUASAR_FORMAT_VERSION
     calibration_info: dict | None = None
@@ -64,6 +71,7 @@ class QuasarConfig(QuantizationConfigMixin):
     quantized_modules: list[str] | None = None
     prescaled_modules: list[str] | None = None
     draft_info: dict | None = None
+    keep_float_info: dict | None = None
     measured: dict | None = None
     quant_method: str = "quasar"
 
@@ -95,9 +103,27 @@ class QuasarConfig(QuantizationConfigMixin):
             if not self.draft_layers or not all(isinstance(i, int) and i >= 0 for i in self.draft_layers):
                 raise ValueError(f"draft_layers must be non-negative layer indices; got {self.draft_layers!r}")
             self.draft_layers = sorted(set(self.draft_layers))
+        self._validate_keep_float()
         if not isinstance(self.modules_to_not_convert, (list, tuple)):
             raise ValueError("modules_to_not_convert must be a list of module-name suffixes")
         self.modules_to_not_convert = list(self.modules_to_not_convert)
+
+    def _validate_keep_float(self) -> None:
+        if isinstance(self.keep_float, str):
+            if self.keep_float != "auto":
+                raise ValueError(f"keep_float must be None, 'auto' or a list of module names; got {self.keep_float!r}")
+        elif isinstance(self.keep_float, (list, tuple)):
+            if not self.keep_float or not all(isinstance(n, str) and n for n in self.keep_float):
+                raise ValueError(
+                    "keep_float must be a non-empty list of full module names like 'model.layers.3.mlp.down_proj'; "
+                    f"got {self.keep_float!r}"
+                )
+            self.keep_float = sorted(set(self.keep_float))
+        elif self.keep_float is not None:
+            raise ValueError(f"keep_float must be None, 'auto' or a list of module names; got {self.keep_float!r}")
+        budget = self.keep_float_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 < float(budget) <= 1.0:
+            raise ValueError(f"keep_float_budget must be a fraction in (0, 1] of the int8 weight bytes; got {budget!r}")
 
     # Serialization: only JSON-friendly, reload-relevant fields go to config.json.
     def to_dict(self) -> dict[str, Any]:

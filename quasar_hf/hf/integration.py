@@ -18,6 +18,7 @@ from quasar_hf.hf.draft_path import (
 from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially, set_submodule
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibration_texts
+from quasar_hf.smoothquant.keep_float import KeepFloatSelector
 from quasar_hf.smoothquant.mappings import resolve_mappings
 
 
@@ -107,10 +108,15 @@ def quantize_model(
     blocks, source = calibration_blocks(model, config)
     if config.draft_layers is not None:
         config.draft_info = build_draft_path(model, config, blocks, progress)
-    result = quantize_layers_sequentially(model, arch, names, blocks, config, layer_inputs, progress)
+    keep = None
+    if config.keep_float is not None:
+        keep = KeepFloatSelector(config.keep_float, config.keep_float_budget, model, names)
+    result = quantize_layers_sequentially(model, arch, names, blocks, config, layer_inputs, progress, keep)
+    kept = keep.apply(model) if keep is not None else []
+    config.keep_float_info = keep.info() if keep is not None else None
 
-    config.quantized_modules = names
-    config.prescaled_modules = sorted(result.prescales)
+    config.quantized_modules = [n for n in names if n not in kept]
+    config.prescaled_modules = sorted(set(result.prescales) - set(kept))
     config.searched_alphas = result.alphas if config.alpha == "auto" else None
     config.calibration_info = {
         "source": source,

@@ -26,6 +26,7 @@ from quasar_hf.smoothquant.calibration import (
     recording_linear_inputs,
     run_layer,
 )
+from quasar_hf.smoothquant.keep_float import KeepFloatSelector
 from quasar_hf.smoothquant.mappings import ArchitectureMappings, decoder_layers
 from quasar_hf.smoothquant.smoothing import smooth_mapping
 
@@ -113,8 +114,13 @@ def quantize_layers_sequentially(
     config: QuasarConfig,
     layer_inputs: str = DEFAULT_LAYER_INPUTS,
     progress: bool = True,
+    keep: KeepFloatSelector | None = None,
 ) -> SequentialResult:
-    """Calibrate, smooth and W8A8-quantize the named linears (full names) one decoder layer at a time."""
+    """Calibrate, smooth and W8A8-quantize the named linears (full names) one decoder layer at a time.
+
+    `keep` (QuasarConfig(keep_float=...)) is offered every linear after smoothing and before its
+    swap, while the original and the smoothed weights both exist; the caller applies its choice.
+    """
     if layer_inputs not in LAYER_INPUTS:
         raise ValueError(f"layer_inputs must be one of {LAYER_INPUTS}; got {layer_inputs!r}")
     layers = decoder_layers(model, arch)
@@ -139,6 +145,10 @@ def quantize_layers_sequentially(
                 if layer_inputs == "float":
                     outputs.append(out)
         float_weights, prescales, alphas = smooth_layer(layer, index, local, stats, arch, config)
+        if keep is not None:
+            for name, weight in float_weights.items():
+                module = layer.get_submodule(name)
+                keep.offer(prefix + name, stats.by_module[name].samples, module.weight, weight, module.bias, prescales.get(name))
         del stats
         swap_in_w8a8(layer, float_weights, prescales, config.backend)
         if layer_inputs == "quantized":
