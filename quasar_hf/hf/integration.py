@@ -9,6 +9,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quasar_hf.hf.config import QuasarConfig
+from quasar_hf.hf.draft_head import attach_draft_head_skeleton, build_draft_head
 from quasar_hf.hf.draft_path import (
     attach_draft_layers,
     expected_acceptance_length,
@@ -48,6 +49,7 @@ def replace_with_w8a8_skeleton(model: nn.Module, config: QuasarConfig) -> None:
     draft = config.draft_info or {}
     if draft.get("layers") and draft.get("dtype") == "model":
         attach_draft_layers(model, draft["layers"])  # copies of float skeleton layers, before the swap below
+    attach_draft_head_skeleton(model, draft)
     if not config.quantized_modules:
         raise ValueError(
             "this Quasar checkpoint's quantization_config lists no quantized_modules; it was not written by "
@@ -151,6 +153,8 @@ def quantize_model(model: nn.Module, config: QuasarConfig, progress: bool = True
     stats, blocks, source = calibrate(model, config, names, progress)
     if config.draft_layers is not None:
         config.draft_info = build_draft_path(model, config, blocks, progress)
+        if config.draft_vocab_size is not None:
+            config.draft_info.update(build_draft_head(model, config.draft_vocab_size, blocks))
     float_weights, prescales, alphas = smooth_model(model, config, names, stats, arch, progress)
     swap_in_w8a8(model, float_weights, prescales, config.backend)
 
