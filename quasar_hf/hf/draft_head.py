@@ -74,7 +74,7 @@ def select_head_tokens(counts: torch.Tensor, size: int, always: list[int] | tupl
     return keep.nonzero().squeeze(1)
 
 
-def _special_ids(model: nn.Module) -> list[int]:
+def special_token_ids(model: nn.Module) -> list[int]:
     eos = getattr(model.config, "eos_token_id", None)
     ids = eos if isinstance(eos, (list, tuple)) else [eos]
     generation = getattr(model, "generation_config", None)
@@ -103,7 +103,7 @@ def build_draft_head(model: nn.Module, size: int, blocks: torch.Tensor) -> dict:
     """Choose the head's tokens from calibration blocks [n, T] and attach the index; returns draft_info fields."""
     vocab = model.get_output_embeddings().weight.shape[0]
     counts = token_counts(blocks, vocab)
-    ids = select_head_tokens(counts, size, _special_ids(model))
+    ids = select_head_tokens(counts, size, special_token_ids(model))
     attach_draft_head(model, ids)
     covered = int(counts[ids].sum())
     return {

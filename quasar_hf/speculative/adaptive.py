@@ -116,7 +116,7 @@ class AdaptivePolicy:
                 self.paused_for -= 1
             return
         self.drafting_steps += 1
-        self._observe_acceptance(drafted, accepted)
+        self.observe_acceptance(drafted, accepted)
         self._observe_costs(total_drafted, len(drafted), draft_s, verify_s)
         self._adapt_length(drafted, accepted)
         self._maybe_pause()
@@ -129,8 +129,12 @@ class AdaptivePolicy:
     def _observe_plain(self, verify_s: float) -> None:
         self.plain_step_s = _ema(self.plain_step_s, verify_s, self.decay)
 
-    def _observe_acceptance(self, drafted: list[int], accepted: list[int]) -> None:
-        """Geometric estimate: each row contributes its accepted tokens and one failed trial if it stopped early."""
+    def observe_acceptance(self, drafted: list[int], accepted: list[int]) -> None:
+        """Acceptance evidence only (also for drafts scored without being verified).
+
+        Geometric estimate: each row adds its accepted tokens as successes, and one failed trial if
+        it stopped before the end of its draft.
+        """
         successes = sum(accepted)
         trials = successes + sum(1 for d, n in zip(drafted, accepted) if n < d)
         self.accepted_mass = self.decay * self.accepted_mass + successes

@@ -1,10 +1,14 @@
 """drafter="auto": per step and per row, n-gram drafts, the model's own draft path, or none.
 
-Each step, for each row: n-gram (prompt lookup) drafts when the text offers a match and n-gram
-drafting is not paused; otherwise the model drafter (the self-draft path, when the model has
-one) when it is not paused; otherwise no draft (a plain decode step). Each source has its own
-`AdaptivePolicy` (draft length from its recent acceptance, pauses when it does not pay), fed
-only with the rows it drafted for. Tokens are still decided by the verifier alone.
+Two sources, each under its own `AdaptivePolicy` (draft length from its recent acceptance,
+pauses when it does not pay against plain decoding): n-gram (prompt lookup: free, useful where
+the output copies the input) and the model drafter (the self-draft path, when the model has one).
+Each step the source with the higher expected speedup (an unmeasured source counts as best, so
+it gets tried) drafts for every row it can serve; a row the preferred source cannot serve takes
+the other source's draft, a row neither serves is a plain decode step. While the model drafter
+is preferred, the n-gram drafts it displaced are scored against the tokens the verifier emits
+(free, and exact for greedy), so the n-gram estimate stays current. Tokens are still decided by
+the verifier alone.
 
 drafter_kwargs for "auto": model_drafter = registry name of the model drafter ("self_reduced",
 "self", or "none"; default: the first of those the model supports), ngram = False to leave
@@ -48,7 +52,9 @@ class AutoDrafter:
         self.setup: DraftSetup | None = None
         self.device = torch.device("cpu")
         self._step: dict | None = None
+        self._shadows: dict[int, tuple[int, torch.Tensor]] = {}  # row -> (its length, n-gram draft not sent)
         self.steps_by_source = {"ngram": 0, "model": 0, "none": 0}  # row-steps, for stats and benchmarks
+        self.tokens_by_source = {"ngram": 0, "model": 0}  # drafted tokens
 
     def start(self, prompts: list[torch.Tensor], setup: DraftSetup) -> None:
         self.setup, self.device = setup, setup.device
@@ -60,16 +66,21 @@ class AutoDrafter:
     def propose(self, sequences: list[torch.Tensor], max_tokens: list[int]) -> Draft:
         started = self.clock()
         batch = len(sequences)
+        self._score_shadows(sequences)
         rows: list[torch.Tensor | None] = [None] * batch
         source = ["none"] * batch
         k_ngram = self.ngram_policy.draft_length() if self.ngram is not None else 0
+        k_model = self.model_policy.draft_length() if self.model_drafter is not None else 0
+        prefer_model = k_model > 0 and _gain(self.model_policy) > _gain(self.ngram_policy)
+        found: list[torch.Tensor | None] = [None] * batch
         if k_ngram:
             for b, (seq, budget) in enumerate(zip(sequences, max_tokens)):
-                found = self.ngram.lookup(seq, min(k_ngram, budget))
-                if found.numel():
-                    rows[b], source[b] = found, "ngram"
+                lookup = self.ngram.lookup(seq, min(k_ngram, budget))
+                if lookup.numel():
+                    found[b] = lookup
+                    if not prefer_model:
+                        rows[b], source[b] = lookup, "ngram"
         ngram_end = self.clock()
-        k_model = self.model_policy.draft_length() if self.model_drafter is not None else 0
         model_draft = None
         want_model = [rows[b] is None and max_tokens[b] > 0 for b in range(batch)]
         if k_model and any(want_model):
@@ -79,9 +90,16 @@ class AutoDrafter:
                 n = int(model_draft.lengths[b])
                 if want_model[b] and n:
                     rows[b], source[b] = model_draft.tokens[b, :n], "model"
+        for b in range(batch):  # n-gram drafts not sent: scored against what the verifier emits instead
+            if found[b] is not None and source[b] == "model":
+                self._shadows[b] = (sequences[b].shape[0], found[b])
+            elif found[b] is not None and source[b] == "none":
+                rows[b], source[b] = found[b], "ngram"
         ended = self.clock()
-        for s in source:
+        for s, r in zip(source, rows):
             self.steps_by_source[s] += 1
+            if r is not None:
+                self.tokens_by_source[s] += r.numel()
         draft = self._combine(rows, source, model_draft)
         self._step = {
             "source": source,
@@ -140,7 +158,24 @@ class AutoDrafter:
             else:
                 policy.skip_step()  # the other source drafted: a pause still runs down
 
+    def _score_shadows(self, sequences: list[torch.Tensor]) -> None:
+        """Acceptance the unsent n-gram drafts would have had (prefix equal to the tokens emitted since):
+        keeps the n-gram estimate current while the model drafter is preferred. Exact for greedy."""
+        shadows, self._shadows = self._shadows, {}
+        drafted, accepted = [], []
+        for b, (length, tokens) in shadows.items():
+            emitted = sequences[b][length : length + tokens.numel()]
+            n = min(emitted.numel(), tokens.numel())
+            if n == 0:
+                continue
+            drafted.append(n)  # all n agreeing = n successes, no failure seen (the rest is unknown)
+            accepted.append(int((emitted[:n] == tokens[:n]).long().cumprod(0).sum()))
+        if drafted:
+            self.ngram_policy.observe_acceptance(drafted, accepted)
+
     def select_rows(self, rows: torch.Tensor) -> None:
+        kept = rows.tolist()
+        self._shadows = {new: self._shadows[old] for new, old in enumerate(kept) if old in self._shadows}
         if self.ngram is not None:
             self.ngram.select_rows(rows)
         if self.model_drafter is not None:
@@ -150,9 +185,16 @@ class AutoDrafter:
         """Which source drafted how often, and each policy's estimates."""
         return {
             "steps_by_source": dict(self.steps_by_source),
+            "tokens_by_source": dict(self.tokens_by_source),
             "ngram": self.ngram_policy.to_dict(),
             "model": self.model_policy.to_dict(),
         }
+
+
+def _gain(policy: AdaptivePolicy) -> float:
+    """Expected speedup of a source at its current length; +inf while unmeasured (so it gets tried)."""
+    gain = policy.expected_gain(max(1, policy.draft_length()))
+    return float("inf") if gain is None else gain
 
 
 def _model_drafter(verifier: torch.nn.Module, config, name: str | None) -> Drafter | None:
