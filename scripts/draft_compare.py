@@ -71,9 +71,9 @@ def head_indices(model, tokenizer, sizes: list[int]) -> dict[int, torch.Tensor]:
     return {n: select_head_tokens(counts, n, special_token_ids(model)) for n in sizes}
 
 
-def load_models(path: str, layers, sizes: list[int], bf16_baselines: bool) -> dict:
+def load_models(path: str, layers, sizes: list[int], bf16_baselines: bool, calibration: dict) -> dict:
     def quasar(dtype, draft_layers):
-        config = QuasarConfig(draft_layers=draft_layers, draft_dtype=dtype, draft_vocab_size=max(sizes))
+        config = QuasarConfig(draft_layers=draft_layers, draft_dtype=dtype, draft_vocab_size=max(sizes), **calibration)
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=config).eval()
 
     int8 = quasar("int8", layers)
@@ -200,6 +200,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=5)
     parser.add_argument("--no-bf16-baselines", action="store_true")
+    parser.add_argument("--alpha", default="auto", help='SmoothQuant alpha ("auto" or a float; a float quantizes faster)')
+    parser.add_argument("--calibration-samples", type=int, default=32)
+    parser.add_argument("--calibration-seq-len", type=int, default=512)
     parser.add_argument("--out", default="benchmarks/draft_compare_cpu.json")
     parser.add_argument("--markdown", default=None, help="also write the tables to this markdown file")
     args = parser.parse_args()
@@ -208,7 +211,12 @@ def main() -> None:
     path = smollm2_135m_instruct() if args.model == "smollm2" else os.path.expanduser(args.model)
     tok = AutoTokenizer.from_pretrained(path)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    models = load_models(path, layers, sizes, not args.no_bf16_baselines)
+    calibration = {
+        "alpha": args.alpha if args.alpha == "auto" else float(args.alpha),
+        "num_calibration_samples": args.calibration_samples,
+        "calibration_seq_len": args.calibration_seq_len,
+    }
+    models = load_models(path, layers, sizes, not args.no_bf16_baselines, calibration)
     heads = head_indices(models["int8"], tok, sizes)
     variants = build_variants(models, sizes)
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]

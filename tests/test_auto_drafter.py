@@ -173,3 +173,37 @@ def test_open_suite_is_valid_and_open_ended():
     assert len(items) >= 20 and len({it["id"] for it in items}) == len(items)
     assert {it["task"] for it in items} == {"question", "story", "explanation"}
     assert all(it["suite"] == "open" and it["version"] == 1 and len(it["messages"]) == 1 for it in items)
+
+
+class FixedModelDrafter:
+    """A stand-in model drafter proposing token 50 repeatedly."""
+
+    def start(self, prompts, setup):
+        pass
+
+    def propose(self, sequences, max_tokens):
+        from quasar_hf.speculative.drafters import Draft
+
+        k = max(max_tokens)
+        return Draft(tokens=torch.full((len(sequences), k), 50), lengths=torch.tensor(max_tokens))
+
+    def on_accept(self, num_accepted):
+        pass
+
+    def select_rows(self, rows):
+        pass
+
+
+def test_displaced_ngram_drafts_are_scored_against_the_emitted_tokens():
+    from quasar_hf.speculative.drafters import DraftSetup
+
+    drafter = AutoDrafter(NgramDrafter(3), FixedModelDrafter(), 3, policy={"prior_weight": 0.0, "decay": 0.5})
+    drafter.ngram_policy.draft_s_per_token, drafter.ngram_policy.plain_step_s = 0.0, 1.0  # measured: finite gain
+    drafter.start([torch.tensor([1, 2])], DraftSetup(False, None, None, torch.device("cpu")))
+    draft = drafter.propose([torch.tensor([1, 2, 3, 1, 2])], [3])  # the unmeasured model source is tried first
+    assert draft.tokens[0].tolist() == [50, 50, 50] and drafter.steps_by_source["model"] == 1
+    drafter.on_accept(torch.tensor([0]))
+    before = (drafter.ngram_policy.accepted_mass, drafter.ngram_policy.trial_mass)
+    drafter.propose([torch.tensor([1, 2, 3, 1, 2, 3, 1, 9])], [3])  # n-gram had proposed [3, 1, 2]
+    assert drafter.ngram_policy.accepted_mass == pytest.approx(0.5 * before[0] + 2)  # 3, 1 agree
+    assert drafter.ngram_policy.trial_mass == pytest.approx(0.5 * before[1] + 3)  # then 2 != 9: one failure
