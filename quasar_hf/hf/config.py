@@ -36,6 +36,8 @@ class QuasarConfig(QuantizationConfigMixin):
             BF16 model: the dual-precision model); "int8" reuses the W8A8 verify layers
             (no extra memory).
         draft_budget: for draft_layers="auto", the largest fraction of decoder layers the draft may keep.
+        draft_vocab_size: None (the draft uses the full lm_head), or N: a reduced-vocabulary draft head
+            of the N tokens most frequent in the calibration text (drafter="self_reduced"); needs draft_layers.
         tokenizer: tokenizer (or its path) for calibration; defaults to the model's own folder.
         keep_float: None, "auto" or a list of full linear names kept in the model's float dtype: "auto"
             keeps the decoder linears with the largest W8A8 error on calibration rows, most damaging
@@ -61,6 +63,7 @@ class QuasarConfig(QuantizationConfigMixin):
     draft_layers: list[int] | str | None = None
     draft_dtype: str = "model"
     draft_budget: float = 0.5
+    draft_vocab_size: int | None = None
     seed: int = 0
     keep_float: list[str] | str | None = None
     keep_float_budget: float = 0.05
@@ -103,6 +106,12 @@ class QuasarConfig(QuantizationConfigMixin):
             if not self.draft_layers or not all(isinstance(i, int) and i >= 0 for i in self.draft_layers):
                 raise ValueError(f"draft_layers must be non-negative layer indices; got {self.draft_layers!r}")
             self.draft_layers = sorted(set(self.draft_layers))
+        if self.draft_vocab_size is not None:
+            size = self.draft_vocab_size
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"draft_vocab_size must be a positive integer or None; got {size!r}")
+            if self.draft_layers is None:
+                raise ValueError("draft_vocab_size needs a draft path: also pass draft_layers=[...] or 'auto'")
         self._validate_keep_float()
         if not isinstance(self.modules_to_not_convert, (list, tuple)):
             raise ValueError("modules_to_not_convert must be a list of module-name suffixes")

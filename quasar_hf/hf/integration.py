@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from quasar_hf.hf.config import QuasarConfig
+from quasar_hf.hf.draft_head import attach_draft_head_skeleton, build_draft_head
 from quasar_hf.hf.draft_path import (
     attach_draft_layers,
     expected_acceptance_length,
@@ -42,6 +43,7 @@ def replace_with_w8a8_skeleton(model: nn.Module, config: QuasarConfig) -> None:
     draft = config.draft_info or {}
     if draft.get("layers") and draft.get("dtype") == "model":
         attach_draft_layers(model, draft["layers"])  # copies of float skeleton layers, before the swap below
+    attach_draft_head_skeleton(model, draft)
     if not config.quantized_modules:
         raise ValueError(
             "this Quasar checkpoint's quantization_config lists no quantized_modules; it was not written by "
@@ -108,6 +110,8 @@ def quantize_model(
     blocks, source = calibration_blocks(model, config)
     if config.draft_layers is not None:
         config.draft_info = build_draft_path(model, config, blocks, progress)
+        if config.draft_vocab_size is not None:
+            config.draft_info.update(build_draft_head(model, config.draft_vocab_size, blocks))
     keep = None
     if config.keep_float is not None:
         keep = KeepFloatSelector(config.keep_float, config.keep_float_budget, model, names)

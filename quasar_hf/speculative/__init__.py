@@ -1,5 +1,6 @@
 """Quasar speculative generation: cheap drafts, exact verification by the (W8A8) model."""
 
+from . import auto_drafter  # noqa: F401  (registers drafter="auto")
 from .config import QuasarGenerationConfig
 from .drafters import DRAFTER_FACTORIES, AssistantDrafter, Draft, Drafter, DraftSetup, NgramDrafter, make_drafter
 from .loop import QuasarGenerateOutput, speculative_generate

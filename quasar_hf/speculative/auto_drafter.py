@@ -1,0 +1,230 @@
+"""drafter="auto": per step and per row, n-gram drafts, the model's own draft path, or none.
+
+Two sources, each under its own `AdaptivePolicy` (draft length from its recent acceptance,
+pauses when it does not pay against plain decoding): n-gram (prompt lookup: free, useful where
+the output copies the input) and the model drafter (the self-draft path, when the model has one).
+Each step the source with the higher expected speedup (an unmeasured source counts as best, so
+it gets tried) drafts for every row it can serve; a row the preferred source cannot serve takes
+the other source's draft, a row neither serves is a plain decode step. While the model drafter
+is preferred, the n-gram drafts it displaced are scored against the tokens the verifier emits
+(free, and exact for greedy), so the n-gram estimate stays current. Tokens are still decided by
+the verifier alone.
+
+drafter_kwargs for "auto": model_drafter = registry name of the model drafter ("self_reduced",
+"self", or "none"; default: the first of those the model supports), ngram = False to leave
+n-gram drafts out (adaptive self-drafting alone), policy = dict of AdaptivePolicy options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+
+from .adaptive import AdaptivePolicy, empty_draft
+from .drafters import DRAFTER_FACTORIES, Draft, Drafter, DraftSetup, NgramDrafter
+
+MODEL_DRAFTER_PREFERENCE = ("self_reduced", "self")
+
+
+class AutoDrafter:
+    """Combine an n-gram drafter and an optional model drafter, each under its own adaptive policy."""
+
+    def __init__(
+        self,
+        ngram: NgramDrafter | None,
+        model_drafter: Drafter | None,
+        num_draft_tokens: int = 5,
+        policy: dict | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if ngram is None and model_drafter is None:
+            raise ValueError("drafter='auto' needs at least one source: n-gram drafts or a model drafter.")
+        options = dict(policy or {})
+        options.setdefault("max_tokens", max(1, num_draft_tokens))
+        self.ngram = ngram
+        self.model_drafter = model_drafter
+        self.ngram_policy = AdaptivePolicy(**options)
+        self.model_policy = AdaptivePolicy(**options)
+        self.clock = clock
+        self.setup: DraftSetup | None = None
+        self.device = torch.device("cpu")
+        self._step: dict | None = None
+        self._shadows: dict[int, tuple[int, torch.Tensor]] = {}  # row -> (its length, n-gram draft not sent)
+        self.steps_by_source = {"ngram": 0, "model": 0, "none": 0}  # row-steps, for stats and benchmarks
+        self.tokens_by_source = {"ngram": 0, "model": 0}  # drafted tokens
+
+    def start(self, prompts: list[torch.Tensor], setup: DraftSetup) -> None:
+        self.setup, self.device = setup, setup.device
+        if self.ngram is not None:
+            self.ngram.start(prompts, setup)
+        if self.model_drafter is not None:
+            self.model_drafter.start(prompts, setup)
+
+    def propose(self, sequences: list[torch.Tensor], max_tokens: list[int]) -> Draft:
+        started = self.clock()
+        batch = len(sequences)
+        self._score_shadows(sequences)
+        rows: list[torch.Tensor | None] = [None] * batch
+        source = ["none"] * batch
+        k_ngram = self.ngram_policy.draft_length() if self.ngram is not None else 0
+        k_model = self.model_policy.draft_length() if self.model_drafter is not None else 0
+        prefer_model = k_model > 0 and _gain(self.model_policy) > _gain(self.ngram_policy)
+        found: list[torch.Tensor | None] = [None] * batch
+        if k_ngram:
+            for b, (seq, budget) in enumerate(zip(sequences, max_tokens)):
+                lookup = self.ngram.lookup(seq, min(k_ngram, budget))
+                if lookup.numel():
+                    found[b] = lookup
+                    if not prefer_model:
+                        rows[b], source[b] = lookup, "ngram"
+        ngram_end = self.clock()
+        model_draft = None
+        want_model = [rows[b] is None and max_tokens[b] > 0 for b in range(batch)]
+        if k_model and any(want_model):
+            budgets = [min(k_model, m) if w else 0 for m, w in zip(max_tokens, want_model)]
+            model_draft = self.model_drafter.propose(sequences, budgets)
+            for b in range(batch):
+                n = int(model_draft.lengths[b])
+                if want_model[b] and n:
+                    rows[b], source[b] = model_draft.tokens[b, :n], "model"
+        for b in range(batch):  # n-gram drafts not sent: scored against what the verifier emits instead
+            if found[b] is not None and source[b] == "model":
+                self._shadows[b] = (sequences[b].shape[0], found[b])
+            elif found[b] is not None and source[b] == "none":
+                rows[b], source[b] = found[b], "ngram"
+        ended = self.clock()
+        for s, r in zip(source, rows):
+            self.steps_by_source[s] += 1
+            if r is not None:
+                self.tokens_by_source[s] += r.numel()
+        draft = self._combine(rows, source, model_draft)
+        self._step = {
+            "source": source,
+            "lengths": draft.lengths.tolist(),
+            "ngram_s": ngram_end - started,
+            "model_s": ended - ngram_end,
+            "model_called": model_draft is not None,
+            "end": ended,
+        }
+        return draft
+
+    def _combine(self, rows: list[torch.Tensor | None], source: list[str], model_draft: Draft | None) -> Draft:
+        """Right-padded tokens; probabilities (sampling only) = the model's q, one-hot for n-gram rows."""
+        batch = len(rows)
+        k = max((r.numel() for r in rows if r is not None), default=0)
+        if k == 0:
+            return empty_draft(batch, self.device)
+        tokens = torch.zeros(batch, k, dtype=torch.long, device=self.device)
+        lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        for b, r in enumerate(rows):
+            if r is not None:
+                tokens[b, : r.numel()] = r
+                lengths[b] = r.numel()
+        probs = None
+        if model_draft is not None and model_draft.probs is not None and "model" in source:
+            vocab = model_draft.probs.shape[-1]
+            probs = torch.zeros(batch, k, vocab, dtype=model_draft.probs.dtype, device=self.device)
+            for b, s in enumerate(source):
+                n = int(lengths[b])
+                if s == "model":
+                    probs[b, :n] = model_draft.probs[b, :n]
+                elif s == "ngram":
+                    probs[b, torch.arange(n), tokens[b, :n]] = 1.0  # deterministic draft: q is one-hot
+        return Draft(tokens=tokens, lengths=lengths, probs=probs)
+
+    def on_accept(self, num_accepted: torch.Tensor) -> None:
+        step, self._step = self._step, None
+        if step is None:
+            return
+        verify_s = self.clock() - step["end"]
+        accepted = num_accepted.tolist()
+        source, lengths = step["source"], step["lengths"]
+        if step["model_called"]:
+            # Rows that used n-gram drafts (or none) accept none of the model's own drafts: roll them all back.
+            from_model = torch.tensor([s == "model" for s in source], device=num_accepted.device)
+            self.model_drafter.on_accept(torch.where(from_model, num_accepted, torch.zeros_like(num_accepted)))
+        for name, policy, seconds in (
+            ("ngram", self.ngram_policy, step["ngram_s"]),
+            ("model", self.model_policy, step["model_s"]),
+        ):
+            picked = [b for b, s in enumerate(source) if s == name]
+            if picked:
+                policy.record([lengths[b] for b in picked], [accepted[b] for b in picked], seconds, verify_s)
+            elif all(s == "none" for s in source):
+                policy.record([0] * len(source), [0] * len(source), 0.0, verify_s)  # a plain step: its cost is the baseline
+            else:
+                policy.skip_step()  # the other source drafted: a pause still runs down
+
+    def _score_shadows(self, sequences: list[torch.Tensor]) -> None:
+        """Acceptance the unsent n-gram drafts would have had (prefix equal to the tokens emitted since):
+        keeps the n-gram estimate current while the model drafter is preferred. Exact for greedy."""
+        shadows, self._shadows = self._shadows, {}
+        drafted, accepted = [], []
+        for b, (length, tokens) in shadows.items():
+            emitted = sequences[b][length : length + tokens.numel()]
+            n = min(emitted.numel(), tokens.numel())
+            if n == 0:
+                continue
+            drafted.append(n)  # all n agreeing = n successes, no failure seen (the rest is unknown)
+            accepted.append(int((emitted[:n] == tokens[:n]).long().cumprod(0).sum()))
+        if drafted:
+            self.ngram_policy.observe_acceptance(drafted, accepted)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        kept = rows.tolist()
+        self._shadows = {new: self._shadows[old] for new, old in enumerate(kept) if old in self._shadows}
+        if self.ngram is not None:
+            self.ngram.select_rows(rows)
+        if self.model_drafter is not None:
+            self.model_drafter.select_rows(rows)
+
+    def summary(self) -> dict:
+        """Which source drafted how often, and each policy's estimates."""
+        return {
+            "steps_by_source": dict(self.steps_by_source),
+            "tokens_by_source": dict(self.tokens_by_source),
+            "ngram": self.ngram_policy.to_dict(),
+            "model": self.model_policy.to_dict(),
+        }
+
+
+def _gain(policy: AdaptivePolicy) -> float:
+    """Expected speedup of a source at its current length; +inf while unmeasured (so it gets tried)."""
+    gain = policy.expected_gain(max(1, policy.draft_length()))
+    return float("inf") if gain is None else gain
+
+
+def _model_drafter(verifier: torch.nn.Module, config, name: str | None) -> Drafter | None:
+    """The named model drafter, or the first the model supports (None: the model has no draft path)."""
+    if name == "none":
+        return None
+    names = [name] if name else [n for n in MODEL_DRAFTER_PREFERENCE if n in DRAFTER_FACTORIES]
+    sub_config = dataclasses.replace(config, drafter="ngram", drafter_kwargs={})
+    for candidate in names:
+        factory = DRAFTER_FACTORIES.get(candidate)
+        if factory is None:
+            raise ValueError(f"drafter='auto': unknown model drafter {candidate!r}; available: {sorted(DRAFTER_FACTORIES)}.")
+        try:
+            return factory(verifier, dataclasses.replace(sub_config, drafter=candidate))
+        except ValueError:
+            if name:  # asked for explicitly: the user should see why it is unavailable
+                raise
+    return None
+
+
+def auto_factory(verifier: torch.nn.Module, config) -> Drafter:
+    """Registry entry for drafter="auto" (see the module docstring for drafter_kwargs)."""
+    kwargs = dict(config.drafter_kwargs)
+    unknown = sorted(set(kwargs) - {"model_drafter", "ngram", "policy"})
+    if unknown:
+        raise ValueError(f"drafter='auto' got unknown drafter_kwargs {unknown}; valid: model_drafter, ngram, policy.")
+    use_ngram = kwargs.get("ngram", True)
+    ngram = NgramDrafter(config.num_draft_tokens, config.max_ngram_size, config.min_ngram_size) if use_ngram else None
+    model_drafter = _model_drafter(verifier, config, kwargs.get("model_drafter"))
+    return AutoDrafter(ngram, model_drafter, config.num_draft_tokens, kwargs.get("policy"))
+
+
+DRAFTER_FACTORIES.setdefault("auto", auto_factory)
