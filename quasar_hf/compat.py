@@ -86,6 +86,11 @@ def shallow_module_copy(module: nn.Module, replace: dict[str, nn.Module] | None 
     return new
 
 
+def has_accelerate_hook(module: nn.Module) -> bool:
+    """True when accelerate dispatches this module (device_map offload hooks move its weights itself)."""
+    return hasattr(module, "_hf_hook")
+
+
 # ---------------------------------------------------------------- quantizer registry
 def allow_loading_attributes(config_class: type) -> bool:
     """Let `from_pretrained(saved_checkpoint, quantization_config=config_class(...))` apply the

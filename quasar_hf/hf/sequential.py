@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from quasar_hf import compat
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.smoothquant.calibration import (
@@ -66,7 +67,7 @@ def _layer_device(layer: nn.Module, index: int) -> torch.device:
 
 def _compute_device(home: torch.device, layer: nn.Module) -> torch.device:
     """Where a layer is calibrated: a CPU layer goes to CUDA when present, unless accelerate dispatches it."""
-    if home.type == "cpu" and torch.cuda.is_available() and not hasattr(layer, "_hf_hook"):
+    if home.type == "cpu" and torch.cuda.is_available() and not compat.has_accelerate_hook(layer):
         return torch.device("cuda", torch.cuda.current_device())
     return home
 
