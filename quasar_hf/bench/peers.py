@@ -67,18 +67,10 @@ def torchao_w8a8_model(reference_model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _greedy(model: torch.nn.Module, **extra: Any) -> Generate:
-    def run(input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=model.generation_config.eos_token_id or 0,
-            **extra,
-        )
-        return out[0, input_ids.shape[1] :].tolist(), {}
+    """Plain greedy `model.generate` (extra kwargs select e.g. prompt lookup), as the runner's variants call it."""
+    from quasar_hf.bench.runner import _hf_generate
 
-    return run
+    return _hf_generate(model, **extra)
 
 
 def build_peer_variants(

