@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .loading import add_quantize_arguments
-from .report import environment, recovery_pct
+from .report import environment, publish, recovery_pct
 from .sandbox import PASSED, run_python
 
 # Completion mode: the model continues the function body; these end it (standard HumanEval stops).
@@ -257,7 +257,6 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from .loading import load_pair, quantize_options
-    from .report import write_report
 
     args = build_parser().parse_args(argv)
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
@@ -277,12 +276,5 @@ def main(argv: list[str] | None = None) -> int:
     )
     result["settings"]["dtype"] = args.dtype
     result["command"] = " ".join(["python", "scripts/humaneval.py", *(sys.argv[1:] if argv is None else argv)])
-    markdown = to_markdown(result)
-    print(markdown)
-    for path in write_report(result, markdown, args.out, args.name):
-        print(f"wrote {path}")
-    if args.record:
-        from .accuracy import record_accuracy
-
-        print(f"recorded pass@1 in {record_accuracy(pair.quantized_path, result)}")
+    publish(result, to_markdown(result), args.out, args.name, pair.quantized_path if args.record else None, "pass@1")
     return 0

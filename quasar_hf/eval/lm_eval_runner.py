@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from .loading import add_quantize_arguments
-from .report import environment, environment_lines, fmt, recovery_pct, table, write_report
+from .report import environment, environment_lines, fmt, publish, recovery_pct, table
 
 _IGNORED_KEYS = {"alias", "name", "sample_len", "samples", " "}
 
@@ -223,12 +223,5 @@ def eval_main(argv: list[str] | None = None) -> int:
     )
     result["models"] = {"W8A8": pair.quantized_source, "reference": pair.reference_source}
     result["command"] = " ".join(["quasar-hf", "eval", *(sys.argv[1:] if argv is None else argv)])
-    markdown = to_markdown(result)
-    print(markdown)
-    for path in write_report(result, markdown, args.out, args.name):
-        print(f"wrote {path}")
-    if args.record:
-        from .accuracy import record_accuracy
-
-        print(f"recorded the accuracy in {record_accuracy(pair.quantized_path, result)}")
+    publish(result, to_markdown(result), args.out, args.name, pair.quantized_path if args.record else None, "the accuracy")
     return 0

@@ -62,3 +62,15 @@ def write_report(result: dict[str, Any], markdown: str, out_dir: str | os.PathLi
     json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     md_path.write_text(markdown)
     return [json_path, md_path]
+
+
+def publish(result: dict[str, Any], markdown: str, out_dir: str, name: str, record_into: str | None, what: str) -> None:
+    """Print the markdown, write JSON + markdown, and (when `record_into` is a checkpoint folder)
+    record the scores in its model card: the common end of the eval commands."""
+    print(markdown)
+    for path in write_report(result, markdown, out_dir, name):
+        print(f"wrote {path}")
+    if record_into is not None:
+        from .accuracy import record_accuracy
+
+        print(f"recorded {what} in {record_accuracy(record_into, result)}")
