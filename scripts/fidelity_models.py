@@ -1,0 +1,183 @@
+"""W8A8 vs BF16 fidelity of QuasarConfig variants on one model: perplexity, top-1 agreement, KL, quantize time.
+
+    python scripts/fidelity_models.py --model smollm2 --name fidelity_smollm2
+    python scripts/fidelity_models.py --model ~/.cache/quasar_hf/Qwen2.5-Coder-0.5B-Instruct-bf16 \
+        --variants 'default={}' 'rows2048={"calibration_sample_rows": 2048}' --name fidelity_qwen
+
+Each variant is `label=<JSON of QuasarConfig overrides>`; the model is quantized on load
+(`from_pretrained(..., quantization_config=QuasarConfig(**overrides))`, on the built-in
+calibration half of the Python docs text) and compared position by position with the BF16 model
+on blocks of the disjoint held-out half. `--code-label` names the code that ran (e.g. a commit),
+so rows from several checkouts can be merged into one table: run this file with
+`PYTHONPATH=<other checkout>` and `--append`. Perplexity does not depend on machine load;
+quantize seconds do (recorded with the load average).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import quasar_hf
+from quasar_hf import QuasarConfig
+from quasar_hf.bench.fidelity import finalize_sums, next_token_sums
+from quasar_hf.smoothquant.data import build_calibration_blocks, builtin_texts
+
+ALIASES = {
+    "smollm2": "SmolLM2-135M-Instruct-bf16",
+    "qwen": "Qwen2.5-Coder-0.5B-Instruct-bf16",
+    "gemma": "gemma-3-270m-bf16",
+}
+
+
+def resolve_model(name: str | None) -> str:
+    """A checkpoint folder: a path, or an alias of a cached embedded checkpoint (smollm2, qwen, gemma)."""
+    if name in (None, "smollm2"):
+        from quasar_hf.models import smollm2_135m_instruct
+
+        return smollm2_135m_instruct()
+    if name in ALIASES:
+        folder = os.path.join(os.path.expanduser("~/.cache/quasar_hf"), ALIASES[name])
+        if not os.path.isdir(folder):
+            raise SystemExit(f"{folder} does not exist: build it first (see quasar_hf.models)")
+        return folder
+    return os.path.expanduser(name)
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    label, sep, raw = text.partition("=")
+    try:
+        overrides = json.loads(raw or "{}") if sep else {}
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"variant {text!r}: the part after '=' must be JSON QuasarConfig overrides ({err})") from None
+    if not label or not isinstance(overrides, dict):
+        raise SystemExit(f"variant {text!r}: write label=<JSON object>, e.g. 'rows2048={{\"calibration_sample_rows\": 2048}}'")
+    return label, overrides
+
+
+@torch.no_grad()
+def compare(model: torch.nn.Module, reference: torch.nn.Module, blocks: torch.Tensor) -> dict:
+    """Perplexities, top-1 agreement and mean KL(reference || model) over [N, T] blocks (logits in fp32)."""
+    sums = {"model_nll": 0.0, "reference_nll": 0.0, "top1_agree": 0, "kl": 0.0, "tokens": 0}
+    for block in blocks:
+        logits = model(input_ids=block[None], use_cache=False).logits[0, :-1].float()
+        ref_logits = reference(input_ids=block[None], use_cache=False).logits[0, :-1].float()
+        part = next_token_sums(logits, ref_logits, block[1:])
+        for key in sums:
+            sums[key] += part[key]
+    return finalize_sums(sums)
+
+
+def weight_bytes(model: torch.nn.Module) -> dict:
+    """Bytes of the decoder's int8 weights and of linears kept in float (keep_float), from the modules themselves."""
+    int8 = kept = 0
+    names = set(getattr(model.config.quantization_config, "quantized_modules", None) or [])
+    kept_names = set((getattr(model.config.quantization_config, "keep_float_info", None) or {}).get("modules", []))
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            continue
+        if weight.dtype == torch.int8 and (not names or name in names):
+            int8 += weight.numel()
+        elif name in kept_names:
+            kept += weight.numel() * weight.element_size()
+    return {"int8_weight_bytes": int8, "kept_float_bytes": kept}
+
+
+def environment_block() -> dict:
+    try:
+        from quasar_hf.bench.report import environment
+
+        return environment()
+    except ImportError:  # an older checkout
+        return {"load_average": list(os.getloadavg()), "torch": torch.__version__}
+
+
+def markdown(report: dict) -> str:
+    env = report.get("environment", {})
+    lines = [
+        f"# W8A8 fidelity vs BF16: {report['model']}",
+        "",
+        "Commands:",
+        "",
+        "```",
+        *report["commands"],
+        "```",
+        "",
+        f"Held-out: {report['eval']}. BF16 perplexity {report['float_perplexity']:.4f}.",
+        f"Environment: {json.dumps({k: env.get(k) for k in ('cpu', 'cpu_count', 'versions', 'load_average')})}",
+        "",
+        "| code | variant | W8A8 perplexity | vs BF16 | top-1 agreement | mean KL (nats) | kept float MB | quantize s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["results"]:
+        lines.append(
+            f"| {row['code']} | {row['variant']} | {row['perplexity_model']:.4f} | "
+            f"{100 * (row['perplexity_ratio'] - 1):+.2f} % | {row['top1_agreement']:.4f} | {row['mean_kl_nats']:.4f} | "
+            f"{row['kept_float_bytes'] / 1e6:.1f} | {row['quantize_s']:.0f} |"
+        )
+    lines += ["", "Variant overrides (QuasarConfig fields; `{}` is the default config):", ""]
+    lines += [f"- `{r['code']}` / `{r['variant']}`: `{json.dumps(r['overrides'])}`" for r in report["results"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint folder or alias: smollm2 (default), qwen, gemma")
+    parser.add_argument("--variants", nargs="+", default=["default={}"], help="label=<JSON QuasarConfig overrides>")
+    parser.add_argument("--code-label", default=None, help="name of the code that ran (default: quasar_hf's folder)")
+    parser.add_argument("--eval-blocks", type=int, default=16)
+    parser.add_argument("--eval-seq-len", type=int, default=512)
+    parser.add_argument("--append", action="store_true", help="add rows to an existing report of the same name")
+    parser.add_argument("--out", default="benchmarks")
+    parser.add_argument("--name", required=True)
+    args = parser.parse_args(argv)
+    command = "python scripts/fidelity_models.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    variants = [parse_variant(v) for v in args.variants]
+    code = args.code_label or os.path.dirname(os.path.dirname(os.path.abspath(quasar_hf.__file__)))
+
+    path = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    blocks = build_calibration_blocks(builtin_texts("heldout"), tokenizer, args.eval_blocks, args.eval_seq_len, seed=1)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    json_path, md_path = (os.path.join(args.out, f"{args.name}.{ext}") for ext in ("json", "md"))
+    report = {"model": os.path.basename(os.path.normpath(path)), "commands": [], "results": []}
+    if args.append and os.path.exists(json_path):
+        with open(json_path) as fh:
+            report = json.load(fh)
+    report["commands"].append(command)
+    report["eval"] = f"{blocks.shape[0]} blocks x {blocks.shape[1]} tokens of the built-in heldout split (seed 1)"
+    os.makedirs(args.out, exist_ok=True)
+    for label, overrides in variants:
+        started = time.perf_counter()
+        config = QuasarConfig(**overrides)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=config).eval()
+        seconds = time.perf_counter() - started
+        row = {"code": code, "variant": label, "overrides": overrides, "quantize_s": seconds, **weight_bytes(model)}
+        row.update(compare(model, reference, blocks))
+        report["float_perplexity"] = row["perplexity_reference"]
+        report["results"].append(row)
+        report["environment"] = environment_block()
+        del model
+        with open(json_path, "w") as fh:  # after every variant: partial results survive an interrupted run
+            json.dump(report, fh, indent=1)
+        with open(md_path, "w") as fh:
+            fh.write(markdown(report))
+        print(
+            f"{label}: ppl {row['perplexity_model']:.4f} ({100 * (row['perplexity_ratio'] - 1):+.2f} %), "
+            f"top1 {row['top1_agreement']:.4f}, KL {row['mean_kl_nats']:.4f}, {seconds:.0f} s",
+            flush=True,
+        )
+    return [json_path, md_path]
+
+
+if __name__ == "__main__":
+    for written in main():
+        print(written)
