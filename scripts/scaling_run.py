@@ -7,9 +7,9 @@ data): builds a BF16 safetensors checkpoint with random weights one shard at a t
 float copies; weights change neither memory nor time), then in a fresh process loads it with
 `QuasarConfig()` defaults (quantize-on-load: 32 x 512 calibration tokens, alpha="auto") and records
 wall time, peak RSS, the BF16 and W8A8 checkpoint sizes, and the time of a forward of 1 and of 6
-tokens over a 300-token cache against the bytes floor (int8 weights + lm_head bytes / read
-bandwidth, read bandwidth = half the copy bandwidth measured in the same process, as
-scripts/verify_step_breakdown.py does). The calibration tokenizer is a stand-in (SmolLM2's by
+tokens over a 300-token cache, with all threads and with one, against the bytes floor (int8
+weights + lm_head bytes / read bandwidth, measured in the same process by reading a 512 MiB
+tensor once). The calibration tokenizer is a stand-in (SmolLM2's by
 default): token ids only need to be valid. Each phase runs in its own process so peak RSS is its own.
 """
 
@@ -145,7 +145,7 @@ def measure(folder: Path, steps: int, num_calibration_samples: int | None = None
     from transformers import AutoModelForCausalLM
 
     from quasar_hf import QuasarConfig
-    from quasar_hf.bench.kernels import measure_copy_bandwidth
+    from quasar_hf.bench.kernels import measure_copy_bandwidth, measure_read_bandwidth
     from quasar_hf.nn import W8A8Linear
     from quasar_hf.speculative.kv_state import RowAlignedCache
 
@@ -162,25 +162,32 @@ def measure(folder: Path, steps: int, num_calibration_samples: int | None = None
     int8_bytes = sum(m.weight.numel() for m in model.modules() if isinstance(m, W8A8Linear))
     lm_head_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     copy_gbps = measure_copy_bandwidth(torch.device("cpu"))
-    floor_ms = (int8_bytes + lm_head_bytes) / (copy_gbps / 2 * 1e9) * 1e3
+    read_gbps = measure_read_bandwidth(torch.device("cpu"))
+    floor_ms = (int8_bytes + lm_head_bytes) / (read_gbps * 1e9) * 1e3
     state = RowAlignedCache(model, 1, torch.device("cpu"))
     state.forward(torch.randint(0, model.config.vocab_size, (1, CACHE_TOKENS)))
-    for tokens in (1, 6):
-        state.forward(torch.randint(0, model.config.vocab_size, (1, tokens)))  # warm-up
-        state.keep_appended(torch.tensor([0]), tokens)
-        start = time.perf_counter()
-        for _ in range(steps):
-            state.forward(torch.randint(0, model.config.vocab_size, (1, tokens)))
-            state.keep_appended(torch.tensor([0]), tokens)  # back to the same cache length
-        step_ms = (time.perf_counter() - start) / steps * 1e3
-        result[f"step_{tokens}_ms"] = round(step_ms, 2)
-        result[f"step_{tokens}_x_floor"] = round(step_ms / floor_ms, 2)
+    threads = torch.get_num_threads()
+    for count in sorted({threads, 1}, reverse=True):  # thread scaling: all threads, then one
+        torch.set_num_threads(count)
+        suffix = "" if count == threads else f"_{count}_thread"
+        for tokens in (1, 6):
+            state.forward(torch.randint(0, model.config.vocab_size, (1, tokens)))  # warm-up
+            state.keep_appended(torch.tensor([0]), tokens)
+            start = time.perf_counter()
+            for _ in range(steps):
+                state.forward(torch.randint(0, model.config.vocab_size, (1, tokens)))
+                state.keep_appended(torch.tensor([0]), tokens)  # back to the same cache length
+            step_ms = (time.perf_counter() - start) / steps * 1e3
+            result[f"step_{tokens}_ms{suffix}"] = round(step_ms, 2)
+            result[f"step_{tokens}_x_floor{suffix}"] = round(step_ms / floor_ms, 2)
+    torch.set_num_threads(threads)
     result.update(
         int8_weight_bytes=int8_bytes,
         lm_head_bytes=lm_head_bytes,
         copy_gbps_read_plus_write=round(copy_gbps, 1),
+        read_gbps=round(read_gbps, 1),
         floor_ms=round(floor_ms, 2),
-        torch_threads=torch.get_num_threads(),
+        torch_threads=threads,
     )
     return result
 
@@ -230,14 +237,16 @@ def to_markdown(report: dict) -> str:
         "",
         f"Command: `{report['command']}`",
         "",
-        "| shape | BF16 ckpt GB | W8A8 ckpt GB | load + quantize s | quantize s | peak RSS GiB | floor ms | 1 tok ms (x floor) | 6 tok ms (x floor) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| shape | BF16 ckpt GB | W8A8 ckpt GB | load + quantize s | quantize s | peak RSS GiB | read GB/s | floor ms "
+        "| 1 tok ms (x floor) | 6 tok ms (x floor) | 1 tok ms, 1 thread | 6 tok ms, 1 thread |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for shape, r in report["results"].items():
         lines.append(
             f"| {shape} | {r['bf16_bytes'] / 1e9:.2f} | {r['w8a8_state_bytes'] / 1e9:.2f} | {r['load_and_quantize_seconds']} | "
             f"{r['quantize_seconds']} | {r['quantize_peak_rss_mib'] / 1024:.2f} | {r['floor_ms']} | "
-            f"{r['step_1_ms']} ({r['step_1_x_floor']}) | {r['step_6_ms']} ({r['step_6_x_floor']}) |"
+            f"{r.get('read_gbps', '-')} | {r['floor_ms']} | {r['step_1_ms']} ({r['step_1_x_floor']}) | "
+            f"{r['step_6_ms']} ({r['step_6_x_floor']}) | {r.get('step_1_ms_1_thread', '-')} | {r.get('step_6_ms_1_thread', '-')} |"
         )
     env = report["environment"]
     lines += ["", "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + ".", ""]

@@ -84,6 +84,14 @@ def measure_copy_bandwidth(device: torch.device, mebibytes: int = 512, samples: 
     return 2 * src.numel() * 4 / seconds / 1e9
 
 
+def measure_read_bandwidth(device: torch.device, mebibytes: int = 512, samples: int = 5) -> float:
+    """GB/s of reading a large tensor once (`src.sum()`: bytes read only), the bound a weight-streaming
+    step faces. On this CPU it is close to the copy figure (read + write), not half of it."""
+    src = torch.ones(mebibytes * 2**20 // 4, device=device)
+    seconds = interleaved_medians({"read": lambda _: src.sum()}, device, samples, batch=1)["read"]
+    return src.numel() * 4 / seconds / 1e9
+
+
 def _copies_needed(int8_weight_bytes: int, device: torch.device) -> int:
     """Weight copies to cycle so that even the int8 working set is >= 3x the last-level cache."""
     working_set = 256 * 2**20 if device.type == "cuda" else 96 * 2**20  # H200 L2 ~60 MiB; this CPU's L3 32 MiB
