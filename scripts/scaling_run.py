@@ -139,6 +139,9 @@ def build_checkpoint(shape: str, folder: Path, tokenizer: str, seed: int = 0) ->
     return {"bf16_bytes": total, "build_seconds": round(time.perf_counter() - started, 1), "build_peak_rss_mib": peak_rss_mib()}
 
 
+BANDWIDTH_MIB = 512  # buffer for the bandwidth measurements: far above the last-level cache
+
+
 @torch.no_grad()
 def measure(folder: Path, steps: int, num_calibration_samples: int | None = None) -> dict:
     """Quantize-on-load with QuasarConfig() defaults, then time 1- and 6-token forwards over a cache."""
@@ -161,8 +164,8 @@ def measure(folder: Path, steps: int, num_calibration_samples: int | None = None
     }
     int8_bytes = sum(m.weight.numel() for m in model.modules() if isinstance(m, W8A8Linear))
     lm_head_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-    copy_gbps = measure_copy_bandwidth(torch.device("cpu"))
-    read_gbps = measure_read_bandwidth(torch.device("cpu"))
+    copy_gbps = measure_copy_bandwidth(torch.device("cpu"), BANDWIDTH_MIB)
+    read_gbps = measure_read_bandwidth(torch.device("cpu"), BANDWIDTH_MIB)
     floor_ms = (int8_bytes + lm_head_bytes) / (read_gbps * 1e9) * 1e3
     state = RowAlignedCache(model, 1, torch.device("cpu"))
     state.forward(torch.randint(0, model.config.vocab_size, (1, CACHE_TOKENS)))

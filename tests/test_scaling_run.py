@@ -34,6 +34,7 @@ def test_real_shapes_are_the_published_configs() -> None:
 
 def test_scaling_run_on_a_tiny_shape(tmp_path: Path) -> None:
     script = _load_script()
+    script.BANDWIDTH_MIB = 8  # the mechanics, not a measurement
     char_tokenizer().save_pretrained(tmp_path / "tok")
     out = tmp_path / "scaling.json"
     argv = ["--shapes", "tiny", "--workdir", str(tmp_path / "work"), "--tokenizer", str(tmp_path / "tok")]

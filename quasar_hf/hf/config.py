@@ -12,6 +12,7 @@ QUASAR_FORMAT_VERSION = "1"
 DEFAULT_ALPHA_GRID = [round(0.1 * i, 1) for i in range(11)]
 _BACKENDS = ("auto", "reference", "torch", "triton", "bitsandbytes", "cpu_fused")
 _DRAFT_DTYPES = ("model", "int8")
+_ALPHA_SEARCHES = ("linear", "layer")
 # Fields that are run-time inputs only (never written to config.json).
 _RUNTIME_ONLY = ("tokenizer", "calibration_dataset")
 
@@ -23,6 +24,9 @@ class QuasarConfig(QuantizationConfigMixin):
     Args:
         bits: weight and activation bits; only 8 is supported.
         alpha: SmoothQuant migration strength in [0, 1], or "auto" (per-mapping search on `alpha_grid`).
+        alpha_search: what alpha="auto" minimises: "linear" (each mapping's own linears, on sampled
+            rows) or "layer" (the decoder layer's per-token output error on `alpha_search_blocks`
+            calibration blocks, mappings chosen in order; slower, see quasar_hf.smoothquant.layer_search).
         calibration_dataset: None (offline Python docs text), a list of strings, a `datasets.Dataset`,
             a local .txt/.json/.jsonl/.parquet/.csv file, or a Hub dataset name.
         num_calibration_samples / calibration_seq_len: how many token blocks of which length.
@@ -51,6 +55,8 @@ class QuasarConfig(QuantizationConfigMixin):
     bits: int = 8
     alpha: float | str = "auto"
     alpha_grid: list[float] = field(default_factory=lambda: list(DEFAULT_ALPHA_GRID))
+    alpha_search: str = "linear"
+    alpha_search_blocks: int = 4
     calibration_dataset: Any = None
     calibration_text_column: str | None = None
     calibration_split: str = "train"
@@ -90,7 +96,9 @@ class QuasarConfig(QuantizationConfigMixin):
             raise ValueError(f"alpha must be a float in [0, 1] or 'auto'; got {self.alpha!r}")
         if not self.alpha_grid or any(not 0.0 <= float(a) <= 1.0 for a in self.alpha_grid):
             raise ValueError(f"alpha_grid must be a non-empty list of floats in [0, 1]; got {self.alpha_grid!r}")
-        for name in ("num_calibration_samples", "calibration_seq_len", "calibration_sample_rows"):
+        if self.alpha_search not in _ALPHA_SEARCHES:
+            raise ValueError(f"alpha_search must be one of {_ALPHA_SEARCHES}; got {self.alpha_search!r}")
+        for name in ("num_calibration_samples", "calibration_seq_len", "calibration_sample_rows", "alpha_search_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")

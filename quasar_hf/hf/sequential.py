@@ -28,7 +28,8 @@ from quasar_hf.smoothquant.calibration import (
     run_layer,
 )
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
-from quasar_hf.smoothquant.mappings import ArchitectureMappings, decoder_layers
+from quasar_hf.smoothquant.layer_search import RunBlocks, search_alphas_on_layer_output
+from quasar_hf.smoothquant.mappings import ArchitectureMappings, SmoothMapping, decoder_layers
 from quasar_hf.smoothquant.smoothing import smooth_mapping
 
 # Which activations feed layer i+1 during calibration: "quantized" (layer i after W8A8) or
@@ -72,26 +73,50 @@ def _compute_device(home: torch.device, layer: nn.Module) -> torch.device:
     return home
 
 
+def active_mappings(arch: ArchitectureMappings, quantized: set[str]) -> list[SmoothMapping]:
+    """The mappings that apply when only `quantized` (paths inside a layer) become W8A8: every balance
+    linear quantized, and a smooth linear too (folding 1/s into a high-precision linear changes it)."""
+    return [m for m in arch.mappings if all(b in quantized for b in m.balance) and (m.kind == "norm" or m.smooth in quantized)]
+
+
 def smooth_layer(
-    layer: nn.Module, index: int, names: list[str], stats: CalibrationStats, arch: ArchitectureMappings, config: QuasarConfig
+    layer: nn.Module,
+    index: int,
+    names: list[str],
+    stats: CalibrationStats,
+    arch: ArchitectureMappings,
+    config: QuasarConfig,
+    layer_output: tuple[RunBlocks, list[torch.Tensor]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
     """Smooth one decoder layer in place; the float function is unchanged.
 
     `names` and the keys of `stats` are paths inside the layer. Returns (float_weights: path ->
     smoothed fp32 weight [out, in], prescales: path -> [in], alphas: "index.smooth" -> alpha).
     Norm weights (and folded biases) are updated in the layer; linear weights are returned in
-    fp32 so quantization starts from the exact smoothed values.
+    fp32 so quantization starts from the exact smoothed values. With alpha="auto" and
+    alpha_search="layer", `layer_output` = (run the layer on some blocks, the float outputs).
     """
     float_weights = {name: layer.get_submodule(name).weight.detach().float().clone() for name in names}
+    mappings = active_mappings(arch, set(float_weights))
+
+    def stats_for(mapping: SmoothMapping) -> tuple[torch.Tensor, torch.Tensor]:
+        first = stats.by_module[mapping.balance[0]]
+        return first.absmax, first.samples
+
+    chosen: dict[str, float | str] = {m.smooth: config.alpha for m in mappings}
+    if config.alpha == "auto" and config.alpha_search == "layer" and mappings:
+        if layer_output is None:
+            raise ValueError("alpha_search='layer' needs the layer's calibration blocks and float outputs")
+        run, references = layer_output
+        found, _ = search_alphas_on_layer_output(
+            layer, mappings, stats_for, float_weights, config.alpha_grid, run, references, config.backend
+        )
+        chosen.update(found)
     prescales: dict[str, torch.Tensor] = {}
     alphas: dict[str, float] = {}
-    for mapping in arch.mappings:
-        if not all(b in float_weights for b in mapping.balance):
-            continue  # a balance linear is excluded from quantization: leave this mapping alone
-        if mapping.kind != "norm" and mapping.smooth not in float_weights:
-            continue  # the smooth linear stays high precision; folding into it would change it
-        first = stats.by_module[mapping.balance[0]]
-        result = smooth_mapping(layer, mapping, first.absmax, first.samples, config.alpha, config.alpha_grid, float_weights)
+    for mapping in mappings:
+        absmax, samples = stats_for(mapping)
+        result = smooth_mapping(layer, mapping, absmax, samples, chosen[mapping.smooth], config.alpha_grid, float_weights)
         alphas[f"{index}.{mapping.smooth}"] = result.alpha
         prescales.update(result.prescale)
     return float_weights, prescales, alphas
@@ -145,7 +170,15 @@ def quantize_layers_sequentially(
                 out = run_layer(layer, block_hidden, calls[index], device)
                 if layer_inputs == "float":
                     outputs.append(out)
-        float_weights, prescales, alphas = smooth_layer(layer, index, local, stats, arch, config)
+        layer_output = None
+        if config.alpha == "auto" and config.alpha_search == "layer":
+            few = list(zip(hidden, captured.calls))[: config.alpha_search_blocks]
+
+            def run(module: nn.Module, few=few, index=index, device=device) -> list[torch.Tensor]:
+                return [run_layer(module, h, calls[index], device) for h, calls in few]
+
+            layer_output = (run, outputs[: len(few)] if layer_inputs == "float" else run(layer))
+        float_weights, prescales, alphas = smooth_layer(layer, index, local, stats, arch, config, layer_output)
         if keep is not None:
             for name, weight in float_weights.items():
                 module = layer.get_submodule(name)
