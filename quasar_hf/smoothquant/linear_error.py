@@ -90,6 +90,21 @@ def summarize(sums: dict[str, float]) -> dict[str, float]:
     return out
 
 
+FACTOR_SUBSET = 256
+
+
+def _spread(size: int, count: int) -> torch.Tensor:
+    """At most `count` indices spread evenly over range(size)."""
+    return torch.linspace(0, size - 1, min(size, count)).round().long().unique()
+
+
+def _log_ratio(original: torch.Tensor, smoothed: torch.Tensor) -> torch.Tensor:
+    w = original.double()
+    ratio = smoothed.double() / w
+    valid = (w != 0) & torch.isfinite(ratio) & (ratio > 0)
+    return torch.where(valid, ratio.abs().log(), torch.full_like(ratio, math.nan))
+
+
 @torch.no_grad()
 def column_row_factors(original: torch.Tensor, smoothed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(c [K], r [N]) with `smoothed = diag(1/r) original diag(c)`, up to one common constant.
@@ -100,15 +115,16 @@ def column_row_factors(original: torch.Tensor, smoothed: torch.Tensor) -> tuple[
     """
     if original.shape != smoothed.shape or original.dim() != 2:
         raise ValueError(f"expected two weights of one shape [N, K]; got {tuple(original.shape)} and {tuple(smoothed.shape)}")
-    w = original.double()
-    ratio = smoothed.double() / w
-    valid = (w != 0) & torch.isfinite(ratio) & (ratio > 0)
-    log_ratio = torch.where(valid, ratio.abs().log(), torch.full_like(ratio, math.nan))  # log c_k - log r_n
-    log_r = torch.zeros(w.shape[0], dtype=torch.float64)
-    log_c = torch.zeros(w.shape[1], dtype=torch.float64)
+    n, k = original.shape
+    rows = _spread(n, FACTOR_SUBSET)  # a few hundred rows / columns pin every factor: the ratio is exact
+    cols = _spread(k, FACTOR_SUBSET)
+    by_row = _log_ratio(original[rows], smoothed[rows])  # [n', K] log c_k - log r_n (nan where undefined)
+    by_col = _log_ratio(original[:, cols], smoothed[:, cols])  # [N, k']
+    log_r = torch.zeros(n, dtype=torch.float64)
+    log_c = torch.zeros(k, dtype=torch.float64)
     for _ in range(3):
-        log_c = torch.nanmedian(log_ratio + log_r[:, None], dim=0).values.nan_to_num(0.0)
-        log_r = torch.nanmedian(log_c[None, :] - log_ratio, dim=1).values.nan_to_num(0.0)
+        log_c = torch.nanmedian(by_row + log_r[rows, None], dim=0).values.nan_to_num(0.0)
+        log_r = torch.nanmedian(log_c[None, cols] - by_col, dim=1).values.nan_to_num(0.0)
     shift = log_r.median()  # a common constant cancels; keep r near 1
     return (log_c - shift).exp().float(), (log_r - shift).exp().float()
 
