@@ -13,6 +13,7 @@ DEFAULT_ALPHA_GRID = [round(0.1 * i, 1) for i in range(11)]
 _BACKENDS = ("auto", "reference", "torch", "triton", "bitsandbytes", "cpu_fused")
 _DRAFT_DTYPES = ("model", "int8")
 _ALPHA_SEARCHES = ("linear", "layer")
+_WEIGHT_ROUNDINGS = ("nearest", "gptq")
 # Fields that are run-time inputs only (never written to config.json).
 _RUNTIME_ONLY = ("tokenizer", "calibration_dataset")
 
@@ -30,6 +31,8 @@ class QuasarConfig(QuantizationConfigMixin):
         calibration_dataset: None (offline Python docs text), a list of strings, a `datasets.Dataset`,
             a local .txt/.json/.jsonl/.parquet/.csv file, or a Hub dataset name.
         num_calibration_samples / calibration_seq_len: how many token blocks of which length.
+        weight_rounding: "nearest" int8 rounding of the smoothed weights, or "gptq" (second-order
+            rounding on the calibration inputs' Hessian, same scales and format; slower to quantize).
         modules_to_not_convert: module-name suffixes kept in high precision (lm_head by default;
             embeddings and norms are never quantized).
         smoothquant_mappings: custom mappings as data (see `quasar_hf.smoothquant.mappings`).
@@ -57,6 +60,7 @@ class QuasarConfig(QuantizationConfigMixin):
     alpha_grid: list[float] = field(default_factory=lambda: list(DEFAULT_ALPHA_GRID))
     alpha_search: str = "linear"
     alpha_search_blocks: int = 4
+    weight_rounding: str = "nearest"
     calibration_dataset: Any = None
     calibration_text_column: str | None = None
     calibration_split: str = "train"
@@ -96,6 +100,8 @@ class QuasarConfig(QuantizationConfigMixin):
             raise ValueError(f"alpha must be a float in [0, 1] or 'auto'; got {self.alpha!r}")
         if not self.alpha_grid or any(not 0.0 <= float(a) <= 1.0 for a in self.alpha_grid):
             raise ValueError(f"alpha_grid must be a non-empty list of floats in [0, 1]; got {self.alpha_grid!r}")
+        if self.weight_rounding not in _WEIGHT_ROUNDINGS:
+            raise ValueError(f"weight_rounding must be one of {_WEIGHT_ROUNDINGS}; got {self.weight_rounding!r}")
         if self.alpha_search not in _ALPHA_SEARCHES:
             raise ValueError(f"alpha_search must be one of {_ALPHA_SEARCHES}; got {self.alpha_search!r}")
         for name in ("num_calibration_samples", "calibration_seq_len", "calibration_sample_rows", "alpha_search_blocks"):

@@ -27,8 +27,10 @@ from quasar_hf.smoothquant.calibration import (
     recording_linear_inputs,
     run_layer,
 )
+from quasar_hf.smoothquant.gptq import gptq_round, smoothed_hessian
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
 from quasar_hf.smoothquant.layer_search import RunBlocks, search_alphas_on_layer_output
+from quasar_hf.smoothquant.linear_error import column_row_factors
 from quasar_hf.smoothquant.mappings import ArchitectureMappings, SmoothMapping, decoder_layers
 from quasar_hf.smoothquant.smoothing import smooth_mapping
 
@@ -122,12 +124,21 @@ def smooth_layer(
     return float_weights, prescales, alphas
 
 
-def swap_in_w8a8(root: nn.Module, float_weights: dict, prescales: dict, backend: str) -> None:
-    """Replace each named nn.Linear under `root` by a W8A8Linear quantized from its (smoothed) fp32 weight."""
+def swap_in_w8a8(
+    root: nn.Module, float_weights: dict, prescales: dict, backend: str, stats: CalibrationStats | None = None
+) -> None:
+    """Replace each named nn.Linear under `root` by a W8A8Linear quantized from its (smoothed) fp32 weight:
+    nearest rounding, or GPTQ rounding when `stats` carries input Hessians (weight_rounding="gptq")."""
     for name in list(float_weights):
         linear = root.get_submodule(name)
         weight = float_weights.pop(name)  # drop the fp32 copy as soon as its int8 copy exists
-        set_submodule(root, name, W8A8Linear.from_weight(weight, linear.bias, prescales.get(name), backend=backend))
+        rounded = None
+        entry = stats.by_module.get(name) if stats is not None else None
+        if entry is not None and entry.hessian is not None:
+            column, _ = column_row_factors(linear.weight.detach().float(), weight)  # smoothed input = x / column
+            rounded = gptq_round(weight, smoothed_hessian(entry.hessian, column))
+        module = W8A8Linear.from_weight(weight, linear.bias, prescales.get(name), backend=backend, rounded=rounded)
+        set_submodule(root, name, module)
         del weight, linear
 
 
@@ -165,7 +176,8 @@ def quantize_layers_sequentially(
         layer.to(device)
         stats = CalibrationStats(num_blocks=len(hidden), seq_len=int(blocks.shape[1]))
         outputs = []
-        with recording_linear_inputs(layer, local, stats, rows_per_block, generator):
+        gptq = config.weight_rounding == "gptq"
+        with recording_linear_inputs(layer, local, stats, rows_per_block, generator, hessians=gptq):
             for block_hidden, calls in zip(hidden, captured.calls):
                 out = run_layer(layer, block_hidden, calls[index], device)
                 if layer_inputs == "float":
@@ -183,8 +195,8 @@ def quantize_layers_sequentially(
             for name, weight in float_weights.items():
                 module = layer.get_submodule(name)
                 keep.offer(prefix + name, stats.by_module[name].samples, module.weight, weight, module.bias, prescales.get(name))
+        swap_in_w8a8(layer, float_weights, prescales, config.backend, stats if gptq else None)
         del stats
-        swap_in_w8a8(layer, float_weights, prescales, config.backend)
         if layer_inputs == "quantized":
             outputs = [run_layer(layer, h, calls[index], device) for h, calls in zip(hidden, captured.calls)]
         hidden = outputs

@@ -63,8 +63,12 @@ class W8A8Linear(nn.Module):
         bias: torch.Tensor | None = None,
         act_prescale: torch.Tensor | None = None,
         backend: str = "auto",
+        rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> W8A8Linear:
-        """Quantize a float weight [out, in] (any float dtype; fp32 keeps smoothing exact); bias keeps its dtype."""
+        """Quantize a float weight [out, in] (any float dtype; fp32 keeps smoothing exact); bias keeps its dtype.
+
+        `rounded` = (int8 [out, in], fp32 scale [out]) computed elsewhere (GPTQ) replaces nearest rounding.
+        """
         out_features, in_features = weight.shape
         module = cls(
             in_features,
@@ -75,7 +79,12 @@ class W8A8Linear(nn.Module):
             bias_dtype=bias.dtype if bias is not None else None,
             device=weight.device,
         )
-        q, scale = quantize_weight_per_channel(weight)
+        q, scale = quantize_weight_per_channel(weight) if rounded is None else rounded
+        if q.shape != weight.shape or q.dtype != torch.int8 or scale.shape != (out_features,):
+            raise ValueError(
+                f"rounded weights must be int8 {tuple(weight.shape)} and scales ({out_features},); "
+                f"got {q.dtype} {tuple(q.shape)} and {tuple(scale.shape)}"
+            )
         module.weight.copy_(q)
         module.weight_scale.copy_(scale)
         if bias is not None:

@@ -22,11 +22,13 @@ from tqdm.auto import tqdm
 
 @dataclass
 class LinearInputStats:
-    """Statistics of one linear's input: abs-max per channel [K] and sampled rows [S, K] (fp32)."""
+    """Statistics of one linear's input: abs-max per channel [K], sampled rows [S, K] (fp32), and,
+    when asked for (GPTQ rounding), the input Hessian sum_t x_t x_t^T [K, K] (fp32)."""
 
     absmax: torch.Tensor
     samples: torch.Tensor
     tokens_seen: int = 0
+    hessian: torch.Tensor | None = None
 
 
 @dataclass
@@ -36,38 +38,59 @@ class CalibrationStats:
     seq_len: int = 0
 
 
-def _make_hook(name: str, stats: CalibrationStats, rows_per_block: int, generator: torch.Generator):
+def _make_hook(name: str, stats: CalibrationStats, rows_per_block: int, generator: torch.Generator, shared: dict | None = None):
+    """Forward pre-hook adding one linear's input to `stats`. With `shared` (a dict common to the
+    hooks of one recording) it also sums x^T x, computed once for siblings that read the same tensor."""
+
     def hook(module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
         x = args[0] if args else kwargs["input"]
         x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [T, K]
         amax = x2.abs().amax(dim=0)  # [K]
         pick = torch.randperm(x2.shape[0], generator=generator)[:rows_per_block]
         sample = x2[pick.to(x2.device)].cpu()
+        xtx = None
+        if shared is not None:
+            if shared.get("x") is not x or shared.get("version") != x._version:  # holding x: its id cannot be reused
+                shared.update(x=x, version=x._version, xtx=(x2.t() @ x2).cpu())  # [K, K]
+            xtx = shared["xtx"]
         entry = stats.by_module.get(name)
         if entry is None:
-            stats.by_module[name] = LinearInputStats(amax.cpu(), sample, x2.shape[0])
+            hessian = None if xtx is None else xtx.clone()
+            stats.by_module[name] = LinearInputStats(amax.cpu(), sample, x2.shape[0], hessian)
         else:
             torch.maximum(entry.absmax, amax.cpu(), out=entry.absmax)
             entry.samples = torch.cat([entry.samples, sample])
             entry.tokens_seen += x2.shape[0]
+            if xtx is not None:
+                entry.hessian += xtx
 
     return hook
 
 
 @contextmanager
 def recording_linear_inputs(
-    root: nn.Module, module_names: list[str], stats: CalibrationStats, rows_per_block: int, generator: torch.Generator
+    root: nn.Module,
+    module_names: list[str],
+    stats: CalibrationStats,
+    rows_per_block: int,
+    generator: torch.Generator,
+    hessians: bool = False,
 ) -> Iterator[None]:
-    """While open, every forward through `root` adds the named linears' inputs to `stats` (keyed by those names)."""
+    """While open, every forward through `root` adds the named linears' inputs to `stats` (keyed by
+    those names); `hessians=True` also sums each input's x^T x (for GPTQ rounding)."""
     handles = []
+    shared: dict | None = {} if hessians else None
     try:
         for name in module_names:
             module = root.get_submodule(name)
-            handles.append(module.register_forward_pre_hook(_make_hook(name, stats, rows_per_block, generator)))
+            hook = _make_hook(name, stats, rows_per_block, generator, shared)
+            handles.append(module.register_forward_pre_hook(hook))
         yield
     finally:
         for handle in handles:
             handle.remove()
+        if shared is not None:
+            shared.clear()
 
 
 def _check_blocks(blocks: torch.Tensor) -> None:
