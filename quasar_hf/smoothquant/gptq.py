@@ -50,21 +50,22 @@ def gptq_round(
     """weight [N, K] float, hessian [K, K] of its inputs -> (int8 [N, K], fp32 scale [N] = max|W[n]| / 127)."""
     if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
         raise ValueError(f"GPTQ needs weight [N, K] and hessian [K, K]; got {tuple(weight.shape)} and {tuple(hessian.shape)}")
-    w = weight.detach().double().clone()  # [N, K], updated as errors are spread
-    amax = w.abs().amax(dim=1)
+    wt = weight.detach().float().t().contiguous()  # [K, N]: column j of W is row j here (contiguous)
+    amax = wt.abs().amax(dim=0)  # [N]
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))  # [N]
-    u = _inverse_cholesky(hessian, damp)  # [K, K] upper
-    q = torch.zeros_like(w)
-    k = w.shape[1]
+    u = _inverse_cholesky(hessian, damp).float()  # [K, K] upper
+    qt = torch.empty_like(wt)
+    k = wt.shape[0]
     for start in range(0, k, block):
         stop = min(start + block, k)
-        errors = torch.zeros(w.shape[0], stop - start, dtype=w.dtype)  # [N, B]
+        errors = torch.empty(stop - start, wt.shape[1])  # [B, N]
         for j in range(start, stop):
-            column = w[:, j]
-            q[:, j] = torch.floor(column / scale + 0.5).clamp_(-QMAX, QMAX)
-            err = (column - q[:, j] * scale) / u[j, j]  # [N]
-            w[:, j:stop] -= err[:, None] * u[j, j:stop][None, :]
-            errors[:, j - start] = err
-        w[:, stop:] -= errors @ u[start:stop, stop:]
+            row = wt[j]
+            torch.floor(row / scale + 0.5, out=qt[j]).clamp_(-QMAX, QMAX)
+            err = errors[j - start]
+            torch.sub(row, qt[j] * scale, out=err).div_(u[j, j])  # [N]
+            wt[j + 1 : stop].addr_(u[j, j + 1 : stop], err, alpha=-1.0)  # spread over this block's later columns
+        if stop < k:
+            wt[stop:].addmm_(u[start:stop, stop:].t(), errors, alpha=-1.0)  # and over all later columns
     scale = torch.where(amax > 0, scale, torch.zeros_like(scale))
-    return q.to(torch.int8), scale.float()
+    return qt.t().contiguous().to(torch.int8), scale.float()
