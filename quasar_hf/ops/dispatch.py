@@ -273,15 +273,18 @@ def bind_w8a8_linear(
     bias: torch.Tensor | None = None,
     act_prescale: torch.Tensor | None = None,
     backend: str = "auto",
+    packed: object | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """Validate the weights, resolve the backend and pack once; return `linear(x)` for these weights.
 
     The returned function computes exactly `w8a8_linear(x, weight_q, ...)` (same backend, same
     bits) but checks only x per call. Rebind whenever a weight tensor changes (W8A8Linear does).
+    `packed`: `pack_weight_for(weight_q, backend)`, reused instead of packing again.
     """
     validate_weights(weight_q, weight_scale, bias, act_prescale)
     entry = _TABLE[resolve_backend(backend, weight_q.device)]
-    packed = entry.pack(weight_q) if entry.pack is not None else None
+    if packed is None and entry.pack is not None:
+        packed = entry.pack(weight_q)
     if entry.bind is not None:
         fast = entry.bind(weight_q, weight_scale, bias, act_prescale, packed)
     else:
