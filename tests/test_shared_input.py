@@ -127,8 +127,9 @@ def test_a_changed_member_buffer_rebinds_the_shared_call():
     assert torch.equal(after[2], alone(modules, x)[2])
 
 
-def test_grouped_modules_still_name_bad_input():
-    modules = siblings("torch")
+@pytest.mark.parametrize("backend", SHARED_BACKENDS)
+def test_grouped_modules_still_name_bad_input(backend):
+    modules = siblings(backend)
     share_input(modules)
     with pytest.raises(ValueError, match="in_features"):
         modules[0](torch.randn(2, 41))

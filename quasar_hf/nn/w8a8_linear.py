@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from quasar_hf.ops.reference import quantize_weight_per_channel
-from quasar_hf.ops.validation import tensor_version
 
 if TYPE_CHECKING:
     from quasar_hf.nn.shared_input import SharedInput
+
+_KERNEL_BUFFERS = ("weight", "weight_scale", "bias", "act_prescale")
 
 
 class W8A8Linear(nn.Module):
@@ -102,10 +103,14 @@ class W8A8Linear(nn.Module):
         return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
 
     def _buffers_key(self) -> tuple:
-        """Identity and in-place version of every buffer the kernel reads, and the backend."""
-        key = [self.backend]
-        for t in (self.weight, self.weight_scale, self.bias, self.act_prescale):
-            key += (None, None) if t is None else (id(t), tensor_version(t))
+        """Identity, storage and in-place version of every buffer the kernel reads, and the backend.
+        Read from `_buffers` directly: this runs on every call, and Module.__getattr__ is slow."""
+        buffers, key = self._buffers, [self.backend]
+        for name in _KERNEL_BUFFERS:
+            t = buffers.get(name)
+            if t is None and name in self.__dict__:  # a plain attribute (bias=False: None)
+                t = self.__dict__[name]
+            key += (None, None, None) if t is None else (id(t), t.data_ptr(), None if t.is_inference() else t._version)
         return tuple(key)
 
     def kernel(self):

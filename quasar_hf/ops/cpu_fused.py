@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -302,17 +303,31 @@ def run_prepacked(
     return _call(_require_library(), x, weight_q, weight_scale, bias, act_prescale, packed, want_output=True)
 
 
+def _storages(*tensors) -> tuple:
+    """What a bound linear keeps so the raw pointers it took stay valid: detached aliases of the
+    tensors (a later `t.data = ...` on the original cannot free their storage)."""
+    return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in tensors)
+
+
+def _bad_x(x, on_bad_x, weight_q, weight_scale, bias, act_prescale) -> None:
+    """Raise the caller's error for a bad x (`on_bad_x`), else this module's own."""
+    if on_bad_x is not None:
+        on_bad_x(x)
+    _check_inputs(x, weight_q, weight_scale, bias, act_prescale, None)
+
+
 def bind_linear(
     weight_q: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     act_prescale: torch.Tensor | None = None,
     packed: PackedWeight | None = None,
+    on_bad_x: Callable[[torch.Tensor], None] | None = None,
 ):
-    """Validate and lay out the weight side once; return `linear(x)` that checks x only.
-
-    For a module calling the same weights every decode step: saves the per-call validation and
-    packing checks (~15 us of a ~30 us call at decode shapes). Same bits as w8a8_linear_cpu_fused.
+    """Validate and lay out the weight side once; return `linear(x)` with the same bits as
+    w8a8_linear_cpu_fused. For a module calling the same weights every decode step: per call it
+    checks x cheaply, lays it out and calls C (the weight-side pointers are taken here).
+    `on_bad_x(x)` raises the caller's own error for an x that is not a CPU float tensor [..., K].
     """
     k = weight_q.shape[1] if isinstance(weight_q, torch.Tensor) and weight_q.dim() == 2 else 0
     _check_inputs(torch.empty(0, k), weight_q, weight_scale, bias, act_prescale, packed)
@@ -321,12 +336,34 @@ def bind_linear(
     w_scale = _fp32_contiguous(weight_scale)
     prescale = None if act_prescale is None else _fp32_contiguous(act_prescale)
     bias_c = bias if bias is None or bias.is_contiguous() else bias.contiguous()
+    n = weight_q.shape[0]
+    weight_args = (  # the C arguments from prescale to bias_dtype, in order
+        None if prescale is None else prescale.data_ptr(),
+        packed.data.data_ptr(),
+        packed.wsum128.data_ptr(),
+        n,
+        packed.data.shape[1] * 4,
+        w_scale.data_ptr(),
+        None if bias_c is None else bias_c.data_ptr(),
+        0 if bias_c is None else _DTYPE_CODES[bias_c.dtype],
+    )
+    max_threads = max(1, n * k // _MIN_BYTES_PER_THREAD)  # per call: min(torch threads, this), as _thread_count
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         if not (isinstance(x, torch.Tensor) and x.dtype in _DTYPE_CODES and x.dim() >= 1 and x.shape[-1] == k and x.is_cpu):
-            _check_inputs(x, weight_q, weight_scale, bias, act_prescale, packed)  # raises the precise error
-        return _call(fn, x, weight_q, w_scale, bias_c, prescale, packed, want_output=True)
+            _bad_x(x, on_bad_x, weight_q, weight_scale, bias, act_prescale)
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        code = _DTYPE_CODES[x.dtype]
+        result = torch.empty((*x.shape[:-1], n), dtype=x.dtype)  # [..., N]
+        m = x2.shape[0]
+        threads = min(torch.get_num_threads(), max_threads)
+        if m and fn(x2.data_ptr(), code, m, k, x2.stride(0), *weight_args, result.data_ptr(), code, n, None, threads):
+            raise MemoryError(f"fused W8A8 kernel could not allocate scratch for {m}x{k} activations")
+        return result
 
+    linear.held = _storages(packed, w_scale, bias_c, prescale)
     return linear
 
 
@@ -334,12 +371,14 @@ def bind_linear_multi(
     weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
     act_prescale: torch.Tensor | None = None,
     packed: list[PackedWeight | None] | None = None,
+    on_bad_x: Callable[[torch.Tensor], None] | None = None,
 ):
     """Several weights reading one input (q/k/v, gate/up): `linear(x) -> (y_0, y_1, ...)`, one C call.
 
     weights: [(weight_q [N_s, K], weight_scale [N_s], bias [N_s] or None)], one K, at most MULTI_MAX;
     `packed` their pack_weight() results (None: packed here). x is quantized once; each y_s has the
-    bits of w8a8_linear_cpu_fused(x, *weights[s], act_prescale=act_prescale). Checks x only per call.
+    bits of w8a8_linear_cpu_fused(x, *weights[s], act_prescale=act_prescale). Checks x only per
+    call; `on_bad_x` as in bind_linear.
     """
     if not 1 <= len(weights) <= MULTI_MAX:
         raise ValueError(f"bind_linear_multi takes 1 to {MULTI_MAX} weights, got {len(weights)}")
@@ -365,12 +404,13 @@ def bind_linear_multi(
     prescale = None if act_prescale is None else _fp32_contiguous(act_prescale)
     prescale_ptr = None if prescale is None else prescale.data_ptr()
     sizes = tuple(w[0].shape[0] for w in weights)
-    k_padded, count, weight_bytes = held[0].data.shape[1] * 4, len(weights), sum(sizes) * k
+    k_padded, count = held[0].data.shape[1] * 4, len(weights)
+    max_threads = max(1, sum(sizes) * k // _MIN_BYTES_PER_THREAD)
     first = weights[0]
 
     def linear(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not (isinstance(x, torch.Tensor) and x.dtype in _DTYPE_CODES and x.dim() >= 1 and x.shape[-1] == k and x.is_cpu):
-            _check_inputs(x, *first, act_prescale, None)  # raises the precise error
+            _bad_x(x, on_bad_x, *first, act_prescale)
         x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
@@ -391,13 +431,13 @@ def bind_linear_multi(
             structs,
             pointers,
             code,
-            _thread_count(weight_bytes),
+            min(torch.get_num_threads(), max_threads),
         )
         if status != 0:
             raise MemoryError(f"fused W8A8 kernel could not allocate scratch for {x2.shape[0]}x{k} activations")
         return outs
 
-    linear.held = (held, prescale)  # keep the pointed-to tensors alive as long as `linear`
+    linear.held = _storages(*held, prescale)
     return linear
 
 

@@ -52,7 +52,15 @@ def _bind_torch(weights: Sequence[Weights], act_prescale, packed) -> SiblingLine
 def _bind_cpu_fused(weights: Sequence[Weights], act_prescale, packed) -> SiblingLinear:
     module = dispatch._cpu_fused_module()
     own = [p if isinstance(p, module.PackedWeight) else None for p in packed]
-    return module.bind_linear_multi(list(weights), act_prescale, own)
+
+    def bad_x(x: object) -> None:
+        validate_w8a8_inputs(x, *weights[0], act_prescale)  # raises the precise error
+
+    return module.bind_linear_multi(list(weights), act_prescale, own, bad_x)
+
+
+# Backends whose shared form checks x itself (as `x_matches` does, raising through on_bad_x).
+_CHECKS_X = {"cpu_fused"}
 
 
 _SHARED_FORMS: dict[str, Callable[..., SiblingLinear]] = {
@@ -89,6 +97,8 @@ def bind_w8a8_siblings(
     if bind is None or (name == "cpu_fused" and len(weights) > dispatch._cpu_fused_module().MULTI_MAX):
         return None
     shared = bind(weights, act_prescale, list(packed) if packed is not None else [None] * len(weights))
+    if name in _CHECKS_X:
+        return shared
     sizes = [w.shape[0] for w, _, _ in weights]
 
     def linear(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
