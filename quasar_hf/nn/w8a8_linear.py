@@ -52,7 +52,7 @@ class W8A8Linear(nn.Module):
         else:
             self.act_prescale = None
         # The kernel bound to these buffers (validated and packed once), rebuilt when any changes:
-        # kernel_key is the buffers' identity and versions it was bound for, packed_weight the
+        # kernel_key is the buffers' identity, storage and versions it was bound for, packed_weight the
         # backend's layout of `weight` (also read by `shared_input`'s shared call, never copied).
         self._bound: object | None = None
         self.kernel_key: tuple | None = None

@@ -15,7 +15,7 @@ Public API (used lazily by `ops/dispatch.py`):
     pack_weight(weight_q) -> PackedWeight       cache it beside the int8 weight
     w8a8_linear_cpu_fused(x, weight_q, weight_scale, bias=None, act_prescale=None, packed=None)
     bind_linear(weight_q, ...) -> linear(x) / run_prepacked(...)    once-per-weight forms
-    bind_linear_multi([(weight_q, weight_scale, bias), ...]) -> linear(x) -> (y, ...)   one input, several weights
+    (cpu_fused_multi.bind_linear_multi: several weights reading one input, one call)
     int8_accumulators_cpu_fused(x, weight_q, act_prescale=None, packed=None)   (tests/debug)
 
 Inference only: no autograd. Any M works (row blocks of 6 share each weight chunk in L2); the
@@ -52,16 +52,7 @@ class _Library:
 
     fn: object | None
     error: str | None
-    multi: object | None = None  # qhf_w8a8_linear_multi: one quantization, several weights
-
-
-class _CWeight(ctypes.Structure):
-    """One weight of `qhf_w8a8_linear_multi` (the C struct `qhf_weight`)."""
-
-    _fields_ = [("w_packed", _P), ("wsum128", _P), ("w_scale", _P), ("bias", _P), ("bias_dtype", _I64), ("n", _I64)]
-
-
-MULTI_MAX = 8  # weights per `qhf_w8a8_linear_multi` call (MULTI_MAX in the C source)
+    lib: object | None = None  # the loaded CDLL (its other entry points: cpu_fused_multi.py)
 
 
 @functools.lru_cache(maxsize=1)
@@ -80,11 +71,8 @@ def _library() -> _Library:
     fn = lib.qhf_w8a8_linear
     fn.restype = _INT
     fn.argtypes = [_P, _INT, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _INT, _P, _INT, _I64, _P, _INT]
-    multi = lib.qhf_w8a8_linear_multi
-    multi.restype = _INT
-    multi.argtypes = [_P, _INT, _I64, _I64, _I64, _P, _I64, _INT, ctypes.POINTER(_CWeight), _P, _INT, _INT]
     mismatch = _smoke_test(fn)
-    return _Library(None, mismatch) if mismatch else _Library(fn, None, multi)
+    return _Library(None, mismatch) if mismatch else _Library(fn, None, lib)
 
 
 def _smoke_test(fn) -> str | None:
@@ -207,11 +195,6 @@ def _require_library():
             "Check cpu_fused.is_available() first, or use the 'torch' backend."
         )
     return lib.fn
-
-
-def _require_library_multi():
-    _require_library()
-    return _library().multi
 
 
 # ---- the call -------------------------------------------------------------------------------
@@ -364,80 +347,6 @@ def bind_linear(
         return result
 
     linear.held = _storages(packed, w_scale, bias_c, prescale)
-    return linear
-
-
-def bind_linear_multi(
-    weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
-    act_prescale: torch.Tensor | None = None,
-    packed: list[PackedWeight | None] | None = None,
-    on_bad_x: Callable[[torch.Tensor], None] | None = None,
-):
-    """Several weights reading one input (q/k/v, gate/up): `linear(x) -> (y_0, y_1, ...)`, one C call.
-
-    weights: [(weight_q [N_s, K], weight_scale [N_s], bias [N_s] or None)], one K, at most MULTI_MAX;
-    `packed` their pack_weight() results (None: packed here). x is quantized once; each y_s has the
-    bits of w8a8_linear_cpu_fused(x, *weights[s], act_prescale=act_prescale). Checks x only per
-    call; `on_bad_x` as in bind_linear.
-    """
-    if not 1 <= len(weights) <= MULTI_MAX:
-        raise ValueError(f"bind_linear_multi takes 1 to {MULTI_MAX} weights, got {len(weights)}")
-    k = weights[0][0].shape[1] if isinstance(weights[0][0], torch.Tensor) and weights[0][0].dim() == 2 else 0
-    packs = list(packed) if packed is not None else [None] * len(weights)
-    structs = (_CWeight * len(weights))()
-    held = []  # every tensor the C structs point into stays alive with `linear`
-    for s, ((weight_q, weight_scale, bias), pack) in enumerate(zip(weights, packs, strict=True)):
-        _check_inputs(torch.empty(0, k), weight_q, weight_scale, bias, act_prescale, pack)
-        pack = pack if pack is not None else pack_weight(weight_q)
-        w_scale = _fp32_contiguous(weight_scale)
-        bias_c = bias if bias is None or bias.is_contiguous() else bias.contiguous()
-        held += [pack, w_scale, bias_c]
-        structs[s] = _CWeight(
-            pack.data.data_ptr(),
-            pack.wsum128.data_ptr(),
-            w_scale.data_ptr(),
-            None if bias_c is None else bias_c.data_ptr(),
-            0 if bias_c is None else _DTYPE_CODES[bias_c.dtype],
-            weight_q.shape[0],
-        )
-    multi = _require_library_multi()
-    prescale = None if act_prescale is None else _fp32_contiguous(act_prescale)
-    prescale_ptr = None if prescale is None else prescale.data_ptr()
-    sizes = tuple(w[0].shape[0] for w in weights)
-    k_padded, count = held[0].data.shape[1] * 4, len(weights)
-    max_threads = max(1, sum(sizes) * k // _MIN_BYTES_PER_THREAD)
-    first = weights[0]
-
-    def linear(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if not (isinstance(x, torch.Tensor) and x.dtype in _DTYPE_CODES and x.dim() >= 1 and x.shape[-1] == k and x.is_cpu):
-            _bad_x(x, on_bad_x, *first, act_prescale)
-        x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        lead, code = x.shape[:-1], _DTYPE_CODES[x.dtype]
-        outs = tuple(torch.empty((*lead, n), dtype=x.dtype) for n in sizes)  # [..., N_s]
-        if x2.shape[0] == 0:
-            return outs
-        pointers = (_P * count)(*(y.data_ptr() for y in outs))
-        status = multi(
-            x2.data_ptr(),
-            code,
-            x2.shape[0],
-            k,
-            x2.stride(0),
-            prescale_ptr,
-            k_padded,
-            count,
-            structs,
-            pointers,
-            code,
-            min(torch.get_num_threads(), max_threads),
-        )
-        if status != 0:
-            raise MemoryError(f"fused W8A8 kernel could not allocate scratch for {x2.shape[0]}x{k} activations")
-        return outs
-
-    linear.held = _storages(*held, prescale)
     return linear
 
 

@@ -50,13 +50,21 @@ def _bind_torch(weights: Sequence[Weights], act_prescale, packed) -> SiblingLine
 
 
 def _bind_cpu_fused(weights: Sequence[Weights], act_prescale, packed) -> SiblingLinear:
-    module = dispatch._cpu_fused_module()
-    own = [p if isinstance(p, module.PackedWeight) else None for p in packed]
+    from quasar_hf.ops.cpu_fused import PackedWeight
+    from quasar_hf.ops.cpu_fused_multi import bind_linear_multi
+
+    own = [p if isinstance(p, PackedWeight) else None for p in packed]
 
     def bad_x(x: object) -> None:
         validate_w8a8_inputs(x, *weights[0], act_prescale)  # raises the precise error
 
-    return module.bind_linear_multi(list(weights), act_prescale, own, bad_x)
+    return bind_linear_multi(list(weights), act_prescale, own, bad_x)
+
+
+def _cpu_fused_max_weights() -> int:
+    from quasar_hf.ops.cpu_fused_multi import MULTI_MAX
+
+    return MULTI_MAX
 
 
 # Backends whose shared form checks x itself (as `x_matches` does, raising through on_bad_x).
@@ -94,7 +102,7 @@ def bind_w8a8_siblings(
         )
     name = dispatch.resolve_backend(backend, device)
     bind = _SHARED_FORMS.get(name)
-    if bind is None or (name == "cpu_fused" and len(weights) > dispatch._cpu_fused_module().MULTI_MAX):
+    if bind is None or (name == "cpu_fused" and len(weights) > _cpu_fused_max_weights()):
         return None
     shared = bind(weights, act_prescale, list(packed) if packed is not None else [None] * len(weights))
     if name in _CHECKS_X:
