@@ -133,3 +133,5 @@ def test_w8a8_linear_module_rebinds_when_a_buffer_changes():
     module.weight_scale = module.weight_scale.clone() * 0  # a replaced buffer too
     assert torch.equal(module(x), module.bias.expand(3, 12))
     assert not torch.equal(module(x), before)
+    module.weight_scale.data = torch.ones(12)  # new storage, same tensor object and version
+    assert torch.equal(module(x), w8a8_linear(x, module.weight, module.weight_scale, module.bias, module.act_prescale))

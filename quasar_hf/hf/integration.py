@@ -18,9 +18,10 @@ from quasar_hf.hf.draft_path import (
 )
 from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially, set_submodule
 from quasar_hf.nn import W8A8Linear
+from quasar_hf.nn.shared_input import share_input
 from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibration_texts
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
-from quasar_hf.smoothquant.mappings import resolve_mappings
+from quasar_hf.smoothquant.mappings import decoder_layers, resolve_mappings
 
 
 def _excluded(name: str, patterns: list[str]) -> bool:
@@ -67,6 +68,24 @@ def replace_with_w8a8_skeleton(model: nn.Module, config: QuasarConfig) -> None:
             device=linear.weight.device,
         )
         set_submodule(model, name, skeleton)
+
+
+def share_sibling_inputs(model: nn.Module, config: QuasarConfig) -> int:
+    """Let the W8A8 linears each SmoothQuant mapping balances together (q/k/v, gate/up: they read
+    one tensor) quantize that input once per forward. Returns the number of groups bound."""
+    try:
+        arch = resolve_mappings(model, config.smoothquant_mappings)
+    except ValueError:  # no mappings for this model: every linear runs alone, as before
+        return 0
+    groups = 0
+    for layer in decoder_layers(model, arch):
+        for mapping in arch.mappings:
+            try:
+                modules = [layer.get_submodule(path) for path in mapping.balance]
+            except AttributeError:  # a layer shaped unlike layer 0: its linears run alone
+                continue
+            groups += share_input(modules) is not None
+    return groups
 
 
 def _load_tokenizer(model: nn.Module, config: QuasarConfig):

@@ -14,7 +14,7 @@ from transformers.quantizers.base import HfQuantizer
 
 from quasar_hf.hf.binding import bind_quasar_methods
 from quasar_hf.hf.config import QuasarConfig
-from quasar_hf.hf.integration import quantize_model, replace_with_w8a8_skeleton
+from quasar_hf.hf.integration import quantize_model, replace_with_w8a8_skeleton, share_sibling_inputs
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.ops.rowstable_attention import use_rowstable_attention
 
@@ -54,6 +54,7 @@ class QuasarHfQuantizer(HfQuantizer):
         else:
             quantize_model(model, config)
         model.config.quantization_config = config
+        share_sibling_inputs(model, config)  # q/k/v and gate/up quantize their shared input once
         # Decode and verification attention rows bit-identical (C kernel on CPU, Triton on CUDA), so
         # generate(quasar=True) equals plain greedy generate of this model in one verify call per layer.
         use_rowstable_attention(model)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from quasar_hf.ops.reference import quantize_weight_per_channel
-from quasar_hf.ops.validation import tensor_version
+
+if TYPE_CHECKING:
+    from quasar_hf.nn.shared_input import SharedInput
+
+_KERNEL_BUFFERS = ("weight", "weight_scale", "bias", "act_prescale")
 
 
 class W8A8Linear(nn.Module):
@@ -45,9 +51,15 @@ class W8A8Linear(nn.Module):
             self.register_buffer("act_prescale", torch.ones(in_features, dtype=torch.float32, device=device))
         else:
             self.act_prescale = None
-        # The kernel bound to these buffers (validated and packed once), rebuilt when any changes.
+        # The kernel bound to these buffers (validated and packed once), rebuilt when any changes:
+        # kernel_key is the buffers' identity, storage and versions it was bound for, packed_weight the
+        # backend's layout of `weight` (also read by `shared_input`'s shared call, never copied).
         self._bound: object | None = None
-        self._bound_key: tuple | None = None
+        self.kernel_key: tuple | None = None
+        self.packed_weight: object | None = None
+        # Siblings reading the same input (q/k/v, gate/up) quantize it once: nn/shared_input.py.
+        self.shared_input: SharedInput | None = None
+        self.shared_index = 0  # this module's place among shared_input.members
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, act_prescale: torch.Tensor | None = None, backend: str = "auto") -> W8A8Linear:
@@ -100,22 +112,46 @@ class W8A8Linear(nn.Module):
         return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
 
     def _buffers_key(self) -> tuple:
-        """Identity and in-place version of every buffer the kernel reads, and the backend."""
-        key = [self.backend]
-        for t in (self.weight, self.weight_scale, self.bias, self.act_prescale):
-            key += (None, None) if t is None else (id(t), tensor_version(t))
+        """Identity, storage and in-place version of every buffer the kernel reads, and the backend.
+        Read from `_buffers` directly: this runs on every call, and Module.__getattr__ is slow."""
+        buffers, key = self._buffers, [self.backend]
+        for name in _KERNEL_BUFFERS:
+            t = buffers.get(name)
+            if t is None and name in self.__dict__:  # a plain attribute (bias=False: None)
+                t = self.__dict__[name]
+            key += (None, None, None) if t is None else (id(t), t.data_ptr(), None if t.is_inference() else t._version)
         return tuple(key)
+
+    def kernel(self):
+        """`linear(x)` bound to the current buffers; rebound on the first call, after .to(),
+        load_state_dict, in-place edits or a backend change."""
+        key = self._buffers_key()
+        if key != self.kernel_key:
+            from quasar_hf.ops.dispatch import bind_w8a8_linear, pack_weight_for
+            from quasar_hf.ops.validation import validate_weights
+
+            self._bound = self.packed_weight = None  # release the old packed weight first
+            validate_weights(self.weight, self.weight_scale, self.bias, self.act_prescale)
+            self.packed_weight = pack_weight_for(self.weight, self.backend)
+            self._bound = bind_w8a8_linear(
+                self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend, packed=self.packed_weight
+            )
+            self.kernel_key = key
+        return self._bound
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if torch.compiler.is_compiling():  # traced: one `quasar::w8a8_linear` op (ops/torch_ops.py)
             return torch.ops.quasar.w8a8_linear(x, self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
-        key = self._buffers_key()
-        if key != self._bound_key:  # first call, .to(), load_state_dict, in-place edits, backend change
-            from quasar_hf.ops.dispatch import bind_w8a8_linear
+        if self.shared_input is not None:
+            y = self.shared_input.output(self.shared_index, x)
+            if y is not None:
+                return y
+        return self.kernel()(x)
 
-            self._bound = bind_w8a8_linear(self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
-            self._bound_key = key
-        return self._bound(x)
+    def __getstate__(self) -> dict:  # copies and pickles rebind: kernels are closures over raw pointers
+        state = super().__getstate__()
+        state.update(_bound=None, kernel_key=None, packed_weight=None)
+        return state
 
     def extra_repr(self) -> str:
         return (

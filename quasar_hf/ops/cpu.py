@@ -100,14 +100,33 @@ def w8a8_linear_torch(
     Inputs are assumed validated (see `ops.dispatch.w8a8_linear`). `packed` (optional, from
     `prepare_cpu_weight`) supplies the [K, N] layout used on CPU when M > 1.
     """
-    lead = x.shape[:-1]
+    a_q, a_scale = quantize_activations_torch(x, act_prescale)
+    return linear_from_quantized_torch(a_q, a_scale, weight_q, weight_scale, bias, packed, x.dtype, x.shape[:-1])
+
+
+def quantize_activations_torch(x: torch.Tensor, act_prescale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (times act_prescale) -> (int8 [M, K], fp32 scale [M, 1]): the first half of
+    `w8a8_linear_torch`, shared by sibling linears that read the same x."""
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if act_prescale is not None:
         x2 = x2.float() * act_prescale
-    a_q, a_scale = quantize_per_token_fast(x2)  # int8 [M, K], fp32 [M, 1]
+    return quantize_per_token_fast(x2)
+
+
+def linear_from_quantized_torch(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    weight_q: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: TorchPackedWeight | None,
+    dtype: torch.dtype,
+    lead: tuple[int, ...],
+) -> torch.Tensor:
+    """int8 GEMM + fp32 epilogue of `w8a8_linear_torch`: (a_q [M, K], a_scale [M, 1]) -> [*lead, N] in dtype."""
     acc = int8_matmul_torch(a_q, weight_q, packed)  # int32 [M, N]
     out = acc * a_scale  # int32 * fp32 -> fp32, the same as acc.float() * a_scale
     out.mul_(weight_scale)
     if bias is not None:
         out.add_(bias)  # promoted to fp32 in place, as the reference's `+ bias.float()`
-    return out.to(x.dtype).reshape(*lead, weight_q.shape[0])
+    return out.to(dtype).reshape(*lead, weight_q.shape[0])

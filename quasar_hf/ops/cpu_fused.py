@@ -15,6 +15,7 @@ Public API (used lazily by `ops/dispatch.py`):
     pack_weight(weight_q) -> PackedWeight       cache it beside the int8 weight
     w8a8_linear_cpu_fused(x, weight_q, weight_scale, bias=None, act_prescale=None, packed=None)
     bind_linear(weight_q, ...) -> linear(x) / run_prepacked(...)    once-per-weight forms
+    (cpu_fused_multi.bind_linear_multi: several weights reading one input, one call)
     int8_accumulators_cpu_fused(x, weight_q, act_prescale=None, packed=None)   (tests/debug)
 
 Inference only: no autograd. Any M works (row blocks of 6 share each weight chunk in L2); the
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +52,7 @@ class _Library:
 
     fn: object | None
     error: str | None
+    lib: object | None = None  # the loaded CDLL (its other entry points: cpu_fused_multi.py)
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,7 +72,7 @@ def _library() -> _Library:
     fn.restype = _INT
     fn.argtypes = [_P, _INT, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _INT, _P, _INT, _I64, _P, _INT]
     mismatch = _smoke_test(fn)
-    return _Library(None, mismatch) if mismatch else _Library(fn, None)
+    return _Library(None, mismatch) if mismatch else _Library(fn, None, lib)
 
 
 def _smoke_test(fn) -> str | None:
@@ -283,17 +286,31 @@ def run_prepacked(
     return _call(_require_library(), x, weight_q, weight_scale, bias, act_prescale, packed, want_output=True)
 
 
+def _storages(*tensors) -> tuple:
+    """What a bound linear keeps so the raw pointers it took stay valid: detached aliases of the
+    tensors (a later `t.data = ...` on the original cannot free their storage)."""
+    return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in tensors)
+
+
+def _bad_x(x, on_bad_x, weight_q, weight_scale, bias, act_prescale) -> None:
+    """Raise the caller's error for a bad x (`on_bad_x`), else this module's own."""
+    if on_bad_x is not None:
+        on_bad_x(x)
+    _check_inputs(x, weight_q, weight_scale, bias, act_prescale, None)
+
+
 def bind_linear(
     weight_q: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     act_prescale: torch.Tensor | None = None,
     packed: PackedWeight | None = None,
+    on_bad_x: Callable[[torch.Tensor], None] | None = None,
 ):
-    """Validate and lay out the weight side once; return `linear(x)` that checks x only.
-
-    For a module calling the same weights every decode step: saves the per-call validation and
-    packing checks (~15 us of a ~30 us call at decode shapes). Same bits as w8a8_linear_cpu_fused.
+    """Validate and lay out the weight side once; return `linear(x)` with the same bits as
+    w8a8_linear_cpu_fused. For a module calling the same weights every decode step: per call it
+    checks x cheaply, lays it out and calls C (the weight-side pointers are taken here).
+    `on_bad_x(x)` raises the caller's own error for an x that is not a CPU float tensor [..., K].
     """
     k = weight_q.shape[1] if isinstance(weight_q, torch.Tensor) and weight_q.dim() == 2 else 0
     _check_inputs(torch.empty(0, k), weight_q, weight_scale, bias, act_prescale, packed)
@@ -302,12 +319,34 @@ def bind_linear(
     w_scale = _fp32_contiguous(weight_scale)
     prescale = None if act_prescale is None else _fp32_contiguous(act_prescale)
     bias_c = bias if bias is None or bias.is_contiguous() else bias.contiguous()
+    n = weight_q.shape[0]
+    weight_args = (  # the C arguments from prescale to bias_dtype, in order
+        None if prescale is None else prescale.data_ptr(),
+        packed.data.data_ptr(),
+        packed.wsum128.data_ptr(),
+        n,
+        packed.data.shape[1] * 4,
+        w_scale.data_ptr(),
+        None if bias_c is None else bias_c.data_ptr(),
+        0 if bias_c is None else _DTYPE_CODES[bias_c.dtype],
+    )
+    max_threads = max(1, n * k // _MIN_BYTES_PER_THREAD)  # per call: min(torch threads, this), as _thread_count
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         if not (isinstance(x, torch.Tensor) and x.dtype in _DTYPE_CODES and x.dim() >= 1 and x.shape[-1] == k and x.is_cpu):
-            _check_inputs(x, weight_q, weight_scale, bias, act_prescale, packed)  # raises the precise error
-        return _call(fn, x, weight_q, w_scale, bias_c, prescale, packed, want_output=True)
+            _bad_x(x, on_bad_x, weight_q, weight_scale, bias, act_prescale)
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        code = _DTYPE_CODES[x.dtype]
+        result = torch.empty((*x.shape[:-1], n), dtype=x.dtype)  # [..., N]
+        m = x2.shape[0]
+        threads = min(torch.get_num_threads(), max_threads)
+        if m and fn(x2.data_ptr(), code, m, k, x2.stride(0), *weight_args, result.data_ptr(), code, n, None, threads):
+            raise MemoryError(f"fused W8A8 kernel could not allocate scratch for {m}x{k} activations")
+        return result
 
+    linear.held = _storages(packed, w_scale, bias_c, prescale)
     return linear
 
 

@@ -143,8 +143,8 @@ def _run_cpu_fused_prepacked(x, weight_q, weight_scale, bias, act_prescale, pack
     return _cpu_fused_module().run_prepacked(x, weight_q, weight_scale, bias, act_prescale, packed)
 
 
-def _bind_cpu_fused(weight_q, weight_scale, bias, act_prescale, packed) -> Callable[[torch.Tensor], torch.Tensor]:
-    return _cpu_fused_module().bind_linear(weight_q, weight_scale, bias, act_prescale, packed)
+def _bind_cpu_fused(weight_q, weight_scale, bias, act_prescale, packed, on_bad_x) -> Callable[[torch.Tensor], torch.Tensor]:
+    return _cpu_fused_module().bind_linear(weight_q, weight_scale, bias, act_prescale, packed, on_bad_x)
 
 
 # ---- the table -------------------------------------------------------------------------------
@@ -156,8 +156,9 @@ class Backend:
 
     run(x, weight_q, weight_scale, bias, act_prescale, packed) -> y; pack(weight_q) -> a layout
     `run` reuses; run_prepacked: `run` for inputs already validated with `packed` from `pack`
-    (skips the backend's own checks); bind(weight_q, weight_scale, bias, act_prescale, packed)
-    -> linear(x) checking x only (when the backend has a faster bound form than `run`).
+    (skips the backend's own checks); bind(weight_q, weight_scale, bias, act_prescale, packed,
+    on_bad_x) -> linear(x) (when the backend has a faster bound form than `run`): it checks x as
+    `x_matches` does, calls on_bad_x(x) (which raises) when that fails, and handles empty x.
     """
 
     name: str
@@ -273,27 +274,33 @@ def bind_w8a8_linear(
     bias: torch.Tensor | None = None,
     act_prescale: torch.Tensor | None = None,
     backend: str = "auto",
+    packed: object | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """Validate the weights, resolve the backend and pack once; return `linear(x)` for these weights.
 
     The returned function computes exactly `w8a8_linear(x, weight_q, ...)` (same backend, same
     bits) but checks only x per call. Rebind whenever a weight tensor changes (W8A8Linear does).
+    `packed`: `pack_weight_for(weight_q, backend)`, reused instead of packing again.
     """
     validate_weights(weight_q, weight_scale, bias, act_prescale)
     entry = _TABLE[resolve_backend(backend, weight_q.device)]
-    packed = entry.pack(weight_q) if entry.pack is not None else None
-    if entry.bind is not None:
-        fast = entry.bind(weight_q, weight_scale, bias, act_prescale, packed)
-    else:
+    if packed is None and entry.pack is not None:
+        packed = entry.pack(weight_q)
 
-        def fast(x: torch.Tensor) -> torch.Tensor:
-            return entry.run(x, weight_q, weight_scale, bias, act_prescale, packed)
+    def bad_x(x: object) -> None:
+        validate_w8a8_inputs(x, weight_q, weight_scale, bias, act_prescale)  # raises the precise error
+
+    if entry.bind is not None:  # the backend's bound form checks x itself: no wrapper per call
+        return entry.bind(weight_q, weight_scale, bias, act_prescale, packed, bad_x)
+
+    def fast(x: torch.Tensor) -> torch.Tensor:
+        return entry.run(x, weight_q, weight_scale, bias, act_prescale, packed)
 
     k, n, device = weight_q.shape[1], weight_q.shape[0], weight_q.device
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         if not x_matches(x, k, device):
-            validate_w8a8_inputs(x, weight_q, weight_scale, bias, act_prescale)  # raises the precise error
+            bad_x(x)
         if x.numel() == 0:
             return x.new_zeros(*x.shape[:-1], n)
         return fast(x)

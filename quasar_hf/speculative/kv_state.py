@@ -31,6 +31,8 @@ class RowAlignedCache:
         self.has_sliding_layers = any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
         if self.has_sliding_layers:
             self.cache = DynamicCache()
+        elif _reads_strided_cache(model, device):
+            compat.append_kv_in_place(self.cache)  # appends write into spare room: no concatenation per step
         self.slot_mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, S]
         self.valid_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -110,3 +112,18 @@ class RowAlignedCache:
         if remove > 0:
             self.cache.crop(-remove)
             self.slot_mask = self.slot_mask[:, :last_used]
+
+
+def _reads_strided_cache(model: torch.nn.Module, device: torch.device) -> bool:
+    """True when every multi-token call over the cache goes to the row-stable CPU kernel, which reads
+    K/V through their strides: views of preallocated storage then give the bits a concatenated
+    cache gives. Other attention paths keep the contiguous concatenation they were checked with."""
+    from quasar_hf.ops import attention_cpu
+    from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION
+
+    return (
+        torch.device(device).type == "cpu"
+        and compat.attn_implementation(model) == QUASAR_ATTENTION
+        and getattr(model, "dtype", None) in (torch.float32, torch.bfloat16)
+        and attention_cpu.is_available()
+    )

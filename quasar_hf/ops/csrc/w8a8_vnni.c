@@ -181,20 +181,18 @@ static void gemm_range(const gemm_args *g, int64_t nb_begin, int64_t nb_end) {
     }
 }
 
-/* ---- entry point ---------------------------------------------------------------------------- */
+/* ---- entry points --------------------------------------------------------------------------- */
 
-/* y[M, N] = W8A8(x[M, K]). Returns 0 on success, 1 if scratch memory could not be allocated.
- * x rows are x_stride elements apart; prescale/bias/out/acc_out may be NULL. */
-int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                    const int8_t *w_packed, const int32_t *wsum128, int64_t N, int64_t Kp, const float *w_scale,
-                    const void *bias, int bias_dtype, void *out, int out_dtype, int64_t out_stride,
-                    int32_t *acc_out, int n_threads) {
-    const int64_t nblocks = (N + 15) / 16;
+/* Quantize x [M, K] once into aq/a_scale (filled in every g[s]), then run every segment's GEMM.
+ * The threads split the segments' channel blocks as one range, so small weights share a call. */
+static int run_segments(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
+                        int64_t Kp, gemm_args *g, int G, int n_threads) {
+    int64_t nblocks = 0;
+    for (int s = 0; s < G; ++s) nblocks += (g[s].N + 15) / 16;
     uint8_t *aq = (uint8_t *)aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64));
     float *a_scale = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
     if (!aq || !a_scale) { free(aq); free(a_scale); return 1; }
-    gemm_args g = {aq, a_scale, w_packed, wsum128, w_scale, bias, bias_dtype, out, out_dtype, out_stride,
-                   acc_out, M, N, Kp};
+    for (int s = 0; s < G; ++s) { g[s].aq = aq; g[s].a_scale = a_scale; }
     const size_t elem = x_dtype == DT_F32 ? 4 : 2;
     if (n_threads > nblocks) n_threads = (int)nblocks;
     if (n_threads < 1) n_threads = 1;
@@ -209,9 +207,55 @@ int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_
         for (int64_t m = 0; m < M; ++m)
             a_scale[m] = quantize_row((const char *)x + (size_t)(m * x_stride) * elem, x_dtype, prescale, K, Kp, aq + m * Kp);
         /* implicit barrier: all rows quantized before any thread reads them */
-        gemm_range(&g, nblocks * t / nt, nblocks * (t + 1) / nt);
+        const int64_t begin = nblocks * t / nt, end = nblocks * (t + 1) / nt;
+        int64_t offset = 0;
+        for (int s = 0; s < G; ++s) {
+            const int64_t nb = (g[s].N + 15) / 16;
+            const int64_t lo = begin > offset ? begin : offset, hi = end < offset + nb ? end : offset + nb;
+            if (lo < hi) gemm_range(&g[s], lo - offset, hi - offset);
+            offset += nb;
+        }
     }
     free(aq);
     free(a_scale);
     return 0;
+}
+
+/* y[M, N] = W8A8(x[M, K]). Returns 0 on success, 1 if scratch memory could not be allocated.
+ * x rows are x_stride elements apart; prescale/bias/out/acc_out may be NULL. */
+int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
+                    const int8_t *w_packed, const int32_t *wsum128, int64_t N, int64_t Kp, const float *w_scale,
+                    const void *bias, int bias_dtype, void *out, int out_dtype, int64_t out_stride,
+                    int32_t *acc_out, int n_threads) {
+    gemm_args g = {NULL, NULL, w_packed, wsum128, w_scale, bias, bias_dtype, out, out_dtype, out_stride,
+                   acc_out, M, N, Kp};
+    return run_segments(x, x_dtype, M, K, x_stride, prescale, Kp, &g, 1, n_threads);
+}
+
+/* One weight of qhf_w8a8_linear_multi (ctypes mirrors this layout in cpu_fused.py). */
+typedef struct {
+    const int8_t *w_packed;  /* [Np/16][Kp/4][16][4] */
+    const int32_t *wsum128;  /* [Np] */
+    const float *w_scale;    /* [N] */
+    const void *bias;        /* [N] or NULL */
+    int64_t bias_dtype;
+    int64_t N;
+} qhf_weight;
+
+#define MULTI_MAX 8
+
+/* outs[s][M, N_s] = W8A8(x[M, K]) with weights[s], s < G <= MULTI_MAX: x quantized once, the same
+ * bits as G qhf_w8a8_linear calls (contiguous outputs in out_dtype). Returns 0, 1 (no scratch
+ * memory) or 2 (G out of range). */
+int qhf_w8a8_linear_multi(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
+                          int64_t Kp, int G, const qhf_weight *weights, void *const *outs, int out_dtype, int n_threads) {
+    if (G < 1 || G > MULTI_MAX) return 2;
+    gemm_args g[MULTI_MAX];
+    for (int s = 0; s < G; ++s) {
+        const qhf_weight *w = &weights[s];
+        gemm_args one = {NULL, NULL, w->w_packed, w->wsum128, w->w_scale, w->bias, (int)w->bias_dtype, outs[s],
+                         out_dtype, w->N, NULL, M, w->N, Kp};
+        g[s] = one;
+    }
+    return run_segments(x, x_dtype, M, K, x_stride, prescale, Kp, g, G, n_threads);
 }

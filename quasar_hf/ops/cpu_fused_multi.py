@@ -1,0 +1,123 @@
+"""One fused CPU W8A8 call over several weights that read one input (q/k/v, gate/up).
+
+`bind_linear_multi(weights, act_prescale, packed)` -> `linear(x) -> (y_0, y_1, ...)`: x is
+quantized once and every weight's GEMM runs in the same C call (`qhf_w8a8_linear_multi` in
+csrc/w8a8_vnni.c; the threads split all weights' channel blocks as one range). Each y_s has the
+bits of `cpu_fused.w8a8_linear_cpu_fused(x, *weights[s], act_prescale=act_prescale)`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+
+import torch
+
+from quasar_hf.ops.cpu_fused import (
+    _DTYPE_CODES,
+    _I64,
+    _INT,
+    _MIN_BYTES_PER_THREAD,
+    _P,
+    PackedWeight,
+    _bad_x,
+    _check_inputs,
+    _fp32_contiguous,
+    _library,
+    _require_library,
+    _storages,
+    pack_weight,
+)
+
+MULTI_MAX = 8  # weights per `qhf_w8a8_linear_multi` call (MULTI_MAX in the C source)
+
+
+class _CWeight(ctypes.Structure):
+    """One weight of `qhf_w8a8_linear_multi` (the C struct `qhf_weight`)."""
+
+    _fields_ = [("w_packed", _P), ("wsum128", _P), ("w_scale", _P), ("bias", _P), ("bias_dtype", _I64), ("n", _I64)]
+
+
+@functools.lru_cache(maxsize=1)
+def _multi_entry():
+    """`qhf_w8a8_linear_multi` from the library cpu_fused built and checked (raises if unavailable)."""
+    _require_library()
+    fn = _library().lib.qhf_w8a8_linear_multi
+    fn.restype = _INT
+    fn.argtypes = [_P, _INT, _I64, _I64, _I64, _P, _I64, _INT, ctypes.POINTER(_CWeight), _P, _INT, _INT]
+    return fn
+
+
+def bind_linear_multi(
+    weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    act_prescale: torch.Tensor | None = None,
+    packed: list[PackedWeight | None] | None = None,
+    on_bad_x: Callable[[torch.Tensor], None] | None = None,
+):
+    """Several weights reading one input (q/k/v, gate/up): `linear(x) -> (y_0, y_1, ...)`, one C call.
+
+    weights: [(weight_q [N_s, K], weight_scale [N_s], bias [N_s] or None)], one K, at most MULTI_MAX;
+    `packed` their pack_weight() results (None: packed here). x is quantized once; each y_s has the
+    bits of w8a8_linear_cpu_fused(x, *weights[s], act_prescale=act_prescale). Checks x only per
+    call; `on_bad_x` as in bind_linear.
+    """
+    if not 1 <= len(weights) <= MULTI_MAX:
+        raise ValueError(f"bind_linear_multi takes 1 to {MULTI_MAX} weights, got {len(weights)}")
+    k = weights[0][0].shape[1] if isinstance(weights[0][0], torch.Tensor) and weights[0][0].dim() == 2 else 0
+    packs = list(packed) if packed is not None else [None] * len(weights)
+    structs = (_CWeight * len(weights))()
+    held = []  # every tensor the C structs point into stays alive with `linear`
+    for s, ((weight_q, weight_scale, bias), pack) in enumerate(zip(weights, packs, strict=True)):
+        _check_inputs(torch.empty(0, k), weight_q, weight_scale, bias, act_prescale, pack)
+        pack = pack if pack is not None else pack_weight(weight_q)
+        w_scale = _fp32_contiguous(weight_scale)
+        bias_c = bias if bias is None or bias.is_contiguous() else bias.contiguous()
+        held += [pack, w_scale, bias_c]
+        structs[s] = _CWeight(
+            pack.data.data_ptr(),
+            pack.wsum128.data_ptr(),
+            w_scale.data_ptr(),
+            None if bias_c is None else bias_c.data_ptr(),
+            0 if bias_c is None else _DTYPE_CODES[bias_c.dtype],
+            weight_q.shape[0],
+        )
+    multi = _multi_entry()
+    prescale = None if act_prescale is None else _fp32_contiguous(act_prescale)
+    prescale_ptr = None if prescale is None else prescale.data_ptr()
+    sizes = tuple(w[0].shape[0] for w in weights)
+    k_padded, count = held[0].data.shape[1] * 4, len(weights)
+    max_threads = max(1, sum(sizes) * k // _MIN_BYTES_PER_THREAD)
+    first = weights[0]
+
+    def linear(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not (isinstance(x, torch.Tensor) and x.dtype in _DTYPE_CODES and x.dim() >= 1 and x.shape[-1] == k and x.is_cpu):
+            _bad_x(x, on_bad_x, *first, act_prescale)
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        lead, code = x.shape[:-1], _DTYPE_CODES[x.dtype]
+        outs = tuple(torch.empty((*lead, n), dtype=x.dtype) for n in sizes)  # [..., N_s]
+        if x2.shape[0] == 0:
+            return outs
+        pointers = (_P * count)(*(y.data_ptr() for y in outs))
+        status = multi(
+            x2.data_ptr(),
+            code,
+            x2.shape[0],
+            k,
+            x2.stride(0),
+            prescale_ptr,
+            k_padded,
+            count,
+            structs,
+            pointers,
+            code,
+            min(torch.get_num_threads(), max_threads),
+        )
+        if status != 0:
+            raise MemoryError(f"fused W8A8 kernel could not allocate scratch for {x2.shape[0]}x{k} activations")
+        return outs
+
+    linear.held = _storages(*held, prescale)
+    return linear
