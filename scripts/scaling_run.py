@@ -189,7 +189,7 @@ def measure(folder: Path, steps: int, num_calibration_samples: int | None = None
         lm_head_bytes=lm_head_bytes,
         copy_gbps_read_plus_write=round(copy_gbps, 1),
         read_gbps=round(read_gbps, 1),
-        floor_ms=round(floor_ms, 2),
+        floor_ms=round(floor_ms, 4),
         torch_threads=threads,
     )
     return result

@@ -63,9 +63,7 @@ def test_search_leaves_the_layer_unchanged_and_predicts_the_built_layer(arch_nam
         first = stats.by_module[m.balance[0]]
         return first.absmax, first.samples
 
-    alphas, errors = search_alphas_on_layer_output(
-        layer, mappings, stats_for, weights, [0.2, 0.5, 0.8], run, references, "torch"
-    )
+    alphas, errors = search_alphas_on_layer_output(layer, mappings, stats_for, weights, [0.2, 0.5, 0.8], run, references, "torch")
     assert set(alphas) == {m.smooth for m in mappings} and set(alphas.values()) <= {0.2, 0.5, 0.8}
     for key, value in layer.state_dict().items():
         assert torch.equal(value, state[key]), f"{key} changed by the search"
@@ -82,9 +80,7 @@ def test_search_leaves_the_layer_unchanged_and_predicts_the_built_layer(arch_nam
 
 
 def test_layer_search_quantizes_a_model_end_to_end() -> None:
-    config = QuasarConfig(
-        alpha="auto", alpha_search="layer", alpha_search_blocks=2, alpha_grid=[0.3, 0.6], backend="torch"
-    )
+    config = QuasarConfig(alpha="auto", alpha_search="layer", alpha_search_blocks=2, alpha_grid=[0.3, 0.6], backend="torch")
     model = tiny_model("llama", layers=3)
     arch = resolve_mappings(model)
     names = find_quantizable_linears(model, arch.layers_path, config.modules_to_not_convert)
