@@ -112,20 +112,41 @@ def markdown(report: dict) -> str:
         "```",
         "",
         f"Held-out: {report['eval']}. BF16 perplexity {report['float_perplexity']:.4f}.",
-        f"Environment: {json.dumps({k: env.get(k) for k in ('cpu', 'cpu_count', 'versions', 'load_average')})}",
+        f"Environment: {json.dumps({k: env.get(k) for k in ('cpu', 'cpu_count', 'versions', 'git_commit')})}",
         "",
-        "| code | variant | W8A8 perplexity | vs BF16 | top-1 agreement | mean KL (nats) | kept float MB | quantize s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| code | variant | W8A8 perplexity | vs BF16 | top-1 agreement | mean KL (nats) | kept float MB | quantize s "
+        "| load avg (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["results"]:
         lines.append(
             f"| {row['code']} | {row['variant']} | {row['perplexity_model']:.4f} | "
             f"{100 * (row['perplexity_ratio'] - 1):+.2f} % | {row['top1_agreement']:.4f} | {row['mean_kl_nats']:.4f} | "
-            f"{row['kept_float_bytes'] / 1e6:.1f} | {row['quantize_s']:.0f} |"
+            f"{row['kept_float_bytes'] / 1e6:.1f} | {row['quantize_s']:.0f} | {row.get('load_average_1min', '-')} |"
         )
     lines += ["", "Variant overrides (QuasarConfig fields; `{}` is the default config):", ""]
     lines += [f"- `{r['code']}` / `{r['variant']}`: `{json.dumps(r['overrides'])}`" for r in report["results"]]
     return "\n".join(lines) + "\n"
+
+
+def merge_reports(paths: list[str], out: str, name: str) -> list[str]:
+    """One report from several runs on the same model and held-out blocks (rows keep their code label)."""
+    reports = []
+    for path in paths:
+        with open(path) as fh:
+            reports.append(json.load(fh))
+    keys = {(r["model"], r["eval"], round(r["float_perplexity"], 6)) for r in reports}
+    if len(keys) != 1:
+        raise SystemExit(f"reports differ in model, held-out text or BF16 perplexity; cannot merge: {sorted(keys)}")
+    merged = {**reports[-1], "commands": [c for r in reports for c in r["commands"]]}
+    merged["results"] = [row for r in reports for row in r["results"]]
+    os.makedirs(out, exist_ok=True)
+    json_path, md_path = (os.path.join(out, f"{name}.{ext}") for ext in ("json", "md"))
+    with open(json_path, "w") as fh:
+        json.dump(merged, fh, indent=1)
+    with open(md_path, "w") as fh:
+        fh.write(markdown(merged))
+    return [json_path, md_path]
 
 
 def main(argv: list[str] | None = None) -> list[str]:
@@ -136,10 +157,13 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--eval-blocks", type=int, default=16)
     parser.add_argument("--eval-seq-len", type=int, default=512)
     parser.add_argument("--append", action="store_true", help="add rows to an existing report of the same name")
+    parser.add_argument("--merge", nargs="+", default=None, help="JSON reports of one model to merge into --name (no run)")
     parser.add_argument("--out", default="benchmarks")
     parser.add_argument("--name", required=True)
     args = parser.parse_args(argv)
     command = "python scripts/fidelity_models.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    if args.merge:
+        return merge_reports(args.merge, args.out, args.name)
     variants = [parse_variant(v) for v in args.variants]
     code = args.code_label or os.path.dirname(os.path.dirname(os.path.abspath(quasar_hf.__file__)))
 
@@ -161,6 +185,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=config).eval()
         seconds = time.perf_counter() - started
         row = {"code": code, "variant": label, "overrides": overrides, "quantize_s": seconds, **weight_bytes(model)}
+        row["load_average_1min"] = round(os.getloadavg()[0], 1)  # quantize_s is only comparable at similar load
         row.update(compare(model, reference, blocks))
         report["float_perplexity"] = row["perplexity_reference"]
         report["results"].append(row)
