@@ -124,12 +124,14 @@ def markdown(report: dict) -> str:
             f"{100 * (row['perplexity_ratio'] - 1):+.2f} % | {row['top1_agreement']:.4f} | {row['mean_kl_nats']:.4f} | "
             f"{row['kept_float_bytes'] / 1e6:.1f} | {row['quantize_s']:.0f} | {row.get('load_average_1min', '-')} |"
         )
-    lines += ["", "Variant overrides (QuasarConfig fields; `{}` is the default config):", ""]
+    if report.get("note"):
+        lines += ["", report["note"]]
+    lines += ["", "Variant overrides (QuasarConfig fields; `{}` is the default config of the code that ran):", ""]
     lines += [f"- `{r['code']}` / `{r['variant']}`: `{json.dumps(r['overrides'])}`" for r in report["results"]]
     return "\n".join(lines) + "\n"
 
 
-def merge_reports(paths: list[str], out: str, name: str) -> list[str]:
+def merge_reports(paths: list[str], out: str, name: str, note: str | None = None) -> list[str]:
     """One report from several runs on the same model and held-out blocks (rows keep their code label)."""
     reports = []
     for path in paths:
@@ -140,6 +142,8 @@ def merge_reports(paths: list[str], out: str, name: str) -> list[str]:
         raise SystemExit(f"reports differ in model, held-out text or BF16 perplexity; cannot merge: {sorted(keys)}")
     merged = {**reports[-1], "commands": [c for r in reports for c in r["commands"]]}
     merged["results"] = [row for r in reports for row in r["results"]]
+    if note:
+        merged["note"] = note
     os.makedirs(out, exist_ok=True)
     json_path, md_path = (os.path.join(out, f"{name}.{ext}") for ext in ("json", "md"))
     with open(json_path, "w") as fh:
@@ -158,12 +162,13 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--eval-seq-len", type=int, default=512)
     parser.add_argument("--append", action="store_true", help="add rows to an existing report of the same name")
     parser.add_argument("--merge", nargs="+", default=None, help="JSON reports of one model to merge into --name (no run)")
+    parser.add_argument("--note", default=None, help="with --merge: a reading note printed under the table")
     parser.add_argument("--out", default="benchmarks")
     parser.add_argument("--name", required=True)
     args = parser.parse_args(argv)
     command = "python scripts/fidelity_models.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     if args.merge:
-        return merge_reports(args.merge, args.out, args.name)
+        return merge_reports(args.merge, args.out, args.name, args.note)
     variants = [parse_variant(v) for v in args.variants]
     code = args.code_label or os.path.dirname(os.path.dirname(os.path.abspath(quasar_hf.__file__)))
 

@@ -143,7 +143,7 @@ BANDWIDTH_MIB = 512  # buffer for the bandwidth measurements: far above the last
 
 
 @torch.no_grad()
-def measure(folder: Path, steps: int, num_calibration_samples: int | None = None) -> dict:
+def measure(folder: Path, steps: int, num_calibration_samples: int | None = None, rounding: str | None = None) -> dict:
     """Quantize-on-load with QuasarConfig() defaults, then time 1- and 6-token forwards over a cache."""
     from transformers import AutoModelForCausalLM
 
@@ -153,6 +153,8 @@ def measure(folder: Path, steps: int, num_calibration_samples: int | None = None
     from quasar_hf.speculative.kv_state import RowAlignedCache
 
     overrides = {"num_calibration_samples": num_calibration_samples} if num_calibration_samples else {}
+    if rounding:
+        overrides["weight_rounding"] = rounding
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=QuasarConfig(**overrides))
     load_quantize = time.perf_counter() - started
@@ -160,6 +162,7 @@ def measure(folder: Path, steps: int, num_calibration_samples: int | None = None
         "load_and_quantize_seconds": round(load_quantize, 1),
         "quantize_seconds": model.config.quantization_config.calibration_info["seconds"],
         "quantize_peak_rss_mib": peak_rss_mib(),
+        "weight_rounding": model.config.quantization_config.weight_rounding,
         "w8a8_state_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
     }
     int8_bytes = sum(m.weight.numel() for m in model.modules() if isinstance(m, W8A8Linear))
@@ -201,16 +204,28 @@ def _in_subprocess(phase: str, args: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_shape(shape: str, workdir: Path, tokenizer: str, steps: int, samples: int | None, in_process: bool, keep: bool) -> dict:
+def run_shape(
+    shape: str,
+    workdir: Path,
+    tokenizer: str,
+    steps: int,
+    samples: int | None,
+    in_process: bool,
+    keep: bool,
+    rounding: str | None = None,
+) -> dict:
     folder = workdir / shape
     if in_process:
         row = build_checkpoint(shape, folder, tokenizer)
-        row.update(measure(folder, steps, samples))
+        row.update(measure(folder, steps, samples, rounding))
     else:
         row = _in_subprocess("build", ["--shape", shape, "--folder", str(folder), "--tokenizer", tokenizer])
         row.update(
             _in_subprocess(
-                "measure", ["--folder", str(folder), "--steps", str(steps), *(["--samples", str(samples)] if samples else [])]
+                "measure",
+                ["--folder", str(folder), "--steps", str(steps)]
+                + (["--samples", str(samples)] if samples else [])
+                + (["--rounding", rounding] if rounding else []),
             )
         )
     row["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
@@ -236,18 +251,18 @@ def environment() -> dict:
 
 def to_markdown(report: dict) -> str:
     lines = [
-        "# Scaling run: random-weight Llama checkpoints, QuasarConfig() defaults, CPU",
+        "# Scaling run: random-weight Llama checkpoints, QuasarConfig() (weight_rounding as shown), CPU",
         "",
         f"Command: `{report['command']}`",
         "",
-        "| shape | BF16 ckpt GB | W8A8 ckpt GB | load + quantize s | quantize s | peak RSS GiB | read GB/s | floor ms "
-        "| 1 tok ms (x floor) | 6 tok ms (x floor) | 1 tok ms, 1 thread | 6 tok ms, 1 thread |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | rounding | BF16 ckpt GB | W8A8 ckpt GB | load + quantize s | quantize s | peak RSS GiB | read GB/s "
+        "| floor ms | 1 tok ms (x floor) | 6 tok ms (x floor) | 1 tok ms, 1 thread | 6 tok ms, 1 thread |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for shape, r in report["results"].items():
         lines.append(
-            f"| {shape} | {r['bf16_bytes'] / 1e9:.2f} | {r['w8a8_state_bytes'] / 1e9:.2f} | {r['load_and_quantize_seconds']} | "
-            f"{r['quantize_seconds']} | {r['quantize_peak_rss_mib'] / 1024:.2f} | {r['floor_ms']} | "
+            f"| {shape} | {r.get('weight_rounding', '-')} | {r['bf16_bytes'] / 1e9:.2f} | {r['w8a8_state_bytes'] / 1e9:.2f} | "
+            f"{r['load_and_quantize_seconds']} | {r['quantize_seconds']} | {r['quantize_peak_rss_mib'] / 1024:.2f} | "
             f"{r.get('read_gbps', '-')} | {r['floor_ms']} | {r['step_1_ms']} ({r['step_1_x_floor']}) | "
             f"{r['step_6_ms']} ({r['step_6_x_floor']}) | {r.get('step_1_ms_1_thread', '-')} | {r.get('step_6_ms_1_thread', '-')} |"
         )
@@ -263,6 +278,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder for calibration (default: SmolLM2's)")
     parser.add_argument("--steps", type=int, default=10, help="timed forwards per token count")
     parser.add_argument("--samples", type=int, default=None, help="override num_calibration_samples (tests only)")
+    parser.add_argument("--rounding", choices=["nearest", "gptq"], default=None, help="override weight_rounding")
     parser.add_argument("--in-process", action="store_true", help="no subprocesses (tests; peak RSS then covers all)")
     parser.add_argument("--keep", action="store_true", help="keep the built checkpoints")
     parser.add_argument("--out", default="benchmarks/scaling_cpu.json")
@@ -274,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(json.dumps(build_checkpoint(args.shape, Path(args.folder), args.tokenizer)))
         return None
     if args.phase == "measure":
-        print(json.dumps(measure(Path(args.folder), args.steps, args.samples)))
+        print(json.dumps(measure(Path(args.folder), args.steps, args.samples, args.rounding)))
         return None
     shapes = args.shapes.split(",")
     unknown = [s for s in shapes if s not in SHAPES]
@@ -289,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     report["results"] = {}
     for shape in shapes:
         report["results"][shape] = run_shape(
-            shape, Path(args.workdir), args.tokenizer, args.steps, args.samples, args.in_process, args.keep
+            shape, Path(args.workdir), args.tokenizer, args.steps, args.samples, args.in_process, args.keep, args.rounding
         )
         print(shape, report["results"][shape], flush=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -148,6 +148,7 @@ def test_smollm2_auto_and_reduced_head_equal_plain_greedy(tmp_path):
         calibration_seq_len=64,
         draft_layers=list(range(15)),
         draft_dtype="int8",
+        weight_rounding="nearest",
         draft_vocab_size=4096,
     )
     model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, dtype=torch.bfloat16)

@@ -33,7 +33,7 @@ def test_greedy_quasar_equals_plain_w8a8_bf16(name):
 
     source = getattr(models, BUILDERS[name])()
     tokenizer = AutoTokenizer.from_pretrained(source)
-    config = QuasarConfig(alpha=0.7, num_calibration_samples=2, calibration_seq_len=64)
+    config = QuasarConfig(alpha=0.7, num_calibration_samples=2, calibration_seq_len=64, weight_rounding="nearest")
     model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, dtype=torch.bfloat16).eval()
     assert model.config._attn_implementation == QUASAR_ATTENTION
     prompts = [torch.tensor([render_prompt(item, tokenizer)]) for item in load_suite("grounded")[:NUM_PROMPTS]]

@@ -79,7 +79,7 @@ def _whole_model_reference(model, config: QuasarConfig, blocks: torch.Tensor) ->
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_float_inputs_match_whole_model_calibration_bit_for_bit(arch: str) -> None:
-    config = QuasarConfig(alpha=0.5, backend="reference")
+    config = QuasarConfig(alpha=0.5, backend="reference", weight_rounding="nearest")
     blocks = _blocks()
     reference, sequential = tiny_model(arch, layers=3), tiny_model(arch, layers=3)
     _whole_model_reference(reference, config, blocks)
@@ -93,7 +93,7 @@ def test_float_inputs_match_whole_model_calibration_bit_for_bit(arch: str) -> No
 
 
 def test_quantized_inputs_calibrate_later_layers_on_quantized_activations() -> None:
-    config = QuasarConfig(alpha=0.5, backend="reference")
+    config = QuasarConfig(alpha=0.5, backend="reference", weight_rounding="nearest")
     blocks = _blocks()
     results = {}
     for mode in ("float", "quantized"):

@@ -106,7 +106,7 @@ def quasar_model(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     path = save_tiny(tmp_path_factory.mktemp("tiny"))
-    config = quasar_hf.QuasarConfig(alpha=0.5, num_calibration_samples=2, calibration_seq_len=32)
+    config = quasar_hf.QuasarConfig(alpha=0.5, num_calibration_samples=2, calibration_seq_len=32, weight_rounding="nearest")
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=config).eval()
 
 
@@ -133,7 +133,7 @@ ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7]])
 before = stock.generate(ids, max_new_tokens=8, do_sample=False)
 import quasar_hf
 assert current() == originals, "import quasar_hf patched a Transformers class"
-config = quasar_hf.QuasarConfig(alpha=0.5, num_calibration_samples=2, calibration_seq_len=32)
+config = quasar_hf.QuasarConfig(alpha=0.5, num_calibration_samples=2, calibration_seq_len=32, weight_rounding="nearest")
 quasar = AutoModelForCausalLM.from_pretrained({folder!r}, quantization_config=config)
 assert current() == originals, "loading a Quasar model patched a Transformers class"
 assert "generate" not in vars(stock) and "save_pretrained" not in vars(stock)

@@ -31,8 +31,8 @@ class QuasarConfig(QuantizationConfigMixin):
         calibration_dataset: None (offline Python docs text), a list of strings, a `datasets.Dataset`,
             a local .txt/.json/.jsonl/.parquet/.csv file, or a Hub dataset name.
         num_calibration_samples / calibration_seq_len: how many token blocks of which length.
-        weight_rounding: "nearest" int8 rounding of the smoothed weights, or "gptq" (second-order
-            rounding on the calibration inputs' Hessian, same scales and format; slower to quantize).
+        weight_rounding: "gptq" (second-order rounding of the smoothed weights on the calibration inputs'
+            Hessian: same scales and format, closer to the float model, slower to quantize) or "nearest".
         modules_to_not_convert: module-name suffixes kept in high precision (lm_head by default;
             embeddings and norms are never quantized).
         smoothquant_mappings: custom mappings as data (see `quasar_hf.smoothquant.mappings`).
@@ -60,7 +60,7 @@ class QuasarConfig(QuantizationConfigMixin):
     alpha_grid: list[float] = field(default_factory=lambda: list(DEFAULT_ALPHA_GRID))
     alpha_search: str = "linear"
     alpha_search_blocks: int = 4
-    weight_rounding: str = "nearest"
+    weight_rounding: str = "gptq"
     calibration_dataset: Any = None
     calibration_text_column: str | None = None
     calibration_split: str = "train"

@@ -127,6 +127,12 @@ def _natural_key(name: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
+def _rounding_text(rounding: str) -> str:
+    if rounding == "gptq":
+        return "GPTQ rounding on the calibration inputs (second-order, Frantar et al. 2022)"
+    return "rounded to nearest"
+
+
 def _calibration_text(qconfig: dict) -> str:
     info = qconfig.get("calibration_info") or {}
     source = info.get("source", qconfig.get("calibration_dataset")) or "built-in offline text"
@@ -182,6 +188,7 @@ def render_model_card(
         repo_id=repo_id,
         has_chat_template=has_chat_template,
         bits=qconfig.get("bits", 8),
+        rounding=_rounding_text(qconfig.get("weight_rounding", "nearest")),
         alpha=_format(qconfig.get("alpha")) + (" (searched per layer)" if searched else ""),
         searched_alphas=[(layer, _format(searched[layer])) for layer in sorted(searched, key=_natural_key)],
         calibration=_calibration_text(qconfig),
