@@ -1,0 +1,50 @@
+"""scripts/fidelity_models.py: variant parsing and merging reports of one model (no model runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fidelity_models.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("fidelity_models", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _report(code: str, ppl: float = 10.0) -> dict:
+    row = {"code": code, "variant": "default", "overrides": {}, "quantize_s": 1.0, "int8_weight_bytes": 1}
+    row.update(kept_float_bytes=0, perplexity_model=10.1, perplexity_ratio=1.01, top1_agreement=0.9, mean_kl_nats=0.01)
+    return {"model": "m", "eval": "e", "float_perplexity": ppl, "commands": [f"run {code}"], "results": [row]}
+
+
+def test_variants_parse_and_bad_ones_name_the_fix() -> None:
+    script = _script()
+    assert script.parse_variant('gptq={"weight_rounding": "gptq"}') == ("gptq", {"weight_rounding": "gptq"})
+    assert script.parse_variant("default={}") == ("default", {})
+    with pytest.raises(SystemExit, match="must be JSON"):
+        script.parse_variant("bad={alpha: 1}")
+    with pytest.raises(SystemExit, match="label=<JSON object>"):
+        script.parse_variant("=[]")
+
+
+def test_merge_keeps_every_row_and_refuses_other_models(tmp_path: Path) -> None:
+    script = _script()
+    a, b, c = (tmp_path / f"{n}.json" for n in "abc")
+    a.write_text(json.dumps(_report("before")))
+    b.write_text(json.dumps(_report("after")))
+    c.write_text(json.dumps(_report("other", ppl=11.0)))
+    json_path, md_path = script.merge_reports([str(a), str(b)], str(tmp_path), "merged", note="A note.")
+    merged = json.loads(Path(json_path).read_text())
+    assert [r["code"] for r in merged["results"]] == ["before", "after"]
+    assert merged["commands"] == ["run before", "run after"]
+    text = Path(md_path).read_text()
+    assert "| before | default |" in text and "| after | default |" in text and "A note." in text
+    with pytest.raises(SystemExit, match="cannot merge"):
+        script.merge_reports([str(a), str(c)], str(tmp_path), "bad")
