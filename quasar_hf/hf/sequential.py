@@ -136,7 +136,10 @@ def swap_in_w8a8(
         entry = stats.by_module.get(name) if stats is not None else None
         if entry is not None and entry.hessian is not None:
             column, _ = column_row_factors(linear.weight.detach().float(), weight)  # smoothed input = x / column
-            rounded = gptq_round(weight, smoothed_hessian(entry.hessian, column))
+            hessian = smoothed_hessian(entry.hessian, column)
+            entry.hessian = None  # each linear's own copy: free it before the next one's
+            rounded = gptq_round(weight, hessian, consume=True)
+            del hessian
         module = W8A8Linear.from_weight(weight, linear.bias, prescales.get(name), backend=backend, rounded=rounded)
         set_submodule(root, name, module)
         del weight, linear

@@ -21,39 +21,57 @@ GPTQ_DAMP = 0.01  # fraction of the mean diagonal added to H (the paper's defaul
 
 
 def smoothed_hessian(hessian: torch.Tensor, column_factor: torch.Tensor) -> torch.Tensor:
-    """H [K, K] of the original inputs x -> H of the inputs a smoothed linear sees, x / c."""
-    inv = 1.0 / column_factor.double()
-    return hessian.double() * inv[:, None] * inv[None, :]
+    """H [K, K] of the original inputs x -> H of the inputs a smoothed linear sees, x / c (fp32, one new tensor)."""
+    inv = 1.0 / column_factor.float()
+    return hessian.float().mul(inv[:, None]).mul_(inv[None, :])
 
 
-def _inverse_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of H^-1 (after damping; channels never seen get H_kk = 1)."""
-    h = hessian.double().clone()
-    dead = torch.diagonal(h) <= 0
-    h[dead, dead] = 1.0
-    mean_diag = torch.diagonal(h).mean()
-    for attempt in range(6):  # more damping if H is numerically singular
-        damped = h + (damp * 10**attempt) * mean_diag * torch.eye(h.shape[0], dtype=h.dtype)
-        factor, info = torch.linalg.cholesky_ex(damped)
+def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor of H^-1 after damping; consumes `h` (edited in place, then dropped).
+
+    fp32 and at most two K x K matrices alive at once (an 8B model's down_proj has K = 14336:
+    0.8 GB each). Channels never seen get H_kk = 1.
+    """
+    diagonal = torch.diagonal(h)
+    diagonal.masked_fill_(diagonal <= 0, 1.0)
+    step = damp * float(diagonal.mean())
+    diagonal.add_(step)
+    for _ in range(6):  # more damping if H is numerically singular
+        factor, info = torch.linalg.cholesky_ex(h)
         if int(info) == 0:
+            del h, diagonal
             inverse = torch.cholesky_inverse(factor)
+            del factor
             upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
             if int(info) == 0:
                 return upper
+            raise ValueError("GPTQ: the inverse of the calibration input Hessian is not positive definite")
+        del factor
+        diagonal.add_(step * 9.0)  # 10x the damping so far, then 100x, ...
+        step *= 10.0
     raise ValueError("GPTQ: the calibration input Hessian is not positive definite even after damping")
 
 
 @torch.no_grad()
 def gptq_round(
-    weight: torch.Tensor, hessian: torch.Tensor, block: int = GPTQ_BLOCK, damp: float = GPTQ_DAMP
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    block: int = GPTQ_BLOCK,
+    damp: float = GPTQ_DAMP,
+    consume: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] float, hessian [K, K] of its inputs -> (int8 [N, K], fp32 scale [N] = max|W[n]| / 127)."""
+    """weight [N, K] float, hessian [K, K] of its inputs -> (int8 [N, K], fp32 scale [N] = max|W[n]| / 127).
+
+    `consume=True` lets an fp32 `hessian` be overwritten instead of copied (one K x K matrix less).
+    """
     if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
         raise ValueError(f"GPTQ needs weight [N, K] and hessian [K, K]; got {tuple(weight.shape)} and {tuple(hessian.shape)}")
     wt = weight.detach().float().t().contiguous()  # [K, N]: column j of W is row j here (contiguous)
     amax = wt.abs().amax(dim=0)  # [N]
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))  # [N]
-    u = _inverse_cholesky(hessian, damp).float()  # [K, K] upper
+    h = hessian if consume and hessian.dtype == torch.float32 else hessian.float().clone()
+    u = _inverse_cholesky(h, damp)  # [K, K] upper
+    del h
     qt = torch.empty_like(wt)
     k = wt.shape[0]
     for start in range(0, k, block):
