@@ -108,6 +108,9 @@ def main() -> None:
         "floor_ms": floor_ms,
         "cache_tokens": 300,
         "steps": args.steps,
+        "model": f"saved checkpoint {os.path.basename(os.path.normpath(args.quantized))}"
+        if args.quantized
+        else "QuasarConfig() defaults quantized in the run",
         "rows": rows,
     }
     with open(args.out, "w") as f:
@@ -122,7 +125,8 @@ def to_markdown(d: dict) -> str:
     lines = [
         "# Verify step time vs the bytes it reads (SmolLM2-135M W8A8, this CPU)",
         "",
-        f"Command: `{d['command'].strip()}` (`QuasarConfig()` defaults quantized in the run; {d['cache_tokens']}-token "
+        f"Command: `{d['command'].strip()}` ({d.get('model', 'QuasarConfig() defaults quantized in the run')}; "
+        f"{d['cache_tokens']}-token "
         f"cache; mean of {d.get('steps', 20)} forwards after one warm-up; load average at the end "
         f"{', '.join(f'{x:.2f}' for x in d['load_average_end'])}; CPU {env.get('cpu', '?')}, commit {env.get('git_commit', '?')}).",
         "",
