@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fidelity_models.py"
+from tiny_models import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("fidelity_models", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fidelity_models")
 
 
 def _report(code: str, ppl: float = 10.0) -> dict:

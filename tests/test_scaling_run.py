@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-from tiny_models import char_tokenizer
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "scaling_run.py"
+from tiny_models import char_tokenizer, load_script
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("scaling_run", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scaling_run")
 
 
 def test_real_shapes_are_the_published_configs() -> None:

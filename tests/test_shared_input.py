@@ -14,7 +14,7 @@ from quasar_hf.nn.shared_input import MAX_UNCLAIMED, share_input, unshare_input
 from quasar_hf.ops import cpu_fused
 from quasar_hf.ops.multi import bind_w8a8_siblings
 from quasar_hf.ops.reference import quantize_weight_per_channel, w8a8_linear_reference
-from tests.tiny_models import save_tiny
+from tests.tiny_models import assert_quasar_greedy_equals_plain, save_tiny
 
 SHARED_BACKENDS = ["reference", "torch"] + (["cpu_fused"] if cpu_fused.is_available() else [])
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)
@@ -192,10 +192,4 @@ def test_greedy_quasar_equals_plain_greedy_with_shared_inputs(tmp_path):
     path = save_tiny(tmp_path / "src", "llama", dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=QuasarConfig(**FAST), dtype=torch.bfloat16)
     assert model.model.layers[0].self_attn.k_proj.shared_input is not None
-    g = torch.Generator().manual_seed(1)
-    base = torch.randint(0, 96, (20,), generator=g)
-    prompt = torch.cat([base, base[:10]])[None]
-    plain = model.generate(prompt, max_new_tokens=30, do_sample=False)
-    spec = model.generate(prompt, max_new_tokens=30, do_sample=False, quasar=True, return_dict_in_generate=True)
-    assert spec.quasar_stats.verify_steps > 0
-    assert torch.equal(spec.sequences, plain)
+    assert_quasar_greedy_equals_plain(model, 30)

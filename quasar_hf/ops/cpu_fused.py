@@ -219,6 +219,22 @@ def _fp32_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
+def _weight_args(
+    packed: PackedWeight, w_scale: torch.Tensor, bias_c: torch.Tensor | None, prescale: torch.Tensor | None, n: int
+) -> tuple:
+    """The C arguments from prescale to bias_dtype, in the entry point's order (weight side only)."""
+    return (
+        None if prescale is None else prescale.data_ptr(),
+        packed.data.data_ptr(),
+        packed.wsum128.data_ptr(),
+        n,
+        packed.data.shape[1] * 4,
+        w_scale.data_ptr(),
+        None if bias_c is None else bias_c.data_ptr(),
+        0 if bias_c is None else _DTYPE_CODES[bias_c.dtype],
+    )
+
+
 def _call(fn, x, weight_q, weight_scale, bias, act_prescale, packed: PackedWeight, want_output: bool) -> torch.Tensor:
     """Lay the (already validated) tensors out for the C entry point and call it."""
     n, k = weight_q.shape
@@ -239,14 +255,7 @@ def _call(fn, x, weight_q, weight_scale, bias, act_prescale, packed: PackedWeigh
         m,
         k,
         x2.stride(0),
-        None if prescale is None else prescale.data_ptr(),
-        packed.data.data_ptr(),
-        packed.wsum128.data_ptr(),
-        n,
-        packed.data.shape[1] * 4,
-        w_scale.data_ptr(),
-        None if bias_c is None else bias_c.data_ptr(),
-        0 if bias_c is None else _DTYPE_CODES[bias_c.dtype],
+        *_weight_args(packed, w_scale, bias_c, prescale, n),
         result.data_ptr() if want_output else None,
         _DTYPE_CODES[x.dtype],
         n,
@@ -320,16 +329,7 @@ def bind_linear(
     prescale = None if act_prescale is None else _fp32_contiguous(act_prescale)
     bias_c = bias if bias is None or bias.is_contiguous() else bias.contiguous()
     n = weight_q.shape[0]
-    weight_args = (  # the C arguments from prescale to bias_dtype, in order
-        None if prescale is None else prescale.data_ptr(),
-        packed.data.data_ptr(),
-        packed.wsum128.data_ptr(),
-        n,
-        packed.data.shape[1] * 4,
-        w_scale.data_ptr(),
-        None if bias_c is None else bias_c.data_ptr(),
-        0 if bias_c is None else _DTYPE_CODES[bias_c.dtype],
-    )
+    weight_args = _weight_args(packed, w_scale, bias_c, prescale, n)
     max_threads = max(1, n * k // _MIN_BYTES_PER_THREAD)  # per call: min(torch threads, this), as _thread_count
 
     def linear(x: torch.Tensor) -> torch.Tensor:
