@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig, W8A8Linear
-from quasar_hf.ops import dispatch
+from quasar_hf.ops import dispatch, multi
 from tests.tiny_models import save_tiny
 
 IDS = torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88, 12, 3]])
@@ -39,6 +39,18 @@ def _counting(monkeypatch, name: str) -> list[int]:
         return entry.run(*args, **kwargs)
 
     monkeypatch.setitem(dispatch._TABLE, name, dataclasses.replace(entry, run=run, run_prepacked=run))
+    shared_bind = multi._SHARED_FORMS[name]  # siblings (q/k/v, gate/up) run as one shared call
+
+    def bind(weights, *args, **kwargs):
+        linear = shared_bind(weights, *args, **kwargs)
+
+        def counted(x):
+            calls.extend([1] * len(weights))  # one output per sibling linear
+            return linear(x)
+
+        return counted
+
+    monkeypatch.setitem(multi._SHARED_FORMS, name, bind)
     return calls
 
 

@@ -16,7 +16,8 @@ from quasar_hf.smoothquant.linear_error import add_output_errors, column_row_fac
 from quasar_hf.smoothquant.mappings import resolve_mappings
 from tests.tiny_models import char_tokenizer, tiny_model
 
-FAST = dict(num_calibration_samples=4, calibration_seq_len=64, alpha=0.5)
+# nearest rounding: the bookkeeping checks below use its half-step bound (GPTQ has its own test)
+FAST = dict(num_calibration_samples=4, calibration_seq_len=64, alpha=0.5, weight_rounding="nearest")
 TEXTS = ["def add(a, b):\n    return a + b\n" * 4, "The quick brown fox jumps over the lazy dog. " * 4]
 
 
@@ -119,6 +120,17 @@ def test_report_lists_every_quantized_linear_with_exact_bookkeeping(outlier_pair
     totals = report["totals"]
     assert totals["linears"] == len(names) and sum(k["linears"] for k in report["by_kind"].values()) == len(names)
     assert 0.8 < totals["both_rel_mse"] / (totals["weight_rel_mse"] + totals["act_rel_mse"]) < 1.2  # errors add
+
+
+def test_gptq_models_are_reported_within_their_own_residual_bound(tmp_path):
+    from quasar_hf.bench.per_layer import MAX_STEP_RESIDUAL_GPTQ
+
+    src = save_outlier(tmp_path, "llama")
+    quantized = quantize(src, weight_rounding="gptq")
+    result = evaluate_per_layer(quantized, outlier_model("llama"), char_tokenizer(), TEXTS, seq_len=48, max_windows=3)
+    residuals = [row["step_residual"] for row in result["report"]["rows"]]
+    assert max(residuals) > 0.5 + 1e-3  # GPTQ moved some weights past nearest rounding, on purpose
+    assert max(residuals) <= MAX_STEP_RESIDUAL_GPTQ
 
 
 def test_unsmoothed_input_is_the_float_models_input(outlier_pair):
