@@ -94,3 +94,11 @@ def test_gptq_quantizes_a_model_with_the_nearest_scales(arch: str) -> None:
 def test_weight_rounding_is_validated() -> None:
     with pytest.raises(ValueError, match="weight_rounding must be one of"):
         QuasarConfig(weight_rounding="awq")
+
+
+def test_checkpoints_saved_before_the_field_read_back_as_nearest_rounded() -> None:
+    saved = QuasarConfig(weight_rounding="nearest").to_dict()
+    saved["quantized_modules"] = ["model.layers.0.mlp.down_proj"]
+    del saved["weight_rounding"]
+    assert QuasarConfig.from_dict(saved).weight_rounding == "nearest"
+    assert QuasarConfig.from_dict({}).weight_rounding == "gptq"  # a new config gets the default

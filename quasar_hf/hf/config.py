@@ -173,7 +173,10 @@ class QuasarConfig(QuantizationConfigMixin):
                 f"unknown QuasarConfig fields {sorted(unknown)}: this checkpoint may come from a newer quasar_hf "
                 "(upgrade with `pip install -U quasar-hf`)"
             )
-        return super().from_dict(dict(config_dict), return_unused_kwargs=return_unused_kwargs, **kwargs)
+        config_dict = dict(config_dict)
+        if config_dict.get("quantized_modules") and "weight_rounding" not in config_dict:
+            config_dict["weight_rounding"] = "nearest"  # saved before the field existed: rounded to nearest
+        return super().from_dict(config_dict, return_unused_kwargs=return_unused_kwargs, **kwargs)
 
     def get_loading_attributes(self) -> dict[str, Any]:
         """Fields a user may override when loading a saved Quasar checkpoint."""
