@@ -26,12 +26,21 @@ def runs_of(tokens):
 
 
 def test_exactness_compares_each_peer_with_its_plain_greedy_run():
-    tokens = {"ao_w8a8": [[1, 2, 3], [4]], "ao_w8a8_prompt_lookup": [[1, 2, 3], [5]], "quasar_ngram": [[9], [9]]}
+    tokens = {
+        "ao_w8a8": [[1, 2, 3], [4]],
+        "ao_w8a8_prompt_lookup": [[1, 2, 3], [5]],
+        "w8a8_generate": [[9], [8]],
+        "quasar_ngram": [[9], [9]],
+        "bf16_prompt_lookup": [[7], [7]],
+        "some_other_variant": [[7], [7]],
+    }
     summaries = {name: {} for name in tokens}
     peers.mark_peer_exactness(summaries, runs_of(tokens))
     assert summaries["ao_w8a8"]["same_tokens_as_own_plain_greedy"] == 1.0
     assert summaries["ao_w8a8_prompt_lookup"]["same_tokens_as_own_plain_greedy"] == 0.5
-    assert "same_tokens_as_own_plain_greedy" not in summaries["quasar_ngram"]
+    assert summaries["quasar_ngram"]["same_tokens_as_own_plain_greedy"] == 0.5  # vs the W8A8 model's own generate
+    assert summaries["bf16_prompt_lookup"]["same_tokens_as_own_plain_greedy"] is None  # bf16_generate did not run
+    assert "same_tokens_as_own_plain_greedy" not in summaries["some_other_variant"]
     alone = {"ao_w8a8_prompt_lookup": {}}
     peers.mark_peer_exactness(alone, runs_of({"ao_w8a8_prompt_lookup": [[1]]}))
     assert alone["ao_w8a8_prompt_lookup"]["same_tokens_as_own_plain_greedy"] is None

@@ -8,8 +8,8 @@ Each peer is optional: it exists only when its package imports (`available_peers
 with the package version, for the report), and asking for it without the package raises an
 error that says what to install. `build_peer_variants` is the runner's hook: it returns the
 generate functions of the peers among the requested names. `mark_peer_exactness` tells, per
-peer, how often its greedy tokens equal its own plain greedy tokens (prompt lookup on the torchao model
-vs plain generate on the torchao model).
+variant, how often its greedy tokens equal its own plain greedy tokens (prompt lookup on the torchao
+model vs plain generate on the torchao model; Quasar's loop vs plain generate on the W8A8 model).
 """
 
 from __future__ import annotations
@@ -27,6 +27,23 @@ Generate = Callable[[torch.Tensor, int], tuple[list[int], dict]]
 TORCHAO_PEERS = ("ao_w8a8", "ao_w8a8_prompt_lookup")
 # peer -> the variant whose greedy tokens it must reproduce (its own plain greedy decoding)
 PLAIN_BASELINE = {"ao_w8a8": "ao_w8a8", "ao_w8a8_prompt_lookup": "ao_w8a8"}
+
+
+def own_plain_greedy(name: str) -> str | None:
+    """The variant whose greedy tokens `name` must reproduce: plain greedy decoding of the same model.
+
+    quasar_* -> w8a8_generate (the W8A8 model's own `generate`), bf16 lookup / verify loops ->
+    bf16_generate, torchao peers -> ao_w8a8; None for a variant with no such twin.
+    """
+    if name in PLAIN_BASELINE:
+        return PLAIN_BASELINE[name]
+    if name.startswith("quasar_") or name == "w8a8_generate":
+        return "w8a8_generate"
+    if name.startswith("bf16_"):
+        return "bf16_generate"
+    return None
+
+
 INSTALL_HELP = {"torchao": "pip install --no-deps torchao==0.18.0  (next to torch 2.13; --no-deps keeps your torch)"}
 
 
@@ -96,11 +113,13 @@ def build_peer_variants(
 
 
 def mark_peer_exactness(summaries: dict[str, dict], runs: list[dict]) -> None:
-    """Set summaries[peer]["same_tokens_as_own_plain_greedy"]: the fraction of the peer's runs whose
-    tokens equal its plain greedy variant's tokens on the same prompt (runs: {variant, prompt_index,
-    tokens}, as the runner records them); None when the plain variant did not run."""
-    for name, baseline in PLAIN_BASELINE.items():
-        if name not in summaries:
+    """Set summaries[name]["same_tokens_as_own_plain_greedy"] for every variant with a plain twin
+    (`own_plain_greedy`): the fraction of its runs whose tokens equal the twin's tokens on the same
+    prompt (runs: {variant, prompt_index, tokens}, as the runner records them); None when the twin
+    did not run."""
+    for name in summaries:
+        baseline = own_plain_greedy(name)
+        if baseline is None:
             continue
         plain = {r["prompt_index"]: r["tokens"] for r in runs if r["variant"] == baseline}
         mine = [r for r in runs if r["variant"] == name]

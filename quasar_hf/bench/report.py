@@ -19,7 +19,19 @@ from typing import Any
 
 import torch
 
-_PACKAGES = ("torch", "transformers", "accelerate", "triton", "bitsandbytes", "datasets", "quasar-hf")
+from quasar_hf.bench.peers import report_names
+
+_PACKAGES = (
+    "torch",
+    "transformers",
+    "accelerate",
+    "triton",
+    "bitsandbytes",
+    "datasets",
+    "torchao",
+    "llama_cpp_python",
+    "quasar-hf",
+)
 
 
 def _cpu_model() -> str:
@@ -103,15 +115,19 @@ def variants_table(result: dict) -> list[str]:
         "us / draft token",
         "peak memory (MiB)",
         "same tokens as bf16",
+        "x vs quasar_ngram",
+        "same tokens as own plain greedy",
     ]
     rows = []
+    quasar = result["variants"].get("quasar_ngram", {}).get("tokens_per_s_median")
+    labels = report_names(list(result["variants"]))
     for name, s in result["variants"].items():
         step = s.get("time_per_verify_step_s")
         draft = s.get("time_per_draft_token_s")
         memory = s.get("peak_memory_bytes")
         rows.append(
             [
-                name,
+                labels[name],
                 s["tokens_per_s_median"],
                 result.get("headline", {}).get(name),
                 s.get("mean_acceptance_length"),
@@ -120,6 +136,8 @@ def variants_table(result: dict) -> list[str]:
                 draft * 1e6 if draft is not None else None,
                 memory / 2**20 if memory else None,
                 s.get("same_tokens_as_bf16_generate"),
+                s["tokens_per_s_median"] / quasar if quasar else None,
+                s.get("same_tokens_as_own_plain_greedy"),
             ]
         )
     return _table(header, rows)

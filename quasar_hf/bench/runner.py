@@ -6,11 +6,13 @@ Variants (names are stable, they key the JSON report):
   bf16_verify_ngram   the speculative loop, n-gram drafts, verified by the unquantized model
   quasar_ngram        the same loop verified by the W8A8 model (the method)
   quasar_<drafter>    the W8A8 model with another drafter of `quasar_hf.speculative`, when present
+  w8a8_generate       plain greedy `generate` on the W8A8 model (what quasar_* must reproduce)
+  ao_w8a8, ...        peers a user would run instead (`quasar_hf.bench.peers`), when installed
 
 Variants are interleaved (repeat -> prompt -> rotated variant order) so that slow drift of a shared
 machine spreads evenly. The headline is every variant's median tokens/s divided by
-bf16_verify_ngram's. Greedy decoding throughout: all bf16_* variants must emit the same tokens,
-which the report checks.
+bf16_verify_ngram's. Greedy decoding throughout: every speculative variant must emit the tokens of
+its own model's plain greedy decoding, which the report checks.
 """
 
 from __future__ import annotations
@@ -119,6 +121,10 @@ def build_variants(
             variants[name] = _hf_generate(reference_model)
         elif name == "bf16_prompt_lookup":
             variants[name] = _hf_generate(reference_model, prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=3)
+        elif name == "w8a8_generate":
+            if quantized_model is None:
+                raise ValueError("variant 'w8a8_generate' needs a quantized_model (a W8A8 copy of the model)")
+            variants[name] = _hf_generate(quantized_model)
         elif name == "bf16_verify_ngram":
             variants[name] = _speculative(reference_model, "ngram", num_draft_tokens)
         elif name.startswith("quasar_"):
@@ -127,7 +133,7 @@ def build_variants(
             variants[name] = _speculative(quantized_model, name.removeprefix("quasar_"), num_draft_tokens)
         else:
             raise ValueError(
-                f"unknown variant {name!r}: use bf16_generate, bf16_prompt_lookup, bf16_verify_ngram, quasar_<drafter> "
+                f"unknown variant {name!r}: use bf16_generate, bf16_prompt_lookup, bf16_verify_ngram, w8a8_generate, quasar_<drafter> "
                 f"or a peer ({', '.join(TORCHAO_PEERS)})"
             )
     return variants
@@ -186,7 +192,7 @@ def run_bench(
     if not items:
         raise ValueError("no prompts to benchmark: pass prompts=[...] or a non-empty suite")
     if quantized_model is None:
-        variants = [v for v in variants if not v.startswith("quasar_")]
+        variants = [v for v in variants if not v.startswith("quasar_") and v != "w8a8_generate"]
     names = list(variants)
     generators = build_variants(names, reference_model, quantized_model, num_draft_tokens)
     device = str(next(reference_model.parameters()).device)
