@@ -53,6 +53,7 @@ class Variant:
     model: torch.nn.Module
     drafter: str | None  # None: plain generate
     head_size: int | None = None  # reduced draft head to attach before running
+    kwargs: dict | None = None  # drafter_kwargs (auto: ngram=False = adaptive self-drafting alone)
 
 
 def suite_items(name: str) -> list[dict]:
@@ -60,6 +61,17 @@ def suite_items(name: str) -> list[dict]:
     if name == "open":
         return load_suite(str(resources.files("quasar_hf").joinpath("data", "prompts", "open.jsonl")))
     return load_suite(name)
+
+
+def prompts_per_suite(spec: str, suites: list[str]) -> dict[str, int]:
+    """--prompts "12" (every suite) or "grounded=8,open=20" -> {suite: count}."""
+    if "=" not in spec:
+        return {s: int(spec) for s in suites}
+    counts = {name.strip(): int(n) for name, n in (part.split("=") for part in spec.split(","))}
+    missing = [s for s in suites if s not in counts]
+    if missing:
+        raise SystemExit(f"--prompts {spec!r} gives no count for suites {missing}")
+    return counts
 
 
 def head_indices(model, tokenizer, sizes: list[int]) -> dict[int, torch.Tensor]:
@@ -71,25 +83,29 @@ def head_indices(model, tokenizer, sizes: list[int]) -> dict[int, torch.Tensor]:
     return {n: select_head_tokens(counts, n, special_token_ids(model)) for n in sizes}
 
 
-def load_models(path: str, layers, sizes: list[int], bf16_baselines: bool, calibration: dict) -> dict:
+def load_models(path: str, layers, sizes: list[int], bf16_baselines: bool, bf16_layers: bool, calibration: dict) -> dict:
     def quasar(dtype, draft_layers):
         config = QuasarConfig(draft_layers=draft_layers, draft_dtype=dtype, draft_vocab_size=max(sizes), **calibration)
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=config).eval()
 
     int8 = quasar("int8", layers)
     chosen = int8.config.quantization_config.draft_info["layers"]  # "auto" searches once
-    models = {"int8": int8, "bf16_layers": quasar("model", chosen)}
+    models = {"int8": int8}
+    if bf16_layers:
+        models["bf16_layers"] = quasar("model", chosen)
     if bf16_baselines:
         models["bf16"] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     return models
 
 
 def build_variants(models: dict, sizes: list[int]) -> list[Variant]:
-    int8, copies = models["int8"], models["bf16_layers"]
+    int8 = models["int8"]
     variants = [Variant("plain_w8a8", int8, None), Variant("ngram", int8, "ngram")]
-    for label, model in (("int8", int8), ("bf16", copies)):
+    paths = [("int8", int8)] + ([("bf16", models["bf16_layers"])] if "bf16_layers" in models else [])
+    for label, model in paths:
         variants.append(Variant(f"self_{label}_layers_full_head", model, "self"))
         variants += [Variant(f"self_{label}_layers_head{n}", model, "self_reduced", n) for n in sizes]
+    variants.append(Variant(f"self_adaptive_int8_layers_head{sizes[0]}", int8, "auto", sizes[0], {"ngram": False}))
     variants.append(Variant(f"auto_head{sizes[0]}", int8, "auto", sizes[0]))
     if "bf16" in models:
         variants += [Variant("plain_bf16", models["bf16"], None), Variant("ngram_bf16_verify", models["bf16"], "ngram")]
@@ -106,7 +122,7 @@ def run_variant(variant: Variant, heads: dict, ids: torch.Tensor, max_new_tokens
         sequences = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
         seconds = time.perf_counter() - started
         return {"sequence": sequences[0], "seconds": seconds, "stats": None, "auto": None}
-    config = QuasarGenerationConfig(drafter=variant.drafter, num_draft_tokens=num_draft)
+    config = QuasarGenerationConfig(drafter=variant.drafter, num_draft_tokens=num_draft, drafter_kwargs=variant.kwargs or {})
     drafter = auto_factory(model, config) if variant.drafter == "auto" else variant.drafter
     config.drafter = drafter
     out = speculative_generate(
@@ -174,6 +190,19 @@ def summarize(rows: list[dict], plain_rows: list[dict]) -> dict:
 
 def markdown(report: dict) -> str:
     lines = [f"Command: `{report['command']}`", "", f"Load average during the run: {report['load_average']}", ""]
+    info = report["draft_info"]["int8"]
+    lines.append(
+        f"- draft path: layers {info['layers']} ({info['selection']}); top-1 agreement {info['top1_agreement']} "
+        f"with the float model on calibration text; draft/verify bytes {info.get('draft_over_verify_bytes')}; "
+        f"predicted bytes-bound speedup {info.get('predicted_speedup')} at k = {info.get('predicted_best_draft_tokens')}"
+    )
+    for c in info.get("candidates") or []:
+        lines.append(
+            f"  - {c['num_layers']} layers: agreement {c['top1_agreement']}, draft/verify bytes {c['draft_over_verify']}, "
+            f"predicted {c['predicted_speedup']}x at k = {c['draft_tokens']}"
+        )
+    for suite, cover in report["head_coverage"].items():
+        lines.append(f"- suite `{suite}`: share of plain W8A8 output tokens inside each reduced head: {cover}")
     for name, info in report["bytes"].items():
         lines.append(f"- {name}: {info}")
     for suite, table in report["summary"].items():
@@ -196,10 +225,14 @@ def main() -> None:
     parser.add_argument("--draft-layers", required=True, help='comma-separated layer indices, or "auto"')
     parser.add_argument("--draft-vocab-sizes", default="8192", help="comma-separated reduced draft head sizes N")
     parser.add_argument("--suites", default="grounded,open")
-    parser.add_argument("--prompts", type=int, default=12, help="prompts per suite")
+    parser.add_argument("--prompts", default="12", help='prompts per suite: N for every suite, or e.g. "grounded=8,open=20"')
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=5)
     parser.add_argument("--no-bf16-baselines", action="store_true")
+    parser.add_argument("--no-bf16-draft-layers", action="store_true", help="skip the variants with BF16 draft-layer copies")
+    parser.add_argument(
+        "--variants", default=None, help="comma-separated variant names to run (default: all; plain_w8a8 always runs)"
+    )
     parser.add_argument("--alpha", default="auto", help='SmoothQuant alpha ("auto" or a float; a float quantizes faster)')
     parser.add_argument("--calibration-samples", type=int, default=32)
     parser.add_argument("--calibration-seq-len", type=int, default=512)
@@ -216,11 +249,18 @@ def main() -> None:
         "num_calibration_samples": args.calibration_samples,
         "calibration_seq_len": args.calibration_seq_len,
     }
-    models = load_models(path, layers, sizes, not args.no_bf16_baselines, calibration)
+    models = load_models(path, layers, sizes, not args.no_bf16_baselines, not args.no_bf16_draft_layers, calibration)
     heads = head_indices(models["int8"], tok, sizes)
     variants = build_variants(models, sizes)
+    if args.variants:
+        wanted = {"plain_w8a8", *args.variants.split(",")}
+        unknown = wanted - {v.name for v in variants}
+        if unknown:
+            raise SystemExit(f"unknown --variants {sorted(unknown)}; known: {[v.name for v in variants]}")
+        variants = [v for v in variants if v.name in wanted]
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
-    prompts = {s: [torch.tensor([render_prompt(it, tok)]) for it in suite_items(s)[: args.prompts]] for s in suites}
+    counts = prompts_per_suite(args.prompts, suites)
+    prompts = {s: [torch.tensor([render_prompt(it, tok)]) for it in suite_items(s)[: counts[s]]] for s in suites}
     warm = prompts[suites[0]][0]
     for variant in variants:  # kernel binding, caches: outside the timed runs
         run_variant(variant, heads, warm, 4, args.num_draft_tokens, pad)
@@ -246,7 +286,9 @@ def main() -> None:
     byte_info["model_bytes"] = {k: module_bytes(m) for k, m in models.items()}
     report = {
         "command": "python scripts/draft_compare.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False)),
+        + " ".join(
+            f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items() if v not in (None, False)
+        ),
         "draft_info": {k: m.config.quantization_config.draft_info for k, m in models.items() if k != "bf16"},
         "bytes": byte_info,
         "summary": summary,

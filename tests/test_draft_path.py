@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig
-from quasar_hf.hf.draft_path import expected_acceptance_length, self_draft_model
+from quasar_hf.hf.draft_path import self_draft_model
+from quasar_hf.hf.draft_search import expected_acceptance_length
 from tests.tiny_models import char_tokenizer
 
 IDS = torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88]])
@@ -62,8 +63,11 @@ def test_auto_selection_records_choice_and_int8_shares_layers(four_layer_llama):
         dtype=torch.float32,
     )
     info = model.config.quantization_config.draft_info
-    assert len(info["layers"]) == 2 and info["extra_bytes"] == 0 and 0.0 <= info["top1_agreement"] <= 1.0
-    assert "greedy" in info["selection"]
+    assert 1 <= len(info["layers"]) <= 2 and info["extra_bytes"] == 0 and 0.0 <= info["top1_agreement"] <= 1.0
+    assert "greedy" in info["selection"] and "per byte" in info["selection"]
+    assert [c["num_layers"] for c in info["candidates"]] == [2, 1]  # searched past the budget, down to the floor
+    best = max(info["candidates"], key=lambda c: c["predicted_speedup"])
+    assert best["num_layers"] == len(info["layers"]) and info["predicted_speedup"] == best["predicted_speedup"]
     assert not hasattr(model, "quasar_draft")
     draft = self_draft_model(model)
     verify_q = model.model.layers[info["layers"][0]].self_attn.q_proj

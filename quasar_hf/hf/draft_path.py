@@ -15,7 +15,6 @@ its own.
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 from torch import nn
@@ -108,55 +107,6 @@ def register_self_drafter() -> None:
     from quasar_hf.speculative.drafters import DRAFTER_FACTORIES
 
     DRAFTER_FACTORIES.setdefault("self", self_drafter_factory)
-
-
-@torch.no_grad()
-def top1_agreement(model: nn.Module, layer_indices: list[int], blocks: torch.Tensor, reference: torch.Tensor) -> float:
-    """Fraction of positions where the skipped-layer model's argmax equals `reference` [N, T]."""
-    source = model.get_submodule("model.layers")
-    layers = [_renumbered(source[i], slot, deep=False) for slot, i in enumerate(layer_indices)]
-    draft = build_draft_model(model, layer_indices, layers)
-    device = next(model.parameters()).device
-    hits = 0
-    for block, ref in zip(blocks, reference):
-        hits += (draft(input_ids=block[None].to(device), use_cache=False).logits[0].argmax(-1).cpu() == ref).sum().item()
-    return hits / reference.numel()
-
-
-@torch.no_grad()
-def select_draft_layers(model: nn.Module, blocks: torch.Tensor, budget: float, progress: bool = True) -> dict:
-    """Greedy layer removal (as in Draft&Verify / SWIFT): drop, one at a time, the layer whose removal
-    keeps top-1 agreement with the full model highest, until at most `budget` of the layers remain.
-
-    Runs on the float model before smoothing. Returns {"layers", "top1_agreement", "evaluations"}.
-    """
-    from tqdm.auto import tqdm
-
-    num_layers = len(model.get_submodule("model.layers"))
-    target = max(1, math.floor(budget * num_layers))
-    device = next(model.parameters()).device
-    reference = torch.stack([model(input_ids=b[None].to(device), use_cache=False).logits[0].argmax(-1).cpu() for b in blocks])
-    kept = list(range(num_layers))
-    agreement, evaluations = 1.0, 0
-    with tqdm(total=num_layers - target, desc="Quasar draft-layer search", disable=not progress) as bar:
-        while len(kept) > target:
-            scores = {}
-            for layer in kept:
-                candidate = [i for i in kept if i != layer]
-                scores[layer] = top1_agreement(model, candidate, blocks, reference)
-                evaluations += 1
-            drop = max(scores, key=scores.__getitem__)
-            kept.remove(drop)
-            agreement = scores[drop]
-            bar.update(1)
-    return {"layers": kept, "top1_agreement": agreement, "evaluations": evaluations}
-
-
-def expected_acceptance_length(agreement: float, num_draft_tokens: int = 5) -> float:
-    """E[tokens per verify step] if each draft token is accepted independently with prob `agreement`."""
-    if agreement >= 1.0:
-        return float(num_draft_tokens + 1)
-    return (1.0 - agreement ** (num_draft_tokens + 1)) / (1.0 - agreement)
 
 
 def module_bytes(module: nn.Module) -> int:

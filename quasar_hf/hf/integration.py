@@ -9,10 +9,11 @@ from torch import nn
 
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.draft_head import attach_draft_head_skeleton, build_draft_head
-from quasar_hf.hf.draft_path import (
-    attach_draft_layers,
+from quasar_hf.hf.draft_path import attach_draft_layers, module_bytes
+from quasar_hf.hf.draft_search import (
+    draft_byte_ratio,
     expected_acceptance_length,
-    module_bytes,
+    predicted_speedup,
     select_draft_layers,
     top1_agreement,
 )
@@ -165,12 +166,10 @@ def build_draft_path(model: nn.Module, config: QuasarConfig, blocks: torch.Tenso
     sample = blocks[:DRAFT_SEARCH_BLOCKS, :DRAFT_SEARCH_TOKENS]
     num_layers = len(model.get_submodule("model.layers"))
     if config.draft_layers == "auto":
-        found = select_draft_layers(model, sample, config.draft_budget, progress)
-        layers, agreement, selection = (
-            found["layers"],
-            found["top1_agreement"],
-            f"greedy removal, {found['evaluations']} evaluations",
-        )
+        found = select_draft_layers(model, sample, config.draft_budget, progress, config.draft_dtype, config.draft_vocab_size)
+        layers, agreement = found["layers"], found["top1_agreement"]
+        selection = f"greedy removal by top-1 agreement, size by predicted speedup per byte; {found['evaluations']} evaluations"
+        candidates = found["candidates"]
     else:
         layers = list(config.draft_layers)
         bad = [i for i in layers if i >= num_layers]
@@ -180,7 +179,9 @@ def build_draft_path(model: nn.Module, config: QuasarConfig, blocks: torch.Tenso
             )
         device = next(model.parameters()).device
         reference = torch.stack([model(input_ids=b[None].to(device), use_cache=False).logits[0].argmax(-1).cpu() for b in sample])
-        agreement, selection = top1_agreement(model, layers, sample, reference), "user"
+        agreement, selection, candidates = top1_agreement(model, layers, sample, reference), "user", None
+    ratio = draft_byte_ratio(model, layers, config.draft_dtype, config.draft_vocab_size)
+    speedup, draft_tokens = predicted_speedup(agreement, ratio)
     extra = 0
     if config.draft_dtype == "model":
         extra = module_bytes(attach_draft_layers(model, layers))
@@ -190,6 +191,10 @@ def build_draft_path(model: nn.Module, config: QuasarConfig, blocks: torch.Tenso
         "selection": selection,
         "top1_agreement": round(agreement, 4),
         "expected_acceptance_length_k5": round(expected_acceptance_length(agreement, 5), 3),
+        "draft_over_verify_bytes": round(ratio, 4),
+        "predicted_speedup": round(speedup, 4),
+        "predicted_best_draft_tokens": draft_tokens,
+        "candidates": candidates,
         "agreement_measured_on": f"{sample.shape[0]} x {sample.shape[1]} calibration tokens vs the float model",
         "extra_bytes": extra,
         "extra_fraction_of_model": round(extra / max(1, module_bytes(model) - extra), 4),
