@@ -12,4 +12,15 @@ shift || true
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 python="${PYTHON:-python}"
 "$python" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
-exec timeout 470 "$python" -m scripts.gpu_check --out "$out" "$@"
+timeout 470 "$python" -m scripts.gpu_check --out "$out" "$@"
+status=$?
+# Optional: where vLLM imports (CUDA image with vLLM), serve the compressed-tensors export and
+# compare greedy output with Transformers'. QUASAR_CHECKPOINT=DIR uses a real Quasar checkpoint;
+# without it a tiny random model checks the mechanics. Writes OUT_DIR/vllm_check.{json,md}.
+if "$python" -c "import vllm" 2>/dev/null; then
+  if [ -n "${QUASAR_CHECKPOINT:-}" ]; then target=(--checkpoint "$QUASAR_CHECKPOINT"); else target=(--tiny); fi
+  timeout 300 "$python" -m scripts.vllm_check "${target[@]}" --out "$out" || echo "vllm_check failed (status $?)"
+else
+  echo "vllm not importable: the vLLM load check is skipped (see docs/serving.md for the commands)"
+fi
+exit $status
