@@ -58,3 +58,30 @@ def test_torchao_peers_run_on_a_tiny_model(tmp_path):
     assert summaries["ao_w8a8"]["same_tokens_as_own_plain_greedy"] == 1.0  # the other's value is what the bench reports
     names = peers.report_names(["ao_w8a8"])
     assert names["ao_w8a8"].startswith("ao_w8a8 (torchao ")
+
+
+def test_llamacpp_peers_need_the_package_and_a_gguf(monkeypatch, tmp_path):
+    from quasar_hf.bench import llamacpp_peer
+
+    monkeypatch.setattr(llamacpp_peer, "llamacpp_version", lambda: None)
+    with pytest.raises(ValueError, match="pip install llama-cpp-python"):
+        llamacpp_peer.build_llamacpp_variants(["llamacpp_q8_0"], str(tmp_path / "m.gguf"), {2})
+    assert llamacpp_peer.build_llamacpp_variants(["quasar_ngram"], None, {2}) == {}
+    monkeypatch.setattr(llamacpp_peer, "llamacpp_version", lambda: "0.0")
+    with pytest.raises(ValueError, match="need a GGUF file"):
+        llamacpp_peer.build_llamacpp_variants(["llamacpp_q8_0_lookup"], str(tmp_path / "missing.gguf"), {2})
+
+
+def test_llamacpp_lookup_is_checked_against_plain_llamacpp():
+    tokens = {"llamacpp_q8_0": [[1, 2], [3]], "llamacpp_q8_0_lookup": [[1, 2], [4]]}
+    summaries = {name: {} for name in tokens}
+    peers.mark_peer_exactness(summaries, runs_of(tokens))
+    assert summaries["llamacpp_q8_0"]["same_tokens_as_own_plain_greedy"] == 1.0
+    assert summaries["llamacpp_q8_0_lookup"]["same_tokens_as_own_plain_greedy"] == 0.5
+
+
+def test_eos_ids_as_generate_stops():
+    model = torch.nn.Linear(2, 2)
+    assert peers._eos_ids(model) == set()
+    model.generation_config = type("G", (), {"eos_token_id": [7, 9]})()
+    assert peers._eos_ids(model) == {7, 9}

@@ -3,6 +3,8 @@
   ao_w8a8                Transformers + torchao W8A8 (`TorchAoConfig(Int8DynamicActivationInt8WeightConfig())`),
                          plain greedy `generate`
   ao_w8a8_prompt_lookup  the same model with Transformers' prompt lookup decoding (same draft length, n-gram <= 3)
+  llamacpp_q8_0, llamacpp_q8_0_lookup   llama.cpp on a Q8_0 GGUF, plain and prompt lookup
+                         (`quasar_hf.bench.llamacpp_peer`; needs the GGUF file)
 
 Each peer is optional: it exists only when its package imports (`available_peers()` names them
 with the package version, for the report), and asking for it without the package raises an
@@ -22,11 +24,18 @@ from typing import Any
 
 import torch
 
+from quasar_hf.bench.llamacpp_peer import LLAMACPP_PEERS, build_llamacpp_variants, llamacpp_version
+
 Generate = Callable[[torch.Tensor, int], tuple[list[int], dict]]
 
 TORCHAO_PEERS = ("ao_w8a8", "ao_w8a8_prompt_lookup")
 # peer -> the variant whose greedy tokens it must reproduce (its own plain greedy decoding)
-PLAIN_BASELINE = {"ao_w8a8": "ao_w8a8", "ao_w8a8_prompt_lookup": "ao_w8a8"}
+PLAIN_BASELINE = {
+    "ao_w8a8": "ao_w8a8",
+    "ao_w8a8_prompt_lookup": "ao_w8a8",
+    "llamacpp_q8_0": "llamacpp_q8_0",
+    "llamacpp_q8_0_lookup": "llamacpp_q8_0",
+}
 
 
 def own_plain_greedy(name: str) -> str | None:
@@ -58,8 +67,14 @@ def _version(package: str) -> str | None:
 
 def available_peers() -> dict[str, str]:
     """Peer variant name -> "package version" for every peer whose package imports here."""
+    peers = {}
     version = _version("torchao")
-    return {name: f"torchao {version}" for name in TORCHAO_PEERS} if version else {}
+    if version:
+        peers.update({name: f"torchao {version}" for name in TORCHAO_PEERS})
+    version = llamacpp_version()
+    if version:
+        peers.update({name: f"llama-cpp-python {version}" for name in LLAMACPP_PEERS})
+    return peers
 
 
 def torchao_w8a8_model(reference_model: torch.nn.Module) -> torch.nn.Module:
@@ -91,16 +106,17 @@ def _greedy(model: torch.nn.Module, **extra: Any) -> Generate:
 
 
 def build_peer_variants(
-    names: tuple[str, ...] | list[str], reference_model: torch.nn.Module, num_draft_tokens: int = 5
+    names: tuple[str, ...] | list[str], reference_model: torch.nn.Module, num_draft_tokens: int = 5, gguf: str | None = None
 ) -> dict[str, Generate]:
     """Runner hook: generate functions for the peer variants among `names` (other names are ignored).
 
-    The torchao model is quantized once and shared by both torchao peers. A peer whose package does
-    not import raises a ValueError saying what to install.
+    The torchao model is quantized once and shared by both torchao peers; the llama.cpp peers load
+    `gguf`. A peer whose package does not import raises a ValueError saying what to install.
     """
+    variants = build_llamacpp_variants(names, gguf, _eos_ids(reference_model), num_draft_tokens)
     wanted = [name for name in names if name in TORCHAO_PEERS]
     if not wanted:
-        return {}
+        return variants
     missing = [name for name in wanted if name not in available_peers()]
     if missing:
         raise ValueError(f"variants {missing} need torchao, which does not import here: {INSTALL_HELP['torchao']}")
@@ -109,7 +125,16 @@ def build_peer_variants(
         "ao_w8a8": lambda: _greedy(model),
         "ao_w8a8_prompt_lookup": lambda: _greedy(model, prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=3),
     }
-    return {name: builders[name]() for name in wanted}
+    return variants | {name: builders[name]() for name in wanted}
+
+
+def _eos_ids(model: torch.nn.Module) -> set[int]:
+    """The ids plain `generate` stops at (generation_config.eos_token_id: an int or a list)."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(eos)} if isinstance(eos, int) else {int(i) for i in eos}
 
 
 def mark_peer_exactness(summaries: dict[str, dict], runs: list[dict]) -> None:

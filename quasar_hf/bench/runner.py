@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from quasar_hf.bench.fidelity import speculative_tokens
-from quasar_hf.bench.peers import TORCHAO_PEERS, build_peer_variants, mark_peer_exactness
+from quasar_hf.bench.peers import PLAIN_BASELINE, build_peer_variants, mark_peer_exactness
 from quasar_hf.bench.suites import load_suites, render_prompt
 from quasar_hf.bench.summary import (  # re-exported: part of the runner's result API
     BASELINE,
@@ -113,9 +113,10 @@ def build_variants(
     reference_model: torch.nn.Module,
     quantized_model: torch.nn.Module | None,
     num_draft_tokens: int = 5,
+    gguf: str | None = None,
 ) -> dict[str, Generate]:
     """Map variant names to generate functions; unknown names raise with the list of known ones."""
-    variants: dict[str, Generate] = build_peer_variants(names, reference_model, num_draft_tokens)
+    variants: dict[str, Generate] = build_peer_variants(names, reference_model, num_draft_tokens, gguf)
     for name in [n for n in names if n not in variants]:
         if name == "bf16_generate":
             variants[name] = _hf_generate(reference_model)
@@ -134,7 +135,7 @@ def build_variants(
         else:
             raise ValueError(
                 f"unknown variant {name!r}: use bf16_generate, bf16_prompt_lookup, bf16_verify_ngram, w8a8_generate, quasar_<drafter> "
-                f"or a peer ({', '.join(TORCHAO_PEERS)})"
+                f"or a peer ({', '.join(PLAIN_BASELINE)})"
             )
     return variants
 
@@ -177,6 +178,7 @@ def run_bench(
     warmup: int = 1,
     num_draft_tokens: int = 5,
     log: Callable[[str], None] | None = None,
+    gguf: str | None = None,
 ) -> dict:
     """Benchmark generation variants, interleaved, on the same prompts; return a result dict.
 
@@ -194,7 +196,7 @@ def run_bench(
     if quantized_model is None:
         variants = [v for v in variants if not v.startswith("quasar_") and v != "w8a8_generate"]
     names = list(variants)
-    generators = build_variants(names, reference_model, quantized_model, num_draft_tokens)
+    generators = build_variants(names, reference_model, quantized_model, num_draft_tokens, gguf)
     device = str(next(reference_model.parameters()).device)
     encoded = [torch.tensor([render_prompt(item, tokenizer)], device=device) for item in items]
     say = log or (lambda message: None)
@@ -233,6 +235,7 @@ def run_bench(
             "repeats": repeats,
             "warmup": warmup,
             "num_draft_tokens": num_draft_tokens,
+            "gguf": gguf,
             "device": device,
             "interleaving": "repeat -> prompt -> variant order rotated by one each prompt",
         },
@@ -325,6 +328,7 @@ def _parse_args(argv: list[str] | None) -> Any:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--num-draft-tokens", type=int, default=5)
     parser.add_argument("--fidelity", action="store_true", help="also evaluate fidelity (held-out ppl, top-1, KL, L)")
+    parser.add_argument("--gguf", default=None, help="GGUF file of the same checkpoint, for the llamacpp_* peer variants")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--out", default="benchmarks", help="output folder for JSON, markdown and plots")
     parser.add_argument("--name", default="bench_cpu", help="file name stem of the reports")
@@ -361,6 +365,7 @@ def bench_main(argv: list[str] | None = None) -> list[str]:
         warmup=args.warmup,
         num_draft_tokens=args.num_draft_tokens,
         log=lambda m: print(m, file=sys.stderr, flush=True),
+        gguf=args.gguf,
     )
     result["models"] = info
     if args.fidelity:
