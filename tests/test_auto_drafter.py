@@ -15,6 +15,7 @@ from tests.tiny_models import char_tokenizer, tiny_model
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)
 PROMPTS = ["the cat sat on the mat; the cat sat on the", "abcabcabcabc", "def f(x): return x + 1\ndef g(x"]
 NEVER_PAUSE = {"min_gain": 0.0}
+PAYING_AGREEMENT = 0.9
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +28,14 @@ def models(tmp_path_factory):
     def load(**kwargs):
         return AutoModelForCausalLM.from_pretrained(src, quantization_config=QuasarConfig(**FAST, **kwargs), dtype=torch.float32)
 
-    return {
+    built = {
         "reduced": load(draft_layers=[0, 3], draft_dtype="int8", draft_vocab_size=40),
         "self": load(draft_layers=[0, 3], draft_dtype="model"),
         "none": load(),
     }
+    for name in ("reduced", "self"):  # random weights agree on nothing: record a paying draft path instead
+        built[name].config.quantization_config.draft_info["top1_agreement"] = PAYING_AGREEMENT
+    return built
 
 
 def ids_of(text):
@@ -45,7 +49,9 @@ def test_auto_is_registered_and_picks_the_models_drafter(models):
         return auto_factory(models[name], QuasarGenerationConfig(drafter="auto", drafter_kwargs=kwargs))
 
     assert built("reduced").model_drafter.model.lm_head.__class__.__name__ == "ReducedVocabLogits"
-    assert built("self").model_drafter is not None
+    assert (
+        built("self", model_drafter="self").model_drafter is not None
+    )  # fp32 copies of a tiny model: named, not predicted to pay
     assert built("none").model_drafter is None and isinstance(built("none").ngram, NgramDrafter)
     assert built("reduced", model_drafter="self").model_drafter.model.lm_head is models["reduced"].lm_head
     with pytest.raises(ValueError, match="draft_layers"):
@@ -74,6 +80,26 @@ def test_auto_greedy_equals_plain_greedy(models, name, policy):
         plain = model.generate(ids, max_new_tokens=24, do_sample=False)
         out = model.generate(ids, max_new_tokens=24, do_sample=False, quasar=quasar, return_dict_in_generate=True)
         assert torch.equal(out.sequences, plain), text
+
+
+def test_calibration_prior_starts_the_model_policy_and_a_losing_path_is_left_out(models, monkeypatch):
+    model = models["reduced"]
+    drafter = auto_factory(model, QuasarGenerationConfig(drafter="auto"))
+    prior = drafter.model_drafter.policy_prior
+    assert prior["acceptance"] == PAYING_AGREEMENT and prior["predicted_speedup"] > 1
+    assert drafter.model_policy.warmup_steps == 1 and drafter.model_policy.length == prior["draft_tokens"]
+    assert drafter.model_policy.acceptance == pytest.approx(PAYING_AGREEMENT)
+    assert drafter.ngram_policy.warmup_steps == 3  # the n-gram policy keeps the defaults
+    mine = auto_factory(model, QuasarGenerationConfig(drafter="auto", drafter_kwargs={"policy": {"warmup_steps": 5}}))
+    assert mine.model_policy.warmup_steps == 5  # options the caller sets win over the prior
+
+    monkeypatch.setitem(model.config.quantization_config.draft_info, "top1_agreement", 0.0)
+    losing = auto_factory(model, QuasarGenerationConfig(drafter="auto"))
+    assert losing.model_drafter is None and "predicts" in losing.summary()["model_left_out"]
+    named = auto_factory(model, QuasarGenerationConfig(drafter="auto", drafter_kwargs={"model_drafter": "self_reduced"}))
+    assert named.model_drafter is not None  # asked for by name: kept, and the policy decides at run time
+    alone = auto_factory(model, QuasarGenerationConfig(drafter="auto", drafter_kwargs={"ngram": False}))
+    assert alone.model_drafter is not None
 
 
 def test_auto_uses_both_sources_and_equals_plain_in_a_batch(models):
@@ -159,7 +185,8 @@ def test_smollm2_auto_and_reduced_head_equal_plain_greedy(tmp_path):
     for item in items:
         ids = torch.tensor([render_prompt(item, tok)])
         plain = model.generate(ids, max_new_tokens=24, do_sample=False)
-        for quasar in ({"drafter": "self_reduced", "num_draft_tokens": 3}, {"drafter": "auto"}):
+        auto = {"drafter": "auto", "drafter_kwargs": {"model_drafter": "self_reduced"}}  # kept even if not predicted to pay
+        for quasar in ({"drafter": "self_reduced", "num_draft_tokens": 3}, {"drafter": "auto"}, auto):
             out = model.generate(ids, max_new_tokens=24, do_sample=False, quasar=quasar)
             assert torch.equal(out, plain), f"{item['id']} {quasar}"
 

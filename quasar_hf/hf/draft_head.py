@@ -134,7 +134,11 @@ def reduced_self_draft_model(model: nn.Module) -> nn.Module:
 
 
 def _self_reduced_factory(verifier: nn.Module, config):
-    return AssistantDrafter(reduced_self_draft_model(verifier), config.num_draft_tokens, **config.drafter_kwargs)
+    from quasar_hf.hf.draft_search import policy_prior
+
+    drafter = AssistantDrafter(reduced_self_draft_model(verifier), config.num_draft_tokens, **config.drafter_kwargs)
+    drafter.policy_prior = policy_prior(verifier, reduced=True)  # read by drafter="auto"
+    return drafter
 
 
 DRAFTER_FACTORIES.setdefault("self_reduced", _self_reduced_factory)

@@ -97,9 +97,12 @@ def self_draft_model(model: nn.Module) -> nn.Module:
 
 def self_drafter_factory(verifier: nn.Module, config) -> object:
     """Drafter factory for drafter="self": the model's own draft path, drafting like an assistant model."""
+    from quasar_hf.hf.draft_search import policy_prior
     from quasar_hf.speculative.drafters import AssistantDrafter
 
-    return AssistantDrafter(self_draft_model(verifier), config.num_draft_tokens, **config.drafter_kwargs)
+    drafter = AssistantDrafter(self_draft_model(verifier), config.num_draft_tokens, **config.drafter_kwargs)
+    drafter.policy_prior = policy_prior(verifier, reduced=False)  # read by drafter="auto"
+    return drafter
 
 
 def register_self_drafter() -> None:

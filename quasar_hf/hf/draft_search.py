@@ -137,3 +137,21 @@ def select_draft_layers(
         "evaluations": evaluations,
         "candidates": [{k: v for k, v in c.items() if k != "layers"} for c in candidates],
     }
+
+
+def policy_prior(model: nn.Module, reduced: bool) -> dict | None:
+    """What calibration predicts for the model's self-draft path, for the adaptive policy's start.
+
+    {"acceptance": top-1 agreement measured at quantization, "draft_tokens": the best k,
+    "predicted_speedup": bytes-bound speedup over plain decoding} with the draft head actually used
+    (reduced or full); None for a model saved without a measured draft path.
+    """
+    from quasar_hf.hf.draft_head import draft_bytes_per_token
+
+    qconfig = getattr(model.config, "quantization_config", None)
+    info = getattr(qconfig, "draft_info", None) if not isinstance(qconfig, dict) else qconfig.get("draft_info")
+    if not info or info.get("top1_agreement") is None:
+        return None
+    ratio = draft_bytes_per_token(model, reduced=reduced)["draft_over_verify"]
+    speedup, k = predicted_speedup(float(info["top1_agreement"]), ratio)
+    return {"acceptance": float(info["top1_agreement"]), "draft_tokens": k, "predicted_speedup": round(speedup, 4)}

@@ -13,6 +13,11 @@ the verifier alone.
 drafter_kwargs for "auto": model_drafter = registry name of the model drafter ("self_reduced",
 "self", or "none"; default: the first of those the model supports), ngram = False to leave
 n-gram drafts out (adaptive self-drafting alone), policy = dict of AdaptivePolicy options.
+
+Calibration informs the model drafter: its policy starts from the draft path's measured top-1
+agreement and best draft length, and decides after one probe step. When calibration predicts that
+the draft path cannot pay even bytes-bound (`predicted_speedup` < 1) and the model drafter was not
+named, auto leaves it out and drafts with n-grams alone (`summary()["model_left_out"]` says why).
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ class AutoDrafter:
         self.ngram = ngram
         self.model_drafter = model_drafter
         self.ngram_policy = AdaptivePolicy(**options)
-        self.model_policy = AdaptivePolicy(**options)
+        self.model_policy = AdaptivePolicy(**_with_prior(options, getattr(model_drafter, "policy_prior", None)))
+        self.model_left_out: str | None = None  # why auto_factory left the model's draft path out
         self.clock = clock
         self.setup: DraftSetup | None = None
         self.device = torch.device("cpu")
@@ -184,11 +190,30 @@ class AutoDrafter:
     def summary(self) -> dict:
         """Which source drafted how often, and each policy's estimates."""
         return {
+            "model_left_out": self.model_left_out,
             "steps_by_source": dict(self.steps_by_source),
             "tokens_by_source": dict(self.tokens_by_source),
             "ngram": self.ngram_policy.to_dict(),
             "model": self.model_policy.to_dict(),
         }
+
+
+PRIOR_WEIGHT = 4.0  # the calibration agreement counts as this many observed draft tokens
+
+
+def _with_prior(options: dict, prior: dict | None) -> dict:
+    """Policy options for the model drafter: start from what calibration measured (its agreement as
+    the acceptance prior, its best draft length, a decision after one probe step) unless the caller
+    set those options."""
+    if not prior:
+        return options
+    informed = {
+        "prior_acceptance": min(max(prior["acceptance"], 0.0), 0.999),
+        "prior_weight": PRIOR_WEIGHT,
+        "initial_tokens": min(prior["draft_tokens"], options["max_tokens"]),
+        "warmup_steps": 1,
+    }
+    return informed | options
 
 
 def _gain(policy: AdaptivePolicy) -> float:
@@ -224,7 +249,17 @@ def auto_factory(verifier: torch.nn.Module, config) -> Drafter:
     use_ngram = kwargs.get("ngram", True)
     ngram = NgramDrafter(config.num_draft_tokens, config.max_ngram_size, config.min_ngram_size) if use_ngram else None
     model_drafter = _model_drafter(verifier, config, kwargs.get("model_drafter"))
-    return AutoDrafter(ngram, model_drafter, config.num_draft_tokens, kwargs.get("policy"))
+    prior = getattr(model_drafter, "policy_prior", None)
+    left_out = None
+    if ngram is not None and kwargs.get("model_drafter") is None and prior and prior["predicted_speedup"] < 1.0:
+        # even bytes-bound (no per-call overhead) the draft path would not pay: probing it only costs
+        left_out = (
+            f"calibration predicts {prior['predicted_speedup']}x for the draft path (top-1 agreement {prior['acceptance']})"
+        )
+        model_drafter = None
+    drafter = AutoDrafter(ngram, model_drafter, config.num_draft_tokens, kwargs.get("policy"))
+    drafter.model_left_out = left_out
+    return drafter
 
 
 DRAFTER_FACTORIES.setdefault("auto", auto_factory)

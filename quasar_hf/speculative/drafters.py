@@ -116,6 +116,9 @@ class AssistantDrafter:
                 "drafter='assistant' needs an assistant model: pass assistant_model=<a causal LM sharing the tokenizer>."
             )
         self.model = assistant_model
+        # what calibration predicts for this drafter ({"acceptance", "draft_tokens", "predicted_speedup"}),
+        # set by the self-draft factories; drafter="auto" starts its adaptive policy from it
+        self.policy_prior: dict | None = None
         self.num_draft_tokens = num_draft_tokens
         # Drafts and their probabilities cover the verifier's vocabulary (None: the assistant's own).
         self.vocab_size = None if verifier is None else check_assistant_vocabulary(verifier, assistant_model)
