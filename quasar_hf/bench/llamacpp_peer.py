@@ -11,6 +11,13 @@ llama-cpp-python source distribution):
     PYTHONPATH=llama.cpp/gguf-py python llama.cpp/convert_hf_to_gguf.py CHECKPOINT_DIR \\
         --outtype q8_0 --outfile model-q8_0.gguf
 
+Installing: `pip install llama-cpp-python diskcache` compiles llama.cpp for the local CPU. On a
+Xeon with AMX that native build (0.3.36) crashed in `llama_decode` on Q8_0 models; building
+without AMX works:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+        -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" pip install llama-cpp-python diskcache
+
 Token ids are the checkpoint's own (the converter keeps the vocabulary), so each variant takes
 the same prompt ids as the Transformers variants and its tokens compare one to one. Every call
 starts from an empty KV cache: llama-cpp-python would otherwise reuse the cached prefix of the
