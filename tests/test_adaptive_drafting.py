@@ -31,6 +31,21 @@ def test_length_follows_transformers_heuristic():
     assert policy.length == 1  # never below min_tokens
 
 
+def test_cost_rule_keeps_free_drafts_long_and_shortens_costly_ones():
+    free = AdaptivePolicy(max_tokens=5, initial_tokens=5, warmup_steps=100, length_rule="cost")
+    heuristic = AdaptivePolicy(max_tokens=5, initial_tokens=5, warmup_steps=100)
+    for _ in range(6):  # two of five accepted, drafts nearly free (n-gram lookup)
+        drafting_step(free, accepted=2, draft_ms=0.01)
+        drafting_step(heuristic, accepted=2, draft_ms=0.01)
+    assert heuristic.length <= 3  # -1 on every partial acceptance (+2 once a short draft is all accepted)
+    assert free.length == 5  # the expected gain still grows with k: longer drafts cost almost nothing
+    assert free.expected_gain(5) == max(free.expected_gain(k) for k in range(1, 6))
+    costly = AdaptivePolicy(max_tokens=5, initial_tokens=5, warmup_steps=100, length_rule="cost")
+    for _ in range(6):  # the same acceptance, but each draft token costs 40 % of a step
+        drafting_step(costly, accepted=2, draft_ms=4.0)
+    assert costly.length < 5 and costly.expected_gain(costly.length) == max(costly.expected_gain(k) for k in range(1, 6))
+
+
 def test_batch_step_counts_as_full_acceptance_only_if_every_row_accepted_all():
     policy = AdaptivePolicy(max_tokens=5, initial_tokens=3, warmup_steps=100)
     policy.record([3, 3], [3, 1], 1 * MS, 10 * MS)
@@ -97,6 +112,8 @@ def test_policy_rejects_bad_options():
         AdaptivePolicy(decay=1.0)
     with pytest.raises(ValueError, match="pause_steps"):
         AdaptivePolicy(pause_steps=8, max_pause_steps=4)
+    with pytest.raises(ValueError, match="length_rule"):
+        AdaptivePolicy(length_rule="fastest")
 
 
 class CountingDrafter:

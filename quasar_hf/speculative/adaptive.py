@@ -4,10 +4,13 @@
 (tokens drafted and accepted per row, seconds spent drafting and verifying) and asks how many
 tokens to draft next.
 
-* Draft length follows Transformers' "heuristic" schedule for assisted generation
+* Draft length (`length_rule="heuristic"`, the default) follows Transformers' "heuristic" schedule for assisted generation
   (`AssistedCandidateGenerator.update_candidate_strategy` in
   `transformers/generation/candidate_generator.py`, 5.24: `num_assistant_tokens += 2` when every
-  candidate matched, else `max(1, num_assistant_tokens - 1)`), bounded by `max_tokens`.
+  candidate matched, else `max(1, num_assistant_tokens - 1)`), bounded by `max_tokens`. With
+  `length_rule="cost"` the length is instead the k with the best expected gain under the cost
+  model below, once its costs are measured: for n-gram drafts, which cost nothing to make, the
+  heuristic's shrinking after a partial acceptance only throws accepted tokens away.
 * Pausing uses a cost model measured online. With per-token acceptance a (geometric estimate,
   exponentially decayed), draft cost c_d per drafted token, plain step cost c_0 (a verify step
   without drafts) and marginal verify cost c_v per extra verified token, a step drafting k tokens
@@ -50,6 +53,7 @@ class AdaptivePolicy:
     min_gain: float = 1.0
     pause_steps: int = 4
     max_pause_steps: int = 64
+    length_rule: str = "heuristic"
     prior_acceptance: float = 0.5
     prior_weight: float = 1.0
     # state
@@ -73,6 +77,8 @@ class AdaptivePolicy:
             raise ValueError(f"decay must be in [0, 1), got {self.decay!r}")
         if self.pause_steps < 1 or self.max_pause_steps < self.pause_steps:
             raise ValueError("need 1 <= pause_steps <= max_pause_steps")
+        if self.length_rule not in ("heuristic", "cost"):
+            raise ValueError(f"length_rule must be 'heuristic' or 'cost', got {self.length_rule!r}")
         start = self.max_tokens if self.initial_tokens is None else self.initial_tokens
         self.length = min(max(start, self.min_tokens), self.max_tokens)
         self.next_pause = self.pause_steps
@@ -149,7 +155,12 @@ class AdaptivePolicy:
         self.verify_s_per_extra_token = _ema(self.verify_s_per_extra_token, extra, self.decay)
 
     def _adapt_length(self, drafted: list[int], accepted: list[int]) -> None:
-        """Transformers' heuristic: +2 when every row accepted its whole draft, else -1."""
+        """Transformers' heuristic: +2 when every row accepted its whole draft, else -1; or, with
+        length_rule="cost" and measured costs, the length with the best expected gain."""
+        if self.length_rule == "cost" and self.expected_gain(self.min_tokens) is not None:
+            lengths = range(self.min_tokens, self.max_tokens + 1)
+            self.length = max(lengths, key=lambda k: (self.expected_gain(k), -k))
+            return
         if all(n >= d for d, n in zip(drafted, accepted)):
             self.length = min(self.length + 2, self.max_tokens)
         else:
