@@ -1,8 +1,10 @@
 """Drafters compared on a real checkpoint, two prompt suites, W8A8 verification (CPU).
 
-    python scripts/draft_compare.py --model smollm2 --draft-layers 0,1,2,8,9,10,11,19,20,22,23,24,27,28,29 \
-        --draft-vocab-sizes 2048,8192 --prompts 12 --max-new-tokens 128 \
-        --out benchmarks/draft_compare_cpu.json --markdown benchmarks/draft_compare_cpu_smollm2.md
+    python scripts/draft_compare.py --model smollm2 --draft-layers auto --draft-vocab-sizes 2048,8192 \
+        --prompts grounded=8,open=20 --max-new-tokens 96 --no-bf16-draft-layers \
+        --out benchmarks/draft_compare_smollm2_cpu.json --markdown benchmarks/draft_compare_smollm2_cpu.md
+
+(benchmarks/draft_compare_cpu.md lists the commands of every committed run.)
 
 Suites: "grounded" (rewrite / edit / summarise / extract: output copies the input) and "open"
 (chat questions, stories, explanations: little to copy). Variants, interleaved per prompt
@@ -236,7 +238,7 @@ def main() -> None:
     parser.add_argument("--alpha", default="auto", help='SmoothQuant alpha ("auto" or a float; a float quantizes faster)')
     parser.add_argument("--calibration-samples", type=int, default=32)
     parser.add_argument("--calibration-seq-len", type=int, default=512)
-    parser.add_argument("--out", default="benchmarks/draft_compare_cpu.json")
+    parser.add_argument("--out", default="draft_compare.json", help="JSON report (the committed runs name theirs)")
     parser.add_argument("--markdown", default=None, help="also write the tables to this markdown file")
     args = parser.parse_args()
     layers = "auto" if args.draft_layers == "auto" else [int(i) for i in args.draft_layers.split(",")]
