@@ -18,7 +18,8 @@ Calibration informs the model drafter: its policy starts from the draft path's m
 agreement and best draft length, and decides after one probe step. When calibration predicts less
 than `MIN_PREDICTED_SPEEDUP` for the draft path even bytes-bound and the model drafter was not
 named, auto leaves it out and drafts with n-grams alone (`summary()["model_left_out"]` says why).
-N-gram draft length follows the cost model (`length_rule="cost"`): its drafts are free.
+N-gram draft length follows the cost model (`length_rule="cost"`) and its pauses stay short
+(`NGRAM_POLICY`): its drafts are free, and copying resumes without warning.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from .adaptive import AdaptivePolicy, empty_draft
 from .drafters import DRAFTER_FACTORIES, Draft, Drafter, DraftSetup, NgramDrafter
 
 MODEL_DRAFTER_PREFERENCE = ("self_reduced", "self")
+# N-gram drafts cost nothing to make, only their verification: length by the cost model, and
+# short pauses, since a long pause would miss the start of the next span the output copies.
+NGRAM_POLICY = {"length_rule": "cost", "max_pause_steps": 4}
 
 
 class AutoDrafter:
@@ -52,7 +56,7 @@ class AutoDrafter:
         options.setdefault("max_tokens", max(1, num_draft_tokens))
         self.ngram = ngram
         self.model_drafter = model_drafter
-        self.ngram_policy = AdaptivePolicy(**({"length_rule": "cost"} | options))  # free drafts: length by cost
+        self.ngram_policy = AdaptivePolicy(**(NGRAM_POLICY | options))
         self.model_policy = AdaptivePolicy(**_with_prior(options, getattr(model_drafter, "policy_prior", None)))
         self.model_left_out: str | None = None  # why auto_factory left the model's draft path out
         self.clock = clock
