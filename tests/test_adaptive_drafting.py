@@ -163,7 +163,9 @@ def test_wrapper_skips_the_inner_drafter_while_paused():
     assert len(inner.accepted) == 1  # the inner drafter saw neither call
 
 
-@pytest.mark.parametrize("policy", [dict(), dict(warmup_steps=1, min_gain=100.0, pause_steps=3)])
+@pytest.mark.parametrize(
+    "policy", [dict(), dict(warmup_steps=1, min_gain=100.0, pause_steps=3), dict(length_rule="cost", warmup_steps=1)]
+)
 def test_adaptive_ngram_greedy_equals_plain_greedy(policy):
     """Greedy output does not depend on how much is drafted (min_gain=100 forces pauses)."""
     model = tiny_model()
