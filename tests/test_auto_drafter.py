@@ -93,6 +93,8 @@ def test_calibration_prior_starts_the_model_policy_and_a_losing_path_is_left_out
     mine = auto_factory(model, QuasarGenerationConfig(drafter="auto", drafter_kwargs={"policy": {"warmup_steps": 5}}))
     assert mine.model_policy.warmup_steps == 5  # options the caller sets win over the prior
 
+    assert drafter.model_policy.pause_steps == 4  # a paying path keeps the default pauses
+
     monkeypatch.setitem(model.config.quantization_config.draft_info, "top1_agreement", 0.0)
     losing = auto_factory(model, QuasarGenerationConfig(drafter="auto"))
     assert losing.model_drafter is None and "predicts" in losing.summary()["model_left_out"]
@@ -100,6 +102,7 @@ def test_calibration_prior_starts_the_model_policy_and_a_losing_path_is_left_out
     assert named.model_drafter is not None  # asked for by name: kept, and the policy decides at run time
     alone = auto_factory(model, QuasarGenerationConfig(drafter="auto", drafter_kwargs={"ngram": False}))
     assert alone.model_drafter is not None
+    assert alone.model_policy.pause_steps == 16 and alone.model_policy.max_pause_steps == 256  # expected to lose: probe rarely
 
 
 def test_auto_uses_both_sources_and_equals_plain_in_a_batch(models):

@@ -15,7 +15,8 @@ drafter_kwargs for "auto": model_drafter = registry name of the model drafter ("
 n-gram drafts out (adaptive self-drafting alone), policy = dict of AdaptivePolicy options.
 
 Calibration informs the model drafter: its policy starts from the draft path's measured top-1
-agreement and best draft length, and decides after one probe step. When calibration predicts less
+agreement and best draft length, and decides after one probe step (pausing 16 steps at first,
+not 4, when calibration expects no gain). When calibration predicts less
 than `MIN_PREDICTED_SPEEDUP` for the draft path even bytes-bound and the model drafter was not
 named, auto leaves it out and drafts with n-grams alone (`summary()["model_left_out"]` says why).
 N-gram draft length follows the cost model (`length_rule="cost"`) and its pauses stay short
@@ -208,6 +209,7 @@ PRIOR_WEIGHT = 4.0  # the calibration agreement counts as this many observed dra
 # rotary, kernel launches), which made SmolLM2-135M's draft token cost 1.4x its share of bytes on
 # CPU. Below this predicted speedup, auto does not try the draft path unless it is named.
 MIN_PREDICTED_SPEEDUP = 1.1
+LONG_PAUSE_STEPS = 16
 
 
 def _with_prior(options: dict, prior: dict | None) -> dict:
@@ -222,6 +224,10 @@ def _with_prior(options: dict, prior: dict | None) -> dict:
         "initial_tokens": min(prior["draft_tokens"], options["max_tokens"]),
         "warmup_steps": 1,
     }
+    if prior["predicted_speedup"] < MIN_PREDICTED_SPEEDUP:
+        # calibration expects no gain: probe rarely (each probe after a pause also pays the draft
+        # model's catch-up on the tokens it missed)
+        informed |= {"pause_steps": LONG_PAUSE_STEPS, "max_pause_steps": 16 * LONG_PAUSE_STEPS}
     return informed | options
 
 
