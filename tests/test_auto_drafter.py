@@ -90,6 +90,8 @@ def test_calibration_prior_starts_the_model_policy_and_a_losing_path_is_left_out
     assert drafter.model_policy.warmup_steps == 1 and drafter.model_policy.length == prior["draft_tokens"]
     assert drafter.model_policy.acceptance == pytest.approx(PAYING_AGREEMENT)
     assert drafter.ngram_policy.warmup_steps == 3  # the n-gram policy keeps the defaults
+    assert drafter.ngram_policy.min_tokens == drafter.ngram_policy.max_tokens == 5  # free drafts keep their length
+    assert drafter.ngram_policy.max_pause_steps == 4  # and pause briefly
     mine = auto_factory(model, QuasarGenerationConfig(drafter="auto", drafter_kwargs={"policy": {"warmup_steps": 5}}))
     assert mine.model_policy.warmup_steps == 5  # options the caller sets win over the prior
 

@@ -19,8 +19,8 @@ agreement and best draft length, and decides after one probe step (pausing 16 st
 not 4, when calibration expects no gain). When calibration predicts less
 than `MIN_PREDICTED_SPEEDUP` for the draft path even bytes-bound and the model drafter was not
 named, auto leaves it out and drafts with n-grams alone (`summary()["model_left_out"]` says why).
-N-gram draft length follows the cost model (`length_rule="cost"`) and its pauses stay short
-(`NGRAM_POLICY`): its drafts are free, and copying resumes without warning.
+N-gram drafts keep the full length and their pauses stay short (`NGRAM_POLICY`): they are free
+to make and right in bursts, and copying resumes without warning.
 """
 
 from __future__ import annotations
@@ -35,9 +35,12 @@ from .adaptive import AdaptivePolicy, empty_draft
 from .drafters import DRAFTER_FACTORIES, Draft, Drafter, DraftSetup, NgramDrafter
 
 MODEL_DRAFTER_PREFERENCE = ("self_reduced", "self")
-# N-gram drafts cost nothing to make, only their verification: length by the cost model, and
-# short pauses, since a long pause would miss the start of the next span the output copies.
-NGRAM_POLICY = {"length_rule": "cost", "max_pause_steps": 4}
+# N-gram drafts cost nothing to make, only their verification, and they are right in bursts (the
+# output copies a span, or not at all), which a per-token acceptance rate does not describe:
+# shortening them after a rejection (Transformers' heuristic) or by the geometric cost model
+# both measured slower than always drafting the full length. So n-gram drafts keep the full
+# length, and pauses stay short: a long pause would miss the start of the next copied span.
+NGRAM_POLICY = {"max_pause_steps": 4}  # min_tokens = max_tokens: see AutoDrafter.__init__
 
 
 class AutoDrafter:
@@ -57,7 +60,8 @@ class AutoDrafter:
         options.setdefault("max_tokens", max(1, num_draft_tokens))
         self.ngram = ngram
         self.model_drafter = model_drafter
-        self.ngram_policy = AdaptivePolicy(**(NGRAM_POLICY | options))
+        ngram_options = NGRAM_POLICY | {"min_tokens": options["max_tokens"]} | options
+        self.ngram_policy = AdaptivePolicy(**ngram_options)
         self.model_policy = AdaptivePolicy(**_with_prior(options, getattr(model_drafter, "policy_prior", None)))
         self.model_left_out: str | None = None  # why auto_factory left the model's draft path out
         self.clock = clock
