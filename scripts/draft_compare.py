@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quasar_hf  # noqa: F401
 from quasar_hf import QuasarConfig, speculative_generate
+from quasar_hf.bench.report import environment
 from quasar_hf.bench.suites import load_suite, render_prompt
 from quasar_hf.hf.draft_head import (
     attach_draft_head,
@@ -297,6 +298,7 @@ def main() -> None:
         "head_coverage": {s: {n: statistics.mean(coverage[s][n]) for n in sizes} for s in suites},
         "raw": raw,
         "load_average": os.getloadavg(),
+        "environment": environment(),
     }
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
