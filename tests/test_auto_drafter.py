@@ -105,6 +105,11 @@ def test_calibration_prior_starts_the_model_policy_and_a_losing_path_is_left_out
     alone = auto_factory(model, QuasarGenerationConfig(drafter="auto", drafter_kwargs={"ngram": False}))
     assert alone.model_drafter is not None
     assert alone.model_policy.pause_steps == 16 and alone.model_policy.max_pause_steps == 256  # expected to lose: probe rarely
+    capped = {
+        "ngram": False,
+        "policy": {"max_pause_steps": 4},
+    }  # the caller's pauses are kept whole, never mixed with the prior's
+    assert auto_factory(model, QuasarGenerationConfig(drafter="auto", drafter_kwargs=capped)).model_policy.pause_steps == 4
 
 
 def test_auto_uses_both_sources_and_equals_plain_in_a_batch(models):

@@ -9,8 +9,8 @@ tokens to draft next.
   `transformers/generation/candidate_generator.py`, 5.24: `num_assistant_tokens += 2` when every
   candidate matched, else `max(1, num_assistant_tokens - 1)`), bounded by `max_tokens`. With
   `length_rule="cost"` the length is instead the k with the best expected gain under the cost
-  model below, once its costs are measured: for n-gram drafts, which cost nothing to make, the
-  heuristic's shrinking after a partial acceptance only throws accepted tokens away.
+  model below, once its costs are measured. Both rules assume a per-token acceptance rate; n-gram
+  drafts, right in bursts, measured faster at a fixed full length (what drafter="auto" uses).
 * Pausing uses a cost model measured online. With per-token acceptance a (geometric estimate,
   exponentially decayed), draft cost c_d per drafted token, plain step cost c_0 (a verify step
   without drafts) and marginal verify cost c_v per extra verified token, a step drafting k tokens

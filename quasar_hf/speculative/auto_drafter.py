@@ -228,7 +228,7 @@ def _with_prior(options: dict, prior: dict | None) -> dict:
         "initial_tokens": min(prior["draft_tokens"], options["max_tokens"]),
         "warmup_steps": 1,
     }
-    if prior["predicted_speedup"] < MIN_PREDICTED_SPEEDUP:
+    if prior["predicted_speedup"] < MIN_PREDICTED_SPEEDUP and not {"pause_steps", "max_pause_steps"} & set(options):
         # calibration expects no gain: probe rarely (each probe after a pause also pays the draft
         # model's catch-up on the tokens it missed)
         informed |= {"pause_steps": LONG_PAUSE_STEPS, "max_pause_steps": 16 * LONG_PAUSE_STEPS}
