@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -27,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import quasar_hf
 from quasar_hf import QuasarConfig
-from quasar_hf.bench.fidelity import finalize_sums, next_token_sums
+from quasar_hf.bench.fidelity import finalize_sums, next_token_sums, perplexity_ratio_interval
 from quasar_hf.smoothquant.data import build_calibration_blocks, builtin_texts
 
 ALIASES = {
@@ -66,13 +67,18 @@ def parse_variant(text: str) -> tuple[str, dict]:
 def compare(model: torch.nn.Module, reference: torch.nn.Module, blocks: torch.Tensor) -> dict:
     """Perplexities, top-1 agreement and mean KL(reference || model) over [N, T] blocks (logits in fp32)."""
     sums = {"model_nll": 0.0, "reference_nll": 0.0, "top1_agree": 0, "kl": 0.0, "tokens": 0}
+    parts = []
     for block in blocks:
         logits = model(input_ids=block[None], use_cache=False).logits[0, :-1].float()
         ref_logits = reference(input_ids=block[None], use_cache=False).logits[0, :-1].float()
-        part = next_token_sums(logits, ref_logits, block[1:])
+        parts.append(next_token_sums(logits, ref_logits, block[1:]))
         for key in sums:
-            sums[key] += part[key]
-    return finalize_sums(sums)
+            sums[key] += parts[-1][key]
+    result = finalize_sums(sums)
+    low, high = perplexity_ratio_interval(*([p[k] for p in parts] for k in ("model_nll", "reference_nll", "tokens")))
+    result["perplexity_ratio_ci95"] = [low, high]
+    result["per_block_perplexity_ratio"] = [math.exp((p["model_nll"] - p["reference_nll"]) / p["tokens"]) for p in parts]
+    return result
 
 
 def weight_bytes(model: torch.nn.Module) -> dict:
@@ -111,17 +117,21 @@ def markdown(report: dict) -> str:
         *report["commands"],
         "```",
         "",
-        f"Held-out: {report['eval']}. BF16 perplexity {report['float_perplexity']:.4f}.",
+        f"Held-out: {report['eval']}. BF16 perplexity {report['float_perplexity']:.4f}. The interval resamples "
+        "whole blocks (paired, 2000 draws): a ratio whose interval spans the target is not resolved by this text.",
         f"Environment: {json.dumps({k: env.get(k) for k in ('cpu', 'cpu_count', 'versions', 'git_commit')})}",
         "",
-        "| code | variant | W8A8 perplexity | vs BF16 | top-1 agreement | mean KL (nats) | kept float MB | quantize s "
-        "| load avg (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| code | variant | W8A8 perplexity | vs BF16 | 95 % interval (block bootstrap) | top-1 agreement "
+        "| mean KL (nats) | kept float MB | quantize s | load avg (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["results"]:
+        interval = row.get("perplexity_ratio_ci95")  # rows from before the interval was recorded have none
+        interval_text = f"{100 * (interval[0] - 1):+.2f} to {100 * (interval[1] - 1):+.2f} %" if interval else "-"
         lines.append(
             f"| {row['code']} | {row['variant']} | {row['perplexity_model']:.4f} | "
-            f"{100 * (row['perplexity_ratio'] - 1):+.2f} % | {row['top1_agreement']:.4f} | {row['mean_kl_nats']:.4f} | "
+            f"{100 * (row['perplexity_ratio'] - 1):+.2f} % | {interval_text} | {row['top1_agreement']:.4f} | "
+            f"{row['mean_kl_nats']:.4f} | "
             f"{row['kept_float_bytes'] / 1e6:.1f} | {row['quantize_s']:.0f} | {row.get('load_average_1min', '-')} |"
         )
     if report.get("note"):

@@ -11,6 +11,7 @@ from quasar_hf.bench.fidelity import (
     aggregate_stats,
     evaluate_fidelity,
     next_token_sums,
+    perplexity_ratio_interval,
     same_draft_acceptance,
     speculative_tokens,
 )
@@ -89,6 +90,27 @@ def test_next_token_sums_match_hand_computation():
     assert sums["model_nll"] == pytest.approx(float(-(p[0, 0] + p[1, 2])), rel=1e-6)
     assert sums["kl"] == pytest.approx(float((q.exp() * (q - p)).sum()), rel=1e-6)
     assert sums["top1_agree"] == 1
+
+
+def test_perplexity_ratio_interval_brackets_the_ratio_and_narrows_with_more_blocks():
+    generator = torch.Generator().manual_seed(3)
+    reference = (torch.rand(400, generator=generator) * 100 + 1000).tolist()
+    model = [r + float(torch.randn((), generator=generator)) * 10 + 2 for r in reference]  # +2 nats per 511 tokens
+    tokens = [511] * 400
+    ratio = math.exp((sum(model) - sum(reference)) / sum(tokens))
+    low, high = perplexity_ratio_interval(model, reference, tokens)
+    assert low < ratio < high and low > 1.0  # the mean shift is many standard errors above zero
+    low16, high16 = perplexity_ratio_interval(model[:16], reference[:16], tokens[:16])
+    assert (high16 - low16) > 3 * (high - low)  # 25x the blocks: about 5x narrower
+    same = perplexity_ratio_interval(reference, reference, tokens)
+    assert same == (1.0, 1.0)
+
+
+def test_perplexity_ratio_interval_rejects_mismatched_blocks():
+    with pytest.raises(ValueError, match="one NLL pair and token count per block"):
+        perplexity_ratio_interval([1.0, 2.0], [1.0], [5, 5])
+    with pytest.raises(ValueError, match="confidence"):
+        perplexity_ratio_interval([1.0], [1.0], [5], confidence=1.5)
 
 
 def test_identical_models_have_ratio_one_agreement_one_kl_zero_same_L():

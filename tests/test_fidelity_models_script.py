@@ -43,3 +43,21 @@ def test_merge_keeps_every_row_and_refuses_other_models(tmp_path: Path) -> None:
     assert "| before | default |" in text and "| after | default |" in text and "A note." in text
     with pytest.raises(SystemExit, match="cannot merge"):
         script.merge_reports([str(a), str(c)], str(tmp_path), "bad")
+
+
+def test_compare_records_a_block_interval_and_markdown_shows_it() -> None:
+    import torch
+    from tiny_models import tiny_model
+
+    script = _script()
+    model, other = tiny_model(seed=0).eval(), tiny_model(seed=1).eval()
+    blocks = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    same = script.compare(model, model, blocks)
+    assert same["perplexity_ratio_ci95"] == [1.0, 1.0] and same["per_block_perplexity_ratio"] == [1.0] * 4
+    row = script.compare(other, model, blocks)
+    low, high = row["perplexity_ratio_ci95"]
+    assert low <= row["perplexity_ratio"] <= high and low < high
+    report = _report("x")
+    report["results"][0]["perplexity_ratio_ci95"] = [low, high]
+    assert f"{100 * (low - 1):+.2f} to {100 * (high - 1):+.2f} %" in script.markdown(report)
+    assert "| - |" in script.markdown(_report("old"))  # rows recorded before the interval existed
