@@ -52,6 +52,15 @@ def resolve_model(name: str | None) -> str:
     return os.path.expanduser(name)
 
 
+def parse_saved(text: str) -> tuple[str, str]:
+    """label=DIR of a saved Quasar checkpoint."""
+    label, sep, folder = text.partition("=")
+    folder = os.path.expanduser(folder)
+    if not sep or not label or not os.path.isfile(os.path.join(folder, "config.json")):
+        raise SystemExit(f"--saved {text!r}: write label=DIR with DIR a saved Quasar checkpoint folder (holding config.json)")
+    return label, folder
+
+
 def parse_variant(text: str) -> tuple[str, dict]:
     label, sep, raw = text.partition("=")
     try:
@@ -126,13 +135,14 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["results"]:
+        seconds = "saved" if row["quantize_s"] is None else f"{row['quantize_s']:.0f}"
         interval = row.get("perplexity_ratio_ci95")  # rows from before the interval was recorded have none
         interval_text = f"{100 * (interval[0] - 1):+.2f} to {100 * (interval[1] - 1):+.2f} %" if interval else "-"
         lines.append(
             f"| {row['code']} | {row['variant']} | {row['perplexity_model']:.4f} | "
             f"{100 * (row['perplexity_ratio'] - 1):+.2f} % | {interval_text} | {row['top1_agreement']:.4f} | "
             f"{row['mean_kl_nats']:.4f} | "
-            f"{row['kept_float_bytes'] / 1e6:.1f} | {row['quantize_s']:.0f} | {row.get('load_average_1min', '-')} |"
+            f"{row['kept_float_bytes'] / 1e6:.1f} | {seconds} | {row.get('load_average_1min', '-')} |"
         )
     if report.get("note"):
         lines += ["", report["note"]]
@@ -166,7 +176,12 @@ def merge_reports(paths: list[str], out: str, name: str, note: str | None = None
 def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint folder or alias: smollm2 (default), qwen, gemma")
-    parser.add_argument("--variants", nargs="+", default=["default={}"], help="label=<JSON QuasarConfig overrides>")
+    parser.add_argument(
+        "--variants", nargs="+", default=None, help="label=<JSON QuasarConfig overrides> (default: 'default={}' unless --saved)"
+    )
+    parser.add_argument(
+        "--saved", nargs="+", default=[], help="label=DIR of saved Quasar checkpoints of --model, evaluated as they are"
+    )
     parser.add_argument("--code-label", default=None, help="name of the code that ran (default: quasar_hf's folder)")
     parser.add_argument("--eval-blocks", type=int, default=16)
     parser.add_argument("--eval-seq-len", type=int, default=512)
@@ -179,7 +194,10 @@ def main(argv: list[str] | None = None) -> list[str]:
     command = "python scripts/fidelity_models.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     if args.merge:
         return merge_reports(args.merge, args.out, args.name, args.note)
+    if args.variants is None:
+        args.variants = [] if args.saved else ["default={}"]
     variants = [parse_variant(v) for v in args.variants]
+    saved = [parse_saved(s) for s in args.saved]
     code = args.code_label or os.path.dirname(os.path.dirname(os.path.abspath(quasar_hf.__file__)))
 
     path = resolve_model(args.model)
@@ -194,11 +212,16 @@ def main(argv: list[str] | None = None) -> list[str]:
     report["commands"].append(command)
     report["eval"] = f"{blocks.shape[0]} blocks x {blocks.shape[1]} tokens of the built-in heldout split (seed 1)"
     os.makedirs(args.out, exist_ok=True)
-    for label, overrides in variants:
+    runs = [(label, overrides, None) for label, overrides in variants] + [(label, None, folder) for label, folder in saved]
+    for label, overrides, folder in runs:
         started = time.perf_counter()
-        config = QuasarConfig(**overrides)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=config).eval()
-        seconds = time.perf_counter() - started
+        if folder is None:
+            config = QuasarConfig(**overrides)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=config).eval()
+        else:  # a saved checkpoint, evaluated as saved: no quantize time to report
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+            overrides = {"saved": folder}
+        seconds = time.perf_counter() - started if folder is None else None
         row = {"code": code, "variant": label, "overrides": overrides, "quantize_s": seconds, **weight_bytes(model)}
         row["load_average_1min"] = round(os.getloadavg()[0], 1)  # quantize_s is only comparable at similar load
         row.update(compare(model, reference, blocks))
@@ -212,7 +235,7 @@ def main(argv: list[str] | None = None) -> list[str]:
             fh.write(markdown(report))
         print(
             f"{label}: ppl {row['perplexity_model']:.4f} ({100 * (row['perplexity_ratio'] - 1):+.2f} %), "
-            f"top1 {row['top1_agreement']:.4f}, KL {row['mean_kl_nats']:.4f}, {seconds:.0f} s",
+            f"top1 {row['top1_agreement']:.4f}, KL {row['mean_kl_nats']:.4f}",
             flush=True,
         )
     return [json_path, md_path]

@@ -61,3 +61,11 @@ def test_compare_records_a_block_interval_and_markdown_shows_it() -> None:
     report["results"][0]["perplexity_ratio_ci95"] = [low, high]
     assert f"{100 * (low - 1):+.2f} to {100 * (high - 1):+.2f} %" in script.markdown(report)
     assert "| - |" in script.markdown(_report("old"))  # rows recorded before the interval existed
+
+
+def test_saved_checkpoint_argument_names_the_fix(tmp_path: Path) -> None:
+    script = _script()
+    with pytest.raises(SystemExit, match="label=DIR with DIR a saved Quasar checkpoint"):
+        script.parse_saved(f"x={tmp_path}")
+    (tmp_path / "config.json").write_text("{}")
+    assert script.parse_saved(f"x={tmp_path}") == ("x", str(tmp_path))
