@@ -51,7 +51,7 @@ def _make_hook(name: str, stats: CalibrationStats, rows_per_block: int, generato
         xtx = None
         if shared is not None:
             if shared.get("x") is not x or shared.get("version") != x._version:  # holding x: its id cannot be reused
-                shared.update(x=x, version=x._version, xtx=(x2.t() @ x2).cpu())  # [K, K]
+                shared.update(x=x, version=x._version, xtx=x2.t() @ x2)  # [K, K], summed where x lives
             xtx = shared["xtx"]
         entry = stats.by_module.get(name)
         if entry is None:

@@ -22,7 +22,7 @@ GPTQ_DAMP = 0.01  # fraction of the mean diagonal added to H (the paper's defaul
 
 def smoothed_hessian(hessian: torch.Tensor, column_factor: torch.Tensor) -> torch.Tensor:
     """H [K, K] of the original inputs x -> H of the inputs a smoothed linear sees, x / c (fp32, one new tensor)."""
-    inv = 1.0 / column_factor.float()
+    inv = 1.0 / column_factor.to(hessian.device, torch.float32)
     return hessian.float().mul(inv[:, None]).mul_(inv[None, :])
 
 
@@ -63,10 +63,11 @@ def gptq_round(
     """weight [N, K] float, hessian [K, K] of its inputs -> (int8 [N, K], fp32 scale [N] = max|W[n]| / 127).
 
     `consume=True` lets an fp32 `hessian` be overwritten instead of copied (one K x K matrix less).
+    Runs where the Hessian lives (it is summed on the calibration device); results land on the weight's.
     """
     if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
         raise ValueError(f"GPTQ needs weight [N, K] and hessian [K, K]; got {tuple(weight.shape)} and {tuple(hessian.shape)}")
-    wt = weight.detach().float().t().contiguous()  # [K, N]: column j of W is row j here (contiguous)
+    wt = weight.detach().to(hessian.device, torch.float32).t().contiguous()  # [K, N]: column j of W is row j here
     amax = wt.abs().amax(dim=0)  # [N]
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))  # [N]
     h = hessian if consume and hessian.dtype == torch.float32 else hessian.float().clone()
@@ -76,7 +77,7 @@ def gptq_round(
     k = wt.shape[0]
     for start in range(0, k, block):
         stop = min(start + block, k)
-        errors = torch.empty(stop - start, wt.shape[1])  # [B, N]
+        errors = wt.new_empty(stop - start, wt.shape[1])  # [B, N]
         for j in range(start, stop):
             row = wt[j]
             torch.floor(row / scale + 0.5, out=qt[j]).clamp_(-QMAX, QMAX)
@@ -86,4 +87,4 @@ def gptq_round(
         if stop < k:
             wt[stop:].addmm_(u[start:stop, stop:].t(), errors, alpha=-1.0)  # and over all later columns
     scale = torch.where(amax > 0, scale, torch.zeros_like(scale))
-    return qt.t().contiguous().to(torch.int8), scale.float()
+    return qt.t().contiguous().to(weight.device, torch.int8), scale.to(weight.device, torch.float32)

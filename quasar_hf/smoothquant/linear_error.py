@@ -116,12 +116,13 @@ def column_row_factors(original: torch.Tensor, smoothed: torch.Tensor) -> tuple[
     if original.shape != smoothed.shape or original.dim() != 2:
         raise ValueError(f"expected two weights of one shape [N, K]; got {tuple(original.shape)} and {tuple(smoothed.shape)}")
     n, k = original.shape
-    rows = _spread(n, FACTOR_SUBSET)  # a few hundred rows / columns pin every factor: the ratio is exact
-    cols = _spread(k, FACTOR_SUBSET)
+    device = original.device
+    rows = _spread(n, FACTOR_SUBSET).to(device)  # a few hundred rows / columns pin every factor: the ratio is exact
+    cols = _spread(k, FACTOR_SUBSET).to(device)
     by_row = _log_ratio(original[rows], smoothed[rows])  # [n', K] log c_k - log r_n (nan where undefined)
     by_col = _log_ratio(original[:, cols], smoothed[:, cols])  # [N, k']
-    log_r = torch.zeros(n, dtype=torch.float64)
-    log_c = torch.zeros(k, dtype=torch.float64)
+    log_r = torch.zeros(n, dtype=torch.float64, device=device)
+    log_c = torch.zeros(k, dtype=torch.float64, device=device)
     for _ in range(3):
         log_c = torch.nanmedian(by_row + log_r[rows, None], dim=0).values.nan_to_num(0.0)
         log_r = torch.nanmedian(log_c[None, cols] - by_col, dim=1).values.nan_to_num(0.0)
