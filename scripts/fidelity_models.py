@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import quasar_hf
 from quasar_hf import QuasarConfig
 from quasar_hf.bench.fidelity import finalize_sums, next_token_sums, perplexity_ratio_interval
+from quasar_hf.hf.model_card import record_measurements
 from quasar_hf.smoothquant.data import build_calibration_blocks, builtin_texts
 
 ALIASES = {
@@ -50,6 +51,21 @@ def resolve_model(name: str | None) -> str:
             raise SystemExit(f"{folder} does not exist: build it first (see quasar_hf.models)")
         return folder
     return os.path.expanduser(name)
+
+
+def card_measurements(row: dict, evaluation: str) -> dict:
+    """The fidelity entries of a model card (quasar_hf.hf.model_card.FIDELITY_LABELS) from one result row."""
+    low, high = row["perplexity_ratio_ci95"]
+    return {
+        "perplexity": round(row["perplexity_model"], 4),
+        "reference_perplexity": round(row["perplexity_reference"], 4),
+        "perplexity_ratio": round(row["perplexity_ratio"], 5),
+        "perplexity_ratio_interval": f"{low:.4f} to {high:.4f}",
+        "top1_agreement": round(row["top1_agreement"], 4),
+        "kl_divergence": round(row["mean_kl_nats"], 5),
+        "num_tokens": row["tokens_evaluated"],
+        "fidelity_dataset": f"{evaluation} (Python documentation, never used for calibration)",
+    }
 
 
 def parse_saved(text: str) -> tuple[str, str]:
@@ -182,6 +198,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument(
         "--saved", nargs="+", default=[], help="label=DIR of saved Quasar checkpoints of --model, evaluated as they are"
     )
+    parser.add_argument("--record", action="store_true", help="record each --saved checkpoint's fidelity in its model card")
     parser.add_argument("--code-label", default=None, help="name of the code that ran (default: quasar_hf's folder)")
     parser.add_argument("--eval-blocks", type=int, default=16)
     parser.add_argument("--eval-seq-len", type=int, default=512)
@@ -226,6 +243,8 @@ def main(argv: list[str] | None = None) -> list[str]:
         row["load_average_1min"] = round(os.getloadavg()[0], 1)  # quantize_s is only comparable at similar load
         row.update(compare(model, reference, blocks))
         report["float_perplexity"] = row["perplexity_reference"]
+        if args.record and folder is not None:
+            print(f"recorded fidelity in {record_measurements(folder, card_measurements(row, report['eval']))}")
         report["results"].append(row)
         report["environment"] = environment_block()
         del model

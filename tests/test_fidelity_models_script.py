@@ -69,3 +69,12 @@ def test_saved_checkpoint_argument_names_the_fix(tmp_path: Path) -> None:
         script.parse_saved(f"x={tmp_path}")
     (tmp_path / "config.json").write_text("{}")
     assert script.parse_saved(f"x={tmp_path}") == ("x", str(tmp_path))
+
+
+def test_card_measurements_use_the_model_card_labels() -> None:
+    from quasar_hf.hf.model_card import FIDELITY_LABELS
+
+    row = {**_report("x")["results"][0], "perplexity_reference": 10.0, "tokens_evaluated": 511}
+    row["perplexity_ratio_ci95"] = [0.99, 1.03]
+    entries = _script().card_measurements(row, "2 blocks x 512 tokens")
+    assert set(entries) <= set(FIDELITY_LABELS) and entries["perplexity_ratio_interval"] == "0.9900 to 1.0300"

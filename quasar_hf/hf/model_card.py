@@ -26,6 +26,7 @@ FIDELITY_LABELS = {
     "perplexity": "Perplexity (W8A8)",
     "reference_perplexity": "Perplexity (unquantized reference)",
     "perplexity_ratio": "Perplexity ratio (W8A8 / reference)",
+    "perplexity_ratio_interval": "Perplexity ratio, 95 % interval (bootstrap over evaluation blocks)",
     "top1_agreement": "Top-1 agreement with the reference",
     "kl_divergence": "Mean KL divergence of W8A8 from the reference per token (nats)",
     "num_tokens": "Evaluated tokens",
