@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -209,3 +210,19 @@ def test_kept_float_producers_are_unsmoothed_too(tmp_path):
     assert len(rows) == 12 and not set(kept) & set(rows)
     for consumer in ("model.layers.0.mlp.down_proj", "model.layers.0.self_attn.o_proj"):
         assert rows[consumer]["step_residual"] <= 0.5 + 1e-3, rows[consumer]
+
+
+def test_markdown_puts_each_split_under_its_own_header():
+    from quasar_hf.bench.per_layer import report_markdown
+
+    errors = {"both": 3e-4, "weight": 1e-4, "act": 2e-4}
+    entry = {f"{s}_rel_mse": v for s, v in errors.items()} | {f"{s}_sqnr_db": -10 * math.log10(v) for s, v in errors.items()}
+    row = {"name": "model.layers.0.mlp.down_proj", "step_residual": 0.4, **entry}
+    report = {"rows": [row], "totals": {"linears": 1, **entry}, "by_kind": {"down_proj": {"linears": 1, **entry}}}
+    result = {"model": "m", "command": "c", "heldout": "h", "quantization": "q", "report": report}
+    text = report_markdown(result)
+    header = next(line for line in text.splitlines() if line.startswith("| # | linear |"))
+    line = next(line for line in text.splitlines() if line.startswith("| 1 | model.layers.0.mlp.down_proj |"))
+    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in line.split("|")]))
+    assert cells["rel MSE both"] == "3.00e-04" and cells["rel MSE weight"] == "1.00e-04" and cells["rel MSE act"] == "2.00e-04"
+    assert cells["SQNR both (dB)"] == "35.2" and cells["SQNR weight-only (dB)"] == "40.0"

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from quasar_hf.nn import W8A8Linear
-from quasar_hf.smoothquant.linear_error import SPLITS, add_output_errors, new_error_sums, summarize
+from quasar_hf.smoothquant.linear_error import add_output_errors, new_error_sums, summarize
 from quasar_hf.smoothquant.mappings import ArchitectureMappings, decoder_layers
 
 MAX_STEP_RESIDUAL = 1.5  # int8 steps; exact smoothing gives <= 0.5, bf16-rounded folds add <= ~0.5
@@ -205,8 +205,10 @@ def report_markdown(result: dict) -> str:
         "rel MSE act",
     ]
 
+    order = ("both", "weight", "act")  # the header's order
+
     def cells(e: dict) -> list[str]:
-        return [_db(e[f"{s}_sqnr_db"]) for s in SPLITS] + [f"{e[f'{s}_rel_mse']:.2e}" for s in SPLITS]
+        return [_db(e[f"{s}_sqnr_db"]) for s in order] + [f"{e[f'{s}_rel_mse']:.2e}" for s in order]
 
     lines = [f"# Per-layer W8A8 error: {result['model']}", "", "Command:", "", "```", result["command"], "```", ""]
     versions = env.get("versions", {})
