@@ -98,3 +98,12 @@ def test_usage_snippet_is_python_that_compiles():
     text = render_model_card(BASE, repo_id="me/x", has_chat_template=True)
     snippet = re.search(r"```python\n(.*?)```", text, re.S).group(1)
     compile(snippet, "card-snippet", "exec")
+
+
+def test_embedded_checkpoint_folders_map_to_their_hub_ids():
+    from quasar_hf.hf.model_card import base_model_from_name
+
+    assert base_model_from_name("/cache/Qwen2.5-Coder-0.5B-Instruct-bf16") == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+    assert base_model_from_name("/cache/gemma-3-270m-bf16") == "google/gemma-3-270m"
+    assert base_model_from_name("/cache/SmolLM2-135M-Instruct-bf16") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert base_model_from_name("meta-llama/Llama-3.2-1B") == "meta-llama/Llama-3.2-1B"

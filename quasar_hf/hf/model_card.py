@@ -45,7 +45,12 @@ SPEED_LABELS = {
     "speed_suite": "Prompt suite",
 }
 ACCURACY_KEY = "accuracy"  # measured["accuracy"]: rows written by quasar_hf.eval.accuracy.record_accuracy
-KNOWN_BASE_MODELS = {"SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+# folder-name prefixes of the checkpoints quasar_hf.models builds offline -> their Hub ids
+KNOWN_BASE_MODELS = {
+    "SmolLM2-135M-Instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "Qwen2.5-Coder-0.5B-Instruct": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+    "gemma-3-270m": "google/gemma-3-270m",
+}
 
 
 def template_path() -> Path:
