@@ -59,7 +59,7 @@ def card_measurements(row: dict, evaluation: str) -> dict:
     return {
         "perplexity": round(row["perplexity_model"], 4),
         "reference_perplexity": round(row["perplexity_reference"], 4),
-        "perplexity_ratio": round(row["perplexity_ratio"], 5),
+        "perplexity_ratio": f"{row['perplexity_ratio']:.4f} ({100 * (row['perplexity_ratio'] - 1):+.2f} %)",
         "perplexity_ratio_interval": f"{low:.4f} to {high:.4f}",
         "top1_agreement": round(row["top1_agreement"], 4),
         "kl_divergence": round(row["mean_kl_nats"], 5),

@@ -78,3 +78,4 @@ def test_card_measurements_use_the_model_card_labels() -> None:
     row["perplexity_ratio_ci95"] = [0.99, 1.03]
     entries = _script().card_measurements(row, "2 blocks x 512 tokens")
     assert set(entries) <= set(FIDELITY_LABELS) and entries["perplexity_ratio_interval"] == "0.9900 to 1.0300"
+    assert entries["perplexity_ratio"] == "1.0100 (+1.00 %)"  # a ratio near 1 keeps its digits in the card
