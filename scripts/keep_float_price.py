@@ -139,16 +139,9 @@ def main(argv: list[str] | None = None) -> list[str]:
 
 def to_markdown(result: dict) -> str:
     rows, first = result["rows"], result["rows"][0]
-    lines = [
-        "# Price of keep_float: bytes per step, step time, tokens/s",
-        "",
-        "Command:",
-        "",
-        "```",
-        result["command"],
-        "```",
-        "",
-    ]
+    from quasar_hf.bench.report import title_and_command
+
+    lines = title_and_command("Price of keep_float: bytes per step, step time, tokens/s", result["command"])
     lines += [
         "| checkpoint | int8 MB | kept float MB (linears) | lm_head MB | bytes vs first | 1-token step ms | 6-token step ms "
         "| quasar=True tok/s | vs first | same tokens as first |",

@@ -115,16 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def to_markdown(result: dict) -> str:
-    lines = [
-        "# Bandwidth of each decode-step matmul by model shape (CPU)",
-        "",
-        "Command:",
-        "",
-        "```",
-        result["command"],
-        "```",
-        "",
-    ]
+    from quasar_hf.bench.report import title_and_command
+
+    lines = title_and_command("Bandwidth of each decode-step matmul by model shape (CPU)", result["command"])
     lines += [f"Read bandwidth measured in the run: {result['read_gbps']:.1f} GB/s. Medians; random weights.", ""]
     lines += ["W8A8 parts: ms per layer, from one pass over every layer's own weights (MB: one layer's int8 weights).", ""]
     lines += ["| shape | tokens | part | MB | ms | GB/s | share of read bandwidth |", "|---|---|---|---|---|---|---|"]

@@ -198,11 +198,17 @@ def kernels_table(rows: list[dict]) -> list[str]:
     )
 
 
+def title_and_command(title: str, command: str | None) -> list[str]:
+    """The opening lines of a report: its title and, when known, the command that made it."""
+    lines = [f"# {title}", ""]
+    if command:
+        lines += ["Command:", "", "```", command, "```", ""]
+    return lines
+
+
 def to_markdown(result: dict, title: str = "quasar_hf benchmark") -> str:
     """One markdown document with every section present in `result`."""
-    lines = [f"# {title}", ""]
-    if result.get("command"):
-        lines += ["Command:", "", "```", result["command"], "```", ""]
+    lines = title_and_command(title, result.get("command"))
     env = result.get("environment") or {}
     if env:
         gpu = (env.get("cuda") or {}).get("device", "none")
