@@ -3,6 +3,7 @@
     python scripts/fidelity_models.py --model smollm2 --name fidelity_smollm2
     python scripts/fidelity_models.py --model ~/.cache/quasar_hf/Qwen2.5-Coder-0.5B-Instruct-bf16 \
         --variants 'default={}' 'rows2048={"calibration_sample_rows": 2048}' --name fidelity_qwen
+    python scripts/fidelity_models.py --model qwen --eval-blocks 200 --saved default=CKPT --record --name fid_qwen
 
 Each variant is `label=<JSON of QuasarConfig overrides>`; the model is quantized on load
 (`from_pretrained(..., quantization_config=QuasarConfig(**overrides))`, on the built-in
@@ -211,6 +212,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     command = "python scripts/fidelity_models.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     if args.merge:
         return merge_reports(args.merge, args.out, args.name, args.note)
+    if args.record and not args.saved:
+        raise SystemExit("--record writes into saved checkpoints: name them with --saved label=DIR")
     if args.variants is None:
         args.variants = [] if args.saved else ["default={}"]
     variants = [parse_variant(v) for v in args.variants]

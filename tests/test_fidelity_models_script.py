@@ -79,3 +79,8 @@ def test_card_measurements_use_the_model_card_labels() -> None:
     entries = _script().card_measurements(row, "2 blocks x 512 tokens")
     assert set(entries) <= set(FIDELITY_LABELS) and entries["perplexity_ratio_interval"] == "0.9900 to 1.0300"
     assert entries["perplexity_ratio"] == "1.0100 (+1.00 %)"  # a ratio near 1 keeps its digits in the card
+
+
+def test_record_without_saved_checkpoints_names_the_fix() -> None:
+    with pytest.raises(SystemExit, match="name them with --saved"):
+        _script().main(["--record", "--name", "x"])
