@@ -100,6 +100,26 @@ def test_usage_snippet_is_python_that_compiles():
     compile(snippet, "card-snippet", "exec")
 
 
+@pytest.mark.parametrize("has_chat_template", [True, False])
+def test_rendered_card_passes_the_formatter_ci_runs(has_chat_template, tmp_path):
+    """Cards written by --record land in model_cards/, which CI checks with `ruff format --check`."""
+    import shutil
+    import subprocess
+    import sys
+
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    if not Path(ruff).exists():
+        pytest.skip("ruff is not installed")
+    card = tmp_path / "README.md"
+    card.write_text(render_model_card(BASE, repo_id="me/x", has_chat_template=has_chat_template))
+    result = subprocess.run(
+        [ruff, "format", "--check", "--config", str(REPO_ROOT / "pyproject.toml"), str(card)],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_embedded_checkpoint_folders_map_to_their_hub_ids():
     from quasar_hf.hf.model_card import base_model_from_name
 
