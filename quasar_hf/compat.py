@@ -172,6 +172,17 @@ def has_accelerate_hook(module: nn.Module) -> bool:
     return hasattr(module, "_hf_hook")
 
 
+def move_accelerate_hook(old: nn.Module, new: nn.Module) -> bool:
+    """Attach `old`'s accelerate hook to `new`, a replacement holding the same resident Parameters.
+    False (nothing done) when `old` has no hook or its weights are offloaded (on the meta device)."""
+    if not has_accelerate_hook(old) or any(p.device.type == "meta" for p in old.parameters()):
+        return False
+    from accelerate.hooks import add_hook_to_module
+
+    add_hook_to_module(new, old._hf_hook)
+    return True
+
+
 # ---------------------------------------------------------------- quantizer registry
 def allow_loading_attributes(config_class: type) -> bool:
     """Let `from_pretrained(saved_checkpoint, quantization_config=config_class(...))` apply the

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from quasar_hf import QuasarConfig
 from quasar_hf.hf.draft_path import self_draft_model
 from quasar_hf.hf.draft_search import expected_acceptance_length
+from quasar_hf.nn import RowStableLinear
 from tests.tiny_models import char_tokenizer
 
 IDS = torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88]])
@@ -32,6 +33,7 @@ def skipped_layer_reference(path, keep: list[int]):
     for slot, layer in enumerate(ref.model.layers):
         layer.self_attn.layer_idx = slot
     ref.config.num_hidden_layers = len(keep)
+    ref.lm_head = RowStableLinear.from_linear(ref.lm_head)  # the lm_head every Quasar model computes with
     return ref.eval()
 
 

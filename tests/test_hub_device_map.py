@@ -36,6 +36,7 @@ def test_cpu_and_disk_map_gives_identical_logits_and_generation(saved, tmp_path)
     assert spread.hf_device_map == DEVICE_MAP
     assert spread.model.layers[1].input_layernorm.weight.device.type == "meta"  # really offloaded
     assert type(spread.model.layers[1].mlp.down_proj).__name__ == "W8A8Linear"
+    assert type(spread.lm_head).__name__ == "RowStableLinear"  # re-hooked by accelerate, same bits as `whole`
     ids = torch.randint(0, 250, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(spread(ids).logits, whole(ids).logits)

@@ -7,6 +7,7 @@ import time
 import torch
 from torch import nn
 
+from quasar_hf import compat
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.draft_head import attach_draft_head_skeleton, build_draft_head
 from quasar_hf.hf.draft_path import attach_draft_layers, module_bytes
@@ -18,7 +19,7 @@ from quasar_hf.hf.draft_search import (
     top1_agreement,
 )
 from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially, set_submodule
-from quasar_hf.nn import W8A8Linear
+from quasar_hf.nn import RowStableLinear, W8A8Linear
 from quasar_hf.nn.shared_input import share_input
 from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibration_texts
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
@@ -87,6 +88,19 @@ def share_sibling_inputs(model: nn.Module, config: QuasarConfig) -> int:
                 continue
             groups += share_input(modules) is not None
     return groups
+
+
+def use_rowstable_lm_head(model: nn.Module) -> bool:
+    """Compute the float lm_head with `RowStableLinear` (same Parameters, so ties and checkpoints are
+    unchanged): verify-step logits then equal decode-step logits bit for bit. True if replaced."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear or not hasattr(model, "set_output_embeddings"):
+        return False  # already replaced, quantized, or not a plain linear: left as it is
+    replacement = RowStableLinear.from_linear(head)
+    if compat.has_accelerate_hook(head) and not compat.move_accelerate_hook(head, replacement):
+        return False  # an offloaded head: accelerate's hook owns its weights
+    model.set_output_embeddings(replacement)
+    return True
 
 
 def _load_tokenizer(model: nn.Module, config: QuasarConfig):

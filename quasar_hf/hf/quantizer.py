@@ -2,7 +2,7 @@
 
 This is the only module that implements Transformers' quantizer hooks (they move between 5.x
 releases). The work itself lives in `quasar_hf.hf.integration`; after loading, the model gets the
-row-stable attention and its Quasar methods (`quasar_hf.hf.binding`).
+row-stable attention and lm_head and its Quasar methods (`quasar_hf.hf.binding`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,12 @@ from transformers.quantizers.base import HfQuantizer
 
 from quasar_hf.hf.binding import bind_quasar_methods
 from quasar_hf.hf.config import QuasarConfig
-from quasar_hf.hf.integration import quantize_model, replace_with_w8a8_skeleton, share_sibling_inputs
+from quasar_hf.hf.integration import (
+    quantize_model,
+    replace_with_w8a8_skeleton,
+    share_sibling_inputs,
+    use_rowstable_lm_head,
+)
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.ops.rowstable_attention import use_rowstable_attention
 
@@ -58,6 +63,7 @@ class QuasarHfQuantizer(HfQuantizer):
         # Decode and verification attention rows bit-identical (C kernel on CPU, Triton on CUDA), so
         # generate(quasar=True) equals plain greedy generate of this model in one verify call per layer.
         use_rowstable_attention(model)
+        use_rowstable_lm_head(model)  # and logits: verify rows equal decode steps even at near-ties
         bind_quasar_methods(model)  # generate(quasar=...), save_pretrained / push_to_hub with the model card
         return model
 

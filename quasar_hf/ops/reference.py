@@ -137,3 +137,26 @@ def attention_reference(
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows -> zeros
     return (probs @ v).transpose(1, 2)  # [B, Q, H, D]
+
+
+def rowstable_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T (+ bias) in the fixed order of `ops.rowstable_linear`, bit for bit.
+
+    fp32 throughout: lane l adds x[k] * w[k] for k = l, l + 16, ... in ascending k (multiply, then
+    add: two roundings), the 16 lanes are summed by the tree (l, l + 8), (l, l + 4), (l, l + 2),
+    (l, l + 1), then bias is added and the result is cast to x.dtype. Every element depends on its
+    own row and column only, so it is the same whatever the number of rows.
+    """
+    k_dim = x.shape[-1]
+    pad = -k_dim % 16
+    xf = torch.nn.functional.pad(x.reshape(-1, k_dim).float(), (0, pad))  # [M, Kp]
+    wf = torch.nn.functional.pad(weight.float(), (0, pad))  # [N, Kp]
+    acc = torch.zeros(xf.shape[0], wf.shape[0], 16)  # [M, N, lanes]
+    for start in range(0, xf.shape[1], 16):
+        acc = acc + xf[:, None, start : start + 16] * wf[None, :, start : start + 16]
+    for width in (8, 4, 2, 1):
+        acc = acc[..., :width] + acc[..., width : 2 * width]
+    out = acc[..., 0]  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
