@@ -20,6 +20,7 @@ from quasar_hf.hf.draft_search import (
 )
 from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially, set_submodule
 from quasar_hf.nn import RowStableLinear, W8A8Linear
+from quasar_hf.nn.norm_fold import fold_norm, rmsnorm_epsilon
 from quasar_hf.nn.shared_input import share_input
 from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibration_texts
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
@@ -88,6 +89,35 @@ def share_sibling_inputs(model: nn.Module, config: QuasarConfig) -> int:
                 continue
             groups += share_input(modules) is not None
     return groups
+
+
+def fold_norms_into_quantization(model: nn.Module, config: QuasarConfig) -> int:
+    """Fold each RMSNorm that feeds a sibling group alone (the mappings' "norm" kind) into the group's
+    activation quantization (nn/norm_fold.py). Call after share_sibling_inputs. Returns the count."""
+    try:
+        arch = resolve_mappings(model, config.smoothquant_mappings)
+    except ValueError:
+        return 0
+    folded = 0
+    for layer in decoder_layers(model, arch):
+        for mapping in arch.mappings:
+            if mapping.kind != "norm":
+                continue
+            try:
+                norm = layer.get_submodule(mapping.smooth)
+                members = [layer.get_submodule(path) for path in mapping.balance]
+            except AttributeError:
+                continue
+            group = getattr(members[0], "shared_input", None)
+            eps = rmsnorm_epsilon(norm)
+            if group is None or list(group.members) != members or eps is None or group.norm is not None:
+                continue
+            if compat.has_accelerate_hook(norm) or compat.has_accelerate_hook(layer):
+                continue  # accelerate owns these forwards (offloaded or dispatched)
+            holders = tuple({layer.get_submodule(p.rsplit(".", 1)[0]) for p in mapping.balance if "." in p})
+            fold_norm(layer, norm, group, mapping.norm_offset, eps, holders)
+            folded += 1
+    return folded
 
 
 def use_rowstable_lm_head(model: nn.Module) -> bool:

@@ -15,6 +15,7 @@ from transformers.quantizers.base import HfQuantizer
 from quasar_hf.hf.binding import bind_quasar_methods
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.integration import (
+    fold_norms_into_quantization,
     quantize_model,
     replace_with_w8a8_skeleton,
     share_sibling_inputs,
@@ -60,6 +61,7 @@ class QuasarHfQuantizer(HfQuantizer):
             quantize_model(model, config)
         model.config.quantization_config = config
         share_sibling_inputs(model, config)  # q/k/v and gate/up quantize their shared input once
+        fold_norms_into_quantization(model, config)  # ... with the RMSNorm before them folded in
         # Decode and verification attention rows bit-identical (C kernel on CPU, Triton on CUDA), so
         # generate(quasar=True) equals plain greedy generate of this model in one verify call per layer.
         use_rowstable_attention(model)

@@ -8,14 +8,22 @@ shape and strides. Each other member called with that x takes its output once. A
 runs the member alone, with the same bits: another tensor, an inference tensor (it keeps no
 version counter), members whose act_prescale differ, a backend without a shared form. If the
 members keep leaving outputs unclaimed (they are not called on one tensor), sharing stops.
+
+A group may also carry the RMSNorm that feeds it (`norm`, nn/norm_fold.py): an input marked as
+that norm's pass-through is normalized inside the shared call; a member running alone on it
+normalizes it first (W8A8Linear.forward).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from quasar_hf.nn.norm_fold import NormFold
 
 MAX_UNCLAIMED = 4  # shared calls in a row that left outputs unclaimed before sharing stops
 
@@ -25,11 +33,15 @@ class SharedInput:
 
     def __init__(self, members: Sequence[torch.nn.Module]) -> None:
         self.members = tuple(members)
+        self.norm: NormFold | None = None  # the RMSNorm folded into this group's quantization, if any
         self._reset()
 
     def _reset(self) -> None:
         self._linear = None  # ops.multi bound function, or None when the members cannot share
         self._key: tuple | None = None  # the members' buffer keys `_linear` was bound for
+        self._linear_folded = None  # the same with `norm` folded in, or None where it cannot be
+        self._folded_key: tuple | None = None  # (scale tensor id, eps) `_linear_folded` was bound for
+        self._fold_ok: bool | None = None  # can_fold's answer for the current binding
         self._pending: list | None = None  # outputs not yet claimed, None where claimed
         self._x_ref: weakref.ref | None = None
         self._x_key: tuple | None = None
@@ -37,11 +49,20 @@ class SharedInput:
         self.stopped = False
 
     def __getstate__(self) -> dict:  # copies and pickles keep the members, not bound kernels or outputs
-        return {"members": self.members}
+        return {"members": self.members, "norm": self.norm}
 
     def __setstate__(self, state: dict) -> None:
         self.members = state["members"]
+        self.norm = state.get("norm")
         self._reset()
+
+    def can_fold(self) -> bool:
+        """True while the shared call can normalize `norm`'s pass-through itself (bound once, then cached)."""
+        if self.norm is None or self.stopped:
+            return False
+        if self._fold_ok is None:
+            self._fold_ok = self._bound(folded=True) is not None
+        return self._fold_ok
 
     def output(self, index: int, x: torch.Tensor) -> torch.Tensor | None:
         """Member `index`'s output for x from a shared call, or None: run the member alone."""
@@ -55,7 +76,7 @@ class SharedInput:
                 self._pending = self._x_ref = None
                 self._unclaimed = 0
             return y
-        linear = self._bound()
+        linear = self._bound(folded=self.norm is not None and self.norm.owns(x))
         if linear is None:
             return None
         if pending is not None:  # a shared call whose outputs were not all claimed
@@ -69,19 +90,29 @@ class SharedInput:
         self._pending, self._x_ref, self._x_key = outputs, weakref.ref(x), key
         return y
 
-    def _bound(self):
-        """The shared kernel for the members' current buffers (rebound when any member rebinds)."""
+    def _bound(self, folded: bool = False):
+        """The shared kernel for the members' current buffers (rebound when any member rebinds);
+        folded=True: the one that also applies `norm` (None where the backend cannot)."""
         for m in self.members:
             m.kernel()  # each member's own binding (and packed weight) is current
         key = tuple(m.kernel_key for m in self.members)
         if key != self._key:
-            self._linear = None  # release the old kernel before binding a new one
+            self._linear = self._linear_folded = None  # release the old kernels before binding new ones
             self._linear = self._bind()
-            self._key = key
-        return self._linear
+            self._key, self._folded_key, self._fold_ok = key, None, None
+        if not folded:
+            return self._linear
+        scale = self.norm.scale()
+        folded_key = (id(scale), self.norm.eps)
+        if folded_key != self._folded_key:
+            self._linear_folded = None
+            self._linear_folded = self._bind(scale) if self._linear is not None else None
+            self._folded_key = folded_key
+        return self._linear_folded
 
-    def _bind(self):
-        """ops.multi's shared linear over the members, or None when they cannot share an input."""
+    def _bind(self, norm_scale: torch.Tensor | None = None):
+        """ops.multi's shared linear over the members, or None when they cannot share an input.
+        With norm_scale [K] (fp32): the linear over `norm`'s input, the norm folded in."""
         from quasar_hf.ops.multi import bind_w8a8_siblings
 
         first = self.members[0]
@@ -97,7 +128,12 @@ class SharedInput:
             return None
         weights = [(m.weight, m.weight_scale, m.bias) for m in self.members]
         packed = [m.packed_weight for m in self.members]
-        return bind_w8a8_siblings(weights, first.act_prescale, first.backend, packed)
+        if norm_scale is None:
+            return bind_w8a8_siblings(weights, first.act_prescale, first.backend, packed)
+        if norm_scale.device != first.weight.device:
+            return None
+        prescale = norm_scale if first.act_prescale is None else norm_scale * first.act_prescale.float()
+        return bind_w8a8_siblings(weights, prescale, first.backend, packed, norm_eps=self.norm.eps)
 
 
 def share_input(modules: Sequence[torch.nn.Module]) -> SharedInput | None:
@@ -113,7 +149,12 @@ def share_input(modules: Sequence[torch.nn.Module]) -> SharedInput | None:
 
 
 def unshare_input(module: torch.nn.Module) -> None:
-    """Detach `module` (and its siblings) from their SharedInput: each runs alone again."""
+    """Detach `module` (and its siblings) from their SharedInput: each runs alone again (and the
+    norm folded into the group, if any, computes itself again)."""
     group = getattr(module, "shared_input", None)
+    if group is not None and group.norm is not None:
+        from quasar_hf.nn.norm_fold import unfold_norm
+
+        unfold_norm(group.norm.norm)
     for member in group.members if group is not None else ():
         member.shared_input = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -45,7 +46,7 @@ def _multi_entry():
     _require_library()
     fn = _library().lib.qhf_w8a8_linear_multi
     fn.restype = _INT
-    fn.argtypes = [_P, _INT, _I64, _I64, _I64, _P, _I64, _INT, ctypes.POINTER(_CWeight), _P, _INT, _INT]
+    fn.argtypes = [_P, _INT, _I64, _I64, _I64, _P, ctypes.c_float, _I64, _INT, ctypes.POINTER(_CWeight), _P, _INT, _INT]
     return fn
 
 
@@ -54,6 +55,7 @@ def bind_linear_multi(
     act_prescale: torch.Tensor | None = None,
     packed: list[PackedWeight | None] | None = None,
     on_bad_x: Callable[[torch.Tensor], None] | None = None,
+    norm_eps: float | None = None,
 ):
     """Several weights reading one input (q/k/v, gate/up): `linear(x) -> (y_0, y_1, ...)`, one C call.
 
@@ -61,6 +63,10 @@ def bind_linear_multi(
     `packed` their pack_weight() results (None: packed here). x is quantized once; each y_s has the
     bits of w8a8_linear_cpu_fused(x, *weights[s], act_prescale=act_prescale). Checks x only per
     call; `on_bad_x` as in bind_linear.
+
+    norm_eps: x is an RMSNorm's input, folded into the quantization: act_prescale is then the norm's
+    weight and each row's epilogue scale carries 1 / sqrt(mean(x^2) + norm_eps)
+    (reference.w8a8_linear_rmsnorm_reference is the oracle, bit for bit).
     """
     if not 1 <= len(weights) <= MULTI_MAX:
         raise ValueError(f"bind_linear_multi takes 1 to {MULTI_MAX} weights, got {len(weights)}")
@@ -85,6 +91,9 @@ def bind_linear_multi(
     multi = _multi_entry()
     prescale = None if act_prescale is None else _fp32_contiguous(act_prescale)
     prescale_ptr = None if prescale is None else prescale.data_ptr()
+    eps = -1.0 if norm_eps is None else float(norm_eps)
+    if norm_eps is not None and not (math.isfinite(eps) and eps >= 0.0):
+        raise ValueError(f"norm_eps must be a finite number >= 0, got {norm_eps!r}")
     sizes = tuple(w[0].shape[0] for w in weights)
     k_padded, count = held[0].data.shape[1] * 4, len(weights)
     max_threads = max(1, sum(sizes) * k // _MIN_BYTES_PER_THREAD)
@@ -108,6 +117,7 @@ def bind_linear_multi(
             k,
             x2.stride(0),
             prescale_ptr,
+            eps,
             k_padded,
             count,
             structs,

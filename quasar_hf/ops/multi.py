@@ -20,8 +20,20 @@ Weights = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # weight_q [N,
 SiblingLinear = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
-def _bind_reference(weights: Sequence[Weights], act_prescale, packed) -> SiblingLinear:
-    from quasar_hf.ops.reference import dequantize_epilogue, int8_matmul_reference, quantize_per_token
+def _bind_reference(weights: Sequence[Weights], act_prescale, packed, norm_eps: float | None = None) -> SiblingLinear:
+    from quasar_hf.ops.reference import (
+        dequantize_epilogue,
+        int8_matmul_reference,
+        quantize_per_token,
+        w8a8_linear_rmsnorm_reference,
+    )
+
+    if norm_eps is not None:  # act_prescale is the norm's scale
+
+        def folded(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return tuple(w8a8_linear_rmsnorm_reference(x, act_prescale, norm_eps, w, s, b) for w, s, b in weights)
+
+        return folded
 
     def linear(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x2 = x.reshape(-1, x.shape[-1])  # [M, K], as w8a8_linear_reference
@@ -49,7 +61,7 @@ def _bind_torch(weights: Sequence[Weights], act_prescale, packed) -> SiblingLine
     return linear
 
 
-def _bind_cpu_fused(weights: Sequence[Weights], act_prescale, packed) -> SiblingLinear:
+def _bind_cpu_fused(weights: Sequence[Weights], act_prescale, packed, norm_eps: float | None = None) -> SiblingLinear:
     from quasar_hf.ops.cpu_fused import PackedWeight
     from quasar_hf.ops.cpu_fused_multi import bind_linear_multi
 
@@ -58,7 +70,7 @@ def _bind_cpu_fused(weights: Sequence[Weights], act_prescale, packed) -> Sibling
     def bad_x(x: object) -> None:
         validate_w8a8_inputs(x, *weights[0], act_prescale)  # raises the precise error
 
-    return bind_linear_multi(list(weights), act_prescale, own, bad_x)
+    return bind_linear_multi(list(weights), act_prescale, own, bad_x, norm_eps=norm_eps)
 
 
 def _cpu_fused_max_weights() -> int:
@@ -66,6 +78,9 @@ def _cpu_fused_max_weights() -> int:
 
     return MULTI_MAX
 
+
+# Backends whose shared form can fold an RMSNorm into the quantization (`norm_eps`).
+_FOLDS_NORMS = {"cpu_fused", "reference"}
 
 # Backends whose shared form checks x itself (as `x_matches` does, raising through on_bad_x).
 _CHECKS_X = {"cpu_fused"}
@@ -83,12 +98,15 @@ def bind_w8a8_siblings(
     act_prescale: torch.Tensor | None = None,
     backend: str = "auto",
     packed: Sequence[object | None] | None = None,
+    norm_eps: float | None = None,
 ) -> SiblingLinear | None:
     """Validate and bind sibling weights once; `linear(x)` quantizes x once and returns every output.
 
     weights: [(weight_q int8 [N_s, K], weight_scale fp32 [N_s], bias [N_s] or None)], one K and
     one device; act_prescale fp32 [K] or None, shared; packed: each weight's `pack_weight_for`
     result (reused, never copied). None when the backend has no shared form.
+    norm_eps: x is an RMSNorm's input whose weight is act_prescale, folded into the quantization
+    (`reference.w8a8_linear_rmsnorm_reference`); "cpu_fused" and "reference" have that form (else None).
     """
     if not weights:
         raise ValueError("bind_w8a8_siblings needs at least one weight")
@@ -104,7 +122,13 @@ def bind_w8a8_siblings(
     bind = _SHARED_FORMS.get(name)
     if bind is None or (name == "cpu_fused" and len(weights) > _cpu_fused_max_weights()):
         return None
-    shared = bind(weights, act_prescale, list(packed) if packed is not None else [None] * len(weights))
+    packs = list(packed) if packed is not None else [None] * len(weights)
+    if norm_eps is None:
+        shared = bind(weights, act_prescale, packs)
+    elif name in _FOLDS_NORMS:
+        shared = bind(weights, act_prescale, packs, norm_eps=norm_eps)
+    else:
+        return None
     if name in _CHECKS_X:
         return shared
     sizes = [w.shape[0] for w, _, _ in weights]

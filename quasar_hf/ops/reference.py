@@ -99,6 +99,52 @@ def w8a8_linear_reference(
     return out.reshape(*lead, weight_q.shape[0])
 
 
+def _lane_tree_sum(acc: torch.Tensor) -> torch.Tensor:
+    """[..., 16] -> [...]: lanes summed (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1), in fp32."""
+    for width in (8, 4, 2, 1):
+        acc = acc[..., :width] + acc[..., width : 2 * width]
+    return acc[..., 0]
+
+
+def rms_factor_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's per-row factor 1 / sqrt(mean(x^2) + eps) [M] for x [M, K], in the C kernel's order.
+
+    fp32: lane l adds x[k]^2 for k = l, l + 16, ... (square, then add), lanes by the fixed tree.
+    """
+    k_dim = x.shape[-1]
+    xf = torch.nn.functional.pad(x.float(), (0, -k_dim % 16))  # [M, Kp]
+    acc = torch.zeros(xf.shape[0], 16)
+    for start in range(0, xf.shape[1], 16):
+        chunk = xf[:, start : start + 16]
+        acc = acc + chunk * chunk
+    mean = _lane_tree_sum(acc) / k_dim
+    return 1.0 / torch.sqrt(mean + torch.tensor(eps, dtype=torch.float32))
+
+
+def w8a8_linear_rmsnorm_reference(
+    x: torch.Tensor,
+    norm_scale: torch.Tensor,
+    eps: float,
+    weight_q: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W8A8(RMSNorm(x)) with the norm folded into the activation quantization, bit for bit as the
+    fused CPU kernel: x [..., K] -> [..., N] in x.dtype.
+
+    norm_scale fp32 [K]: what the norm multiplies by (its weight, 1 + weight for Gemma, times any
+    SmoothQuant prescale). Per-token quantization is blind to a row's overall scale, so the row
+    x * norm_scale is quantized as it is and its epilogue scale is multiplied by rms_factor_reference:
+    no rounding of the normalized activations in between. A zero row keeps scale 0.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    a_q, a_scale = quantize_per_token(x2.float() * norm_scale)
+    a_scale = torch.where(a_scale == 0, a_scale, a_scale * rms_factor_reference(x2, eps)[:, None])
+    out = dequantize_epilogue(int8_matmul_reference(a_q, weight_q), a_scale, weight_scale, bias, x.dtype)
+    return out.reshape(*lead, weight_q.shape[0])
+
+
 def attention_layout_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """The layout every attention kernel here takes: query [B, H, Q, D], key/value [B, KVH, N, D],
     one dtype, H a multiple of KVH (GQA)."""
@@ -154,9 +200,7 @@ def rowstable_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torc
     acc = torch.zeros(xf.shape[0], wf.shape[0], 16)  # [M, N, lanes]
     for start in range(0, xf.shape[1], 16):
         acc = acc + xf[:, None, start : start + 16] * wf[None, :, start : start + 16]
-    for width in (8, 4, 2, 1):
-        acc = acc[..., :width] + acc[..., width : 2 * width]
-    out = acc[..., 0]  # [M, N]
+    out = _lane_tree_sum(acc)  # [M, N]
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

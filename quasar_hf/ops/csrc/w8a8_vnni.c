@@ -14,6 +14,7 @@
  * modulo 2^32: exact whenever the true result fits int32 (|acc| <= 127 * 127 * K: K < 133,000).
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,10 +68,35 @@ static inline __m512 row16(const void *x, int dtype, const float *prescale, int6
     return v;
 }
 
+/* Sum of 16 lanes in a fixed tree: (l, l+8), then (l, l+4), (l, l+2), (l, l+1). */
+static inline float tree_sum16(__m512 v) {
+    __m256 lo = _mm512_castps512_ps256(v);
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+/* RMSNorm's per-row factor 1 / sqrt(mean(x^2) + eps) in fp32: squares summed in 16 lanes over k
+ * ascending (mul, then add: no FMA), lanes by tree_sum16 (rms_factor_reference is the oracle). */
+static float rms_factor(const void *x, int dtype, int64_t K, float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 v = load16_f32(x, dtype, k, tail_mask(K - k));
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    return 1.0f / sqrtf(tree_sum16(acc) / (float)K + eps);
+}
+
 /* One row: aq[0:Kp] = q + 128 (uint8), returns the epilogue scale (amax / 127, NaN if non-finite).
  * q = clamp(floor(x * ((1 / amax) * 127) + 0.5), -127, 127); torch computes 127 / t as
- * reciprocal(t) * 127, so the same two roundings are used here. */
-static float quantize_row(const void *x, int dtype, const float *prescale, int64_t K, int64_t Kp, uint8_t *aq) {
+ * reciprocal(t) * 127, so the same two roundings are used here.
+ * norm_eps >= 0 folds an RMSNorm in: per-token quantization ignores a row's scale factor, so the
+ * row is quantized un-normalized (prescale = the norm's weight) and the epilogue scale carries
+ * rms_factor; a zero row keeps scale 0. */
+static float quantize_row(const void *x, int dtype, const float *prescale, int64_t K, int64_t Kp, uint8_t *aq,
+                          float norm_eps) {
     __m512 vmax = _mm512_setzero_ps();
     __mmask16 nonfinite = 0;
     const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
@@ -99,7 +125,7 @@ static float quantize_row(const void *x, int dtype, const float *prescale, int64
         _mm_mask_storeu_epi8(aq + k, m, _mm512_cvtepi32_epi8(q));
     }
     for (int64_t k = K; k < Kp; ++k) aq[k] = 128;
-    return amax / 127.0f;
+    return norm_eps >= 0.0f ? (amax / 127.0f) * rms_factor(x, dtype, K, norm_eps) : amax / 127.0f;
 }
 
 /* ---- GEMM micro-kernel with fused epilogue ------------------------------------------------- */
@@ -186,7 +212,7 @@ static void gemm_range(const gemm_args *g, int64_t nb_begin, int64_t nb_end) {
 /* Quantize x [M, K] once into aq/a_scale (filled in every g[s]), then run every segment's GEMM.
  * The threads split the segments' channel blocks as one range, so small weights share a call. */
 static int run_segments(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                        int64_t Kp, gemm_args *g, int G, int n_threads) {
+                        float norm_eps, int64_t Kp, gemm_args *g, int G, int n_threads) {
     int64_t nblocks = 0;
     for (int s = 0; s < G; ++s) nblocks += (g[s].N + 15) / 16;
     uint8_t *aq = (uint8_t *)aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64));
@@ -205,7 +231,8 @@ static int run_segments(const void *x, int x_dtype, int64_t M, int64_t K, int64_
 #endif
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; ++m)
-            a_scale[m] = quantize_row((const char *)x + (size_t)(m * x_stride) * elem, x_dtype, prescale, K, Kp, aq + m * Kp);
+            a_scale[m] = quantize_row((const char *)x + (size_t)(m * x_stride) * elem, x_dtype, prescale, K, Kp, aq + m * Kp,
+                                       norm_eps);
         /* implicit barrier: all rows quantized before any thread reads them */
         const int64_t begin = nblocks * t / nt, end = nblocks * (t + 1) / nt;
         int64_t offset = 0;
@@ -229,7 +256,7 @@ int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_
                     int32_t *acc_out, int n_threads) {
     gemm_args g = {NULL, NULL, w_packed, wsum128, w_scale, bias, bias_dtype, out, out_dtype, out_stride,
                    acc_out, M, N, Kp};
-    return run_segments(x, x_dtype, M, K, x_stride, prescale, Kp, &g, 1, n_threads);
+    return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, Kp, &g, 1, n_threads);
 }
 
 /* One weight of qhf_w8a8_linear_multi (ctypes mirrors this layout in cpu_fused.py). */
@@ -245,10 +272,12 @@ typedef struct {
 #define MULTI_MAX 8
 
 /* outs[s][M, N_s] = W8A8(x[M, K]) with weights[s], s < G <= MULTI_MAX: x quantized once, the same
- * bits as G qhf_w8a8_linear calls (contiguous outputs in out_dtype). Returns 0, 1 (no scratch
- * memory) or 2 (G out of range). */
+ * bits as G qhf_w8a8_linear calls (contiguous outputs in out_dtype). norm_eps >= 0: x is an
+ * RMSNorm's input and prescale its weight, folded into the quantization (see quantize_row).
+ * Returns 0, 1 (no scratch memory) or 2 (G out of range). */
 int qhf_w8a8_linear_multi(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                          int64_t Kp, int G, const qhf_weight *weights, void *const *outs, int out_dtype, int n_threads) {
+                          float norm_eps, int64_t Kp, int G, const qhf_weight *weights, void *const *outs,
+                          int out_dtype, int n_threads) {
     if (G < 1 || G > MULTI_MAX) return 2;
     gemm_args g[MULTI_MAX];
     for (int s = 0; s < G; ++s) {
@@ -257,5 +286,5 @@ int qhf_w8a8_linear_multi(const void *x, int x_dtype, int64_t M, int64_t K, int6
                          out_dtype, w->N, NULL, M, w->N, Kp};
         g[s] = one;
     }
-    return run_segments(x, x_dtype, M, K, x_stride, prescale, Kp, g, G, n_threads);
+    return run_segments(x, x_dtype, M, K, x_stride, prescale, norm_eps, Kp, g, G, n_threads);
 }
