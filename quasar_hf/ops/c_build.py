@@ -122,7 +122,7 @@ def build_and_load(source_name: str, flags: tuple[str, ...], compiler: str) -> c
     Raises RuntimeError/OSError with the compiler's message when no variant builds.
     """
     source = CSRC / source_name
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # headers key the build too
     errors = []
     for variant in (flags + ("-fopenmp",), flags):
         key = hashlib.sha256(text + repr((compiler, variant)).encode()).hexdigest()[:16]

@@ -15,6 +15,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include "qhf_tree_sum.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,16 +67,6 @@ static inline __m512 row16(const void *x, int dtype, const float *prescale, int6
     __m512 v = load16_f32(x, dtype, i, m);
     if (prescale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, prescale + i));
     return v;
-}
-
-/* Sum of 16 lanes in a fixed tree: (l, l+8), then (l, l+4), (l, l+2), (l, l+1). */
-static inline float tree_sum16(__m512 v) {
-    __m256 lo = _mm512_castps512_ps256(v);
-    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    __m256 s8 = _mm256_add_ps(lo, hi);
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
 /* RMSNorm's per-row factor 1 / sqrt(mean(x^2) + eps) in fp32: squares summed in 16 lanes over k
