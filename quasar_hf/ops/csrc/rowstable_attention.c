@@ -27,20 +27,7 @@
 
 #define LANES 16
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "qhf_common.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -58,7 +45,6 @@ static inline __m512 load16(const void *base, int64_t offset, int dtype) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-#include "qhf_tree_sum.h"
 #endif
 
 /* dot(q, row): element d goes to lane d % LANES (multiply then add, never fused), then the fixed

@@ -18,6 +18,7 @@
  * dtypes (x, w, bias, out share one): 0 = float32, 1 = bfloat16.
  */
 #include <immintrin.h>
+#include "qhf_common.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,22 +37,10 @@ static inline __m512 load16(const void *base, int dtype, int64_t offset, __mmask
 }
 
 static inline float scalar(const void *base, int dtype, int64_t i) {
-    if (dtype == 0) return ((const float *)base)[i];
-    uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+    return dtype == 0 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
 }
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
-#include "qhf_tree_sum.h"
 
 typedef struct {
     const float *xf; /* [M, Kp] fp32, zero padded */

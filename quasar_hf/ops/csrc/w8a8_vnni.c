@@ -15,7 +15,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
-#include "qhf_tree_sum.h"
+#include "qhf_common.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,7 +41,7 @@ static inline __m512 load16_f32(const void *p, int dtype, int64_t i, __mmask16 m
 }
 
 /* fp32 -> bf16 with round-to-nearest-even, denormals kept, NaN -> 0x7fc0 (as c10::BFloat16). */
-static inline __m256i f32_to_bf16(__m512 v) {
+static inline __m256i f32x16_to_bf16(__m512 v) {
     __m512i u = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
@@ -52,7 +52,7 @@ static inline __m256i f32_to_bf16(__m512 v) {
 
 static inline void store16(void *p, int dtype, int64_t i, __m512 v, __mmask16 mask) {
     if (dtype == DT_F32) _mm512_mask_storeu_ps((float *)p + i, mask, v);
-    else if (dtype == DT_BF16) _mm256_mask_storeu_epi16((uint16_t *)p + i, mask, f32_to_bf16(v));
+    else if (dtype == DT_BF16) _mm256_mask_storeu_epi16((uint16_t *)p + i, mask, f32x16_to_bf16(v));
     else _mm256_mask_storeu_epi16((uint16_t *)p + i, mask, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
