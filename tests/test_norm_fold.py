@@ -193,3 +193,20 @@ def test_greedy_quasar_equals_plain_with_folded_norms(tmp_path, arch):
     model = _quantized(tmp_path, arch)
     assert _folds(model)
     assert_quasar_greedy_equals_plain(model, max_new_tokens=24)
+
+
+@needs_kernel
+def test_an_edited_norm_weight_is_folded_anew(tmp_path):
+    model = _quantized(tmp_path, "llama")
+    fold = _folds(model)[0]
+    member = fold.group.members[0]
+    x = (torch.randn(1, 3, model.config.hidden_size) * 2).to(torch.bfloat16)
+    with torch.no_grad():
+        with armed(fold):
+            before = member(fold.norm(x))
+        fold.norm.weight.mul_(2.0).add_(0.25)  # in place: same tensor, new version
+        with armed(fold):
+            after = member(fold.norm(x))
+    scale = fold.norm.weight.float()
+    assert not torch.equal(before, after)
+    assert torch.equal(after, w8a8_linear_rmsnorm_reference(x, scale, fold.eps, member.weight, member.weight_scale, member.bias))

@@ -83,7 +83,7 @@ class NormFold:
         self.arming = arming
         self.watched = watched  # the norm, the siblings and the modules holding them: hooks turn the fold off
         self._scale: torch.Tensor | None = None
-        self._scale_key: tuple | None = None
+        self.scale_key: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The norm's forward while folded: a marked view of x where the siblings can fold it."""
@@ -118,14 +118,14 @@ class NormFold:
         """fp32 [K]: offset + weight, what the normalized row is multiplied by (kept while the weight is)."""
         weight = self.norm.weight
         key = (id(weight), weight.data_ptr(), weight._version, weight.device)
-        if key != self._scale_key:
+        if key != self.scale_key:
             self._scale = (self.offset + weight.detach().float()).contiguous()
-            self._scale_key = key
+            self.scale_key = key
         return self._scale
 
     def __getstate__(self) -> dict:  # copies keep the binding, not the cached scale
         state = dict(self.__dict__)
-        state.update(_scale=None, _scale_key=None)
+        state.update(_scale=None, scale_key=None)
         return state
 
 

@@ -40,7 +40,7 @@ class SharedInput:
         self._linear = None  # ops.multi bound function, or None when the members cannot share
         self._key: tuple | None = None  # the members' buffer keys `_linear` was bound for
         self._linear_folded = None  # the same with `norm` folded in, or None where it cannot be
-        self._folded_key: tuple | None = None  # (scale tensor id, eps) `_linear_folded` was bound for
+        self._folded_key: tuple | None = None  # (norm weight key, eps) `_linear_folded` was bound for
         self._fold_ok: bool | None = None  # can_fold's answer for the current binding
         self._pending: list | None = None  # outputs not yet claimed, None where claimed
         self._x_ref: weakref.ref | None = None
@@ -103,7 +103,7 @@ class SharedInput:
         if not folded:
             return self._linear
         scale = self.norm.scale()
-        folded_key = (id(scale), self.norm.eps)
+        folded_key = (self.norm.scale_key, self.norm.eps)  # the norm weight's identity and version
         if folded_key != self._folded_key:
             self._linear_folded = None
             self._linear_folded = self._bind(scale) if self._linear is not None else None
