@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from .c_build import PORTABLE_CFLAGS, build_and_load, find_compiler, missing_cpu_flags
+from .c_build import PORTABLE_CFLAGS, load_checked_entry, missing_cpu_flags
 from .fallback import warn_fallback_once
 from .reference import attention_layout_ok, attention_reference
 
@@ -41,17 +41,9 @@ def _flags() -> tuple[str, ...]:
 
 def load_variant(flags: tuple[str, ...]) -> tuple[object | None, str | None]:
     """Build with `flags` and load: (entry point, None) or (None, why it is unavailable)."""
-    compiler = find_compiler()
-    if not compiler:
-        return None, "no C compiler found (install gcc or set $CC)"
-    try:
-        fn = build_and_load("rowstable_attention.c", flags, compiler).qhf_rowstable_attention
-    except (RuntimeError, OSError) as err:
-        return None, f"building the row-stable attention kernel failed: {err}"
-    fn.restype = _INT
-    fn.argtypes = _ARGTYPES
-    mismatch = _smoke_test(fn)
-    return (None, mismatch) if mismatch else (fn, None)
+    return load_checked_entry(
+        "rowstable_attention.c", "qhf_rowstable_attention", flags, _ARGTYPES, _smoke_test, "row-stable attention kernel"
+    )
 
 
 @functools.lru_cache(maxsize=1)

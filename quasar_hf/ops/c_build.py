@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from quasar_hf.locking import exclusive_lock
@@ -132,3 +133,21 @@ def build_and_load(source_name: str, flags: tuple[str, ...], compiler: str) -> c
         except (RuntimeError, OSError, subprocess.SubprocessError) as err:
             errors.append(str(err))
     raise RuntimeError("\n".join(errors))
+
+
+def load_checked_entry(
+    source_name: str, entry: str, flags: tuple[str, ...], argtypes: list, smoke_test: Callable, what: str
+) -> tuple[object | None, str | None]:
+    """csrc/<source_name>'s `entry` (returning int) built with `flags` and checked by `smoke_test(fn)`
+    (None or why the kernel is wrong): (entry point, None), or (None, why it is unavailable)."""
+    compiler = find_compiler()
+    if not compiler:
+        return None, "no C compiler found (install gcc or set $CC)"
+    try:
+        fn = getattr(build_and_load(source_name, flags, compiler), entry)
+    except (RuntimeError, OSError) as err:
+        return None, f"building the {what} failed: {err}"
+    fn.restype = ctypes.c_int
+    fn.argtypes = argtypes
+    mismatch = smoke_test(fn)
+    return (None, mismatch) if mismatch else (fn, None)

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from .c_build import PORTABLE_CFLAGS, build_and_load, find_compiler, missing_cpu_flags
+from .c_build import PORTABLE_CFLAGS, load_checked_entry, missing_cpu_flags
 from .fallback import warn_fallback_once
 from .reference import rowstable_linear_reference
 
@@ -38,17 +38,9 @@ def _library() -> tuple[object | None, str | None]:
     missing = missing_cpu_flags(_REQUIRED_CPU_FLAGS)
     if missing:
         return None, f"this CPU lacks {', '.join(missing)} (needs x86-64 with AVX-512)"
-    compiler = find_compiler()
-    if not compiler:
-        return None, "no C compiler found (install gcc or set $CC)"
-    try:
-        fn = build_and_load("rowstable_linear.c", _CFLAGS, compiler).qhf_rowstable_linear
-    except (RuntimeError, OSError) as err:
-        return None, f"building the row-stable linear kernel failed: {err}"
-    fn.restype = _INT
-    fn.argtypes = _ARGTYPES
-    mismatch = _smoke_test(fn)
-    return (None, mismatch) if mismatch else (fn, None)
+    return load_checked_entry(
+        "rowstable_linear.c", "qhf_rowstable_linear", _CFLAGS, _ARGTYPES, _smoke_test, "row-stable linear kernel"
+    )
 
 
 def _smoke_test(fn) -> str | None:
