@@ -101,10 +101,13 @@ def quantize_checkpoint(path: str, options: dict, dtype: str) -> Any:
 
 def save_quantized(model: Any, tokenizer: Any, out_dir: str, base_model: str | None = None) -> None:
     """save_pretrained + tokenizer + our model card (rendered with the tokenizer's chat template)."""
+    from quasar_hf.atomic_folder import atomic_folder
+    from quasar_hf.hf.binding import save_quasar_files
     from quasar_hf.hf.model_card import model_card_for, write_model_card
 
-    model.save_pretrained(out_dir)  # a Quasar model's save writes a first card (and warns about a user README)
-    tokenizer.save_pretrained(out_dir)
-    with warnings.catch_warnings():  # same README decision as the hook's, already reported
-        warnings.simplefilter("ignore")
-        write_model_card(out_dir, model_card_for(model, base_model=base_model, tokenizer=tokenizer))
+    with atomic_folder(out_dir) as staging:  # model, tokenizer and card replace the folder in one step
+        save_quasar_files(model, staging)  # writes a first card (and warns about a user README)
+        tokenizer.save_pretrained(staging)
+        with warnings.catch_warnings():  # same README decision as the first card's, already reported
+            warnings.simplefilter("ignore")
+            write_model_card(staging, model_card_for(model, base_model=base_model, tokenizer=tokenizer))

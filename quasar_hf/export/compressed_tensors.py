@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from quasar_hf.atomic_folder import atomic_folder
 from quasar_hf.hf.detect import is_quasar_model
 from quasar_hf.ops.reference import quantize_weight_per_channel
 
@@ -161,17 +162,17 @@ def export_compressed_tensors(
         )
     out = Path(out_dir)
     _refuse_source_folder(model, out)
-    out.mkdir(parents=True, exist_ok=True)
     report = ExportReport(out_dir=str(out))
     tensors = collect_tensors(model, fold_act_prescale, report)
     if not report.quantized_modules:
         raise ValueError("the model says it is a Quasar model but holds no int8 W8A8 modules; nothing to export")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    with open(out / "config.json", "w") as handle:
-        json.dump(export_config(model, report.ignored_modules), handle, indent=2, sort_keys=True)
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None:
-        generation_config.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+    with atomic_folder(out) as staging:  # a failed export leaves what was in `out` as it was
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        with open(staging / "config.json", "w") as handle:
+            json.dump(export_config(model, report.ignored_modules), handle, indent=2, sort_keys=True)
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
     return report

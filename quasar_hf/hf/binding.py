@@ -7,7 +7,8 @@ so every other model in the process behaves exactly as without quasar_hf.
     (`quasar_hf.speculative.strategy.generate_with_quasar`); `assistant_model=` alone means W8A8
     verification of the assistant's drafts; `quasar=False` or neither is the class's generate.
   * save_pretrained: the class's save, then the model card (README.md, or QUASAR_MODEL_CARD.md
-    beside a README quasar_hf did not write, with a warning).
+    beside a README quasar_hf did not write, with a warning), written into a staging folder and
+    swapped in whole (`quasar_hf.atomic_folder`).
   * push_to_hub: the class's signature (repo_id positional, the options as keywords, plus
     `tokenizer=` and `base_model=`), uploaded with the card kept (`hub.push_quasar_model`).
 """
@@ -15,10 +16,12 @@ so every other model in the process behaves exactly as without quasar_hf.
 from __future__ import annotations
 
 import inspect
+import os
 import types
 import warnings
 from typing import Any
 
+from quasar_hf.atomic_folder import atomic_folder
 from quasar_hf.hf.detect import is_quasar_model
 
 NOT_QUANTIZED_HELP = (
@@ -60,12 +63,22 @@ def _assistant_model(entry: Any, model: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def save_pretrained_with_card(self: Any, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
-    """The class's save_pretrained, then the model card (main process only)."""
+    """The class's save_pretrained and the model card, swapped into `save_directory` in one step
+    (`quasar_hf.atomic_folder`): a save that fails or is killed leaves the previous checkpoint as it was."""
     original = type(self).save_pretrained
-    result = original(self, save_directory, *args, **kwargs)
     arguments = inspect.signature(original).bind(self, save_directory, *args, **kwargs).arguments
-    if is_quasar_model(self) and arguments.get("is_main_process", True):
-        save_card(self, save_directory)
+    if not is_quasar_model(self) or not arguments.get("is_main_process", True):
+        return original(self, save_directory, *args, **kwargs)
+    if kwargs.get("push_to_hub") and "repo_id" not in kwargs:
+        kwargs["repo_id"] = os.path.basename(os.path.normpath(os.fspath(save_directory)))  # not the staging folder's name
+    with atomic_folder(save_directory) as staging:
+        return save_quasar_files(self, staging, *args, **kwargs)
+
+
+def save_quasar_files(model: Any, folder: Any, *args: Any, **kwargs: Any) -> Any:
+    """The class's save_pretrained into `folder` as it is (no staging), then the model card."""
+    result = type(model).save_pretrained(model, folder, *args, **kwargs)
+    save_card(model, folder)
     return result
 
 

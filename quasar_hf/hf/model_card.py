@@ -15,6 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from quasar_hf.atomic_folder import write_text_atomically
+
 CARD_MARKER = "<!-- quasar-hf:model-card"
 README_NAME = "README.md"
 FALLBACK_CARD_NAME = "QUASAR_MODEL_CARD.md"
@@ -264,7 +266,7 @@ def write_model_card(directory: str | os.PathLike, text: str) -> Path:
         )
     else:
         target = readme
-    target.write_text(text, encoding="utf-8")
+    write_text_atomically(target, text)
     return target
 
 
@@ -279,7 +281,7 @@ def record_measurements(folder: str | os.PathLike, measured: dict, base_model: s
         raise ValueError(f"{folder} is not a Quasar checkpoint (quant_method={qconfig.get('quant_method')!r})")
     qconfig["measured"] = {**(qconfig.get("measured") or {}), **measured}
     config["quantization_config"] = qconfig
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_text_atomically(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
     has_chat_template = (Path(folder) / "chat_template.jinja").exists() or '"chat_template"' in _read(
         Path(folder) / "tokenizer_config.json"
     )
