@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from quasar_hf.commands.parser import build_parser, delegated_eval, run_parsed
+from quasar_hf.commands.parser import build_parser, delegated_eval, run_delegated, run_parsed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -18,7 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     delegate = delegated_eval(argv)
     if delegate is not None:  # `eval --tasks ...` / `eval --per-layer ...` own their options
-        return delegate(argv[1:])
+        return run_delegated(delegate, argv[1:], "eval")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):

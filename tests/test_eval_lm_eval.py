@@ -12,6 +12,7 @@ from lm_eval.models.huggingface import HFLM
 from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig, is_quasar_model
+from quasar_hf.commands.loading import UsageError
 from quasar_hf.eval.lm_eval_model import QuasarLM
 from quasar_hf.eval.lm_eval_runner import compare_tasks, eval_main, to_markdown
 from quasar_hf.eval.stopping import RowStopSequences
@@ -119,7 +120,7 @@ def test_eval_main_on_a_saved_checkpoint_writes_reports_and_records_the_card(tin
 def test_eval_main_refuses_a_quasar_checkpoint_without_reference(tiny_pair, tmp_path):
     quantized, _, tokenizer, _ = tiny_pair
     quantized.save_pretrained(tmp_path / "q")
-    with pytest.raises(ValueError, match="--reference"):
+    with pytest.raises(UsageError, match="--reference"):
         eval_main([str(tmp_path / "q"), "--tasks", "quasar_tiny_mc"])
 
 
@@ -134,11 +135,11 @@ def test_task_yaml_data_files_resolve_next_to_the_yaml(tmp_path, monkeypatch):
     specs = task_specs(["quasar_tiny_mc", str(tmp_path / "mine.yaml"), "hellaswag"])
     assert specs[0]["task"] == "quasar_tiny_mc" and specs[1]["task"] == "mine" and specs[2] == "hellaswag"
     (tmp_path / "nameless.yaml").write_text("dataset_path: json\n")
-    with pytest.raises(ValueError, match="task:"):
+    with pytest.raises(UsageError, match="task:"):
         load_task_yaml(tmp_path / "nameless.yaml")
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(UsageError, match="does not exist"):
         load_task_yaml(tmp_path / "missing.yaml")
-    with pytest.raises(ValueError, match="no tasks"):
+    with pytest.raises(UsageError, match="no tasks"):
         task_specs([])
 
 

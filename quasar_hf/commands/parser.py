@@ -168,6 +168,25 @@ def run_parsed(args: argparse.Namespace, prog: str = "quasar-hf") -> int:
     return code
 
 
+def run_delegated(entry: Callable[[list[str]], int], argv: list[str], command: str, prog: str = "quasar-hf") -> int:
+    """Run a delegated entry point (`eval --tasks ...`) with `run_parsed`'s exit codes and one-line errors."""
+    debug = "--debug" in argv
+    try:
+        return int(entry([arg for arg in argv if arg != "--debug"]) or 0)
+    except UsageError as error:
+        failure, code, message = error, 2, str(error)
+    except KeyboardInterrupt:
+        return 130
+    except SystemExit:  # argparse's own usage errors (already printed, exit code 2) and --help
+        raise
+    except Exception as error:  # a runtime failure: one line, traceback only with --debug
+        failure, code, message = error, 1, f"{type(error).__name__}: {error}".splitlines()[0]
+    if debug:
+        traceback.print_exception(failure)
+    print(f"{prog} {command}: error: {message}", file=sys.stderr)
+    return code
+
+
 def _lm_eval_main(argv: list[str]) -> int:
     from quasar_hf.eval import eval_main
 

@@ -204,10 +204,12 @@ def eval_main(argv: list[str] | None = None) -> int:
     """`quasar-hf eval --tasks ...`: run, print the markdown table, write JSON + markdown."""
     args = build_parser().parse_args(argv)
     from .loading import load_pair, quantize_options
+    from .tasks import check_task_names, task_specs
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    check_task_names(task_specs(tasks))  # before the (slow) model loading
     pair = load_pair(args.model, args.reference, args.dtype, quantize_options(args))
     result = compare_tasks(
         pair.quantized,

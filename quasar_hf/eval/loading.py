@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-EMBEDDED_ALIASES = ("smollm2", "embedded")
 
 
 @dataclass
@@ -22,17 +19,12 @@ class ModelPair:
 
 
 def resolve(name: str) -> str:
-    """'smollm2' -> the embedded SmolLM2-135M-Instruct folder; a folder -> itself; else a Hub id (needs network)."""
-    if name in EMBEDDED_ALIASES:
-        from quasar_hf.models import smollm2_135m_instruct
+    """An embedded model's alias ('smollm2', ...) -> its folder; a checkpoint folder -> itself; else a Hub id.
 
-        return smollm2_135m_instruct()
-    path = Path(os.path.expanduser(name))
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ValueError(f"{name} is a folder without config.json; pass a Transformers checkpoint folder")
-    if not path.exists() and (name.startswith((".", "/", "~")) or name.count("/") != 1):
-        raise ValueError(f"model folder {name} does not exist; pass a checkpoint folder, a Hub id (owner/name) or 'smollm2'")
-    return str(path) if path.is_dir() else name
+    Bad names raise `UsageError` (one line, exit code 2 from the command line), naming the fix."""
+    from quasar_hf.commands.loading import resolve_model
+
+    return resolve_model("smollm2" if name == "embedded" else name)
 
 
 def is_quasar_folder(path: str) -> bool:
@@ -67,14 +59,19 @@ def load_pair(model: str, reference: str | None, dtype: str = "bfloat16", quanti
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from quasar_hf import QuasarConfig  # importing quasar_hf registers quant_method "quasar"
+    from quasar_hf.commands.loading import UsageError
 
-    path = resolve(model)
-    torch_dtype = getattr(torch, dtype)
+    path = resolve(model)  # both checked before anything slow is loaded
+    reference_path = resolve(reference) if reference is not None else path
     if is_quasar_folder(path):
         if reference is None:
-            raise ValueError(
+            raise UsageError(
                 f"{model} is a Quasar checkpoint; pass its unquantized original with --reference (a folder, Hub id or 'smollm2')"
             )
+    if reference is not None and is_quasar_folder(reference_path):
+        raise UsageError(f"--reference {reference} is a Quasar checkpoint; pass the unquantized original")
+    torch_dtype = getattr(torch, dtype)
+    if is_quasar_folder(path):
         quantized = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
         quantized_source, quantized_path = path, path
     else:
@@ -83,9 +80,6 @@ def load_pair(model: str, reference: str | None, dtype: str = "bfloat16", quanti
             path, quantization_config=QuasarConfig(**options), dtype=torch_dtype
         ).eval()
         quantized_source, quantized_path = f"{path} quantized in this run with QuasarConfig({options or ''})", None
-    reference_path = resolve(reference) if reference is not None else path
-    if is_quasar_folder(reference_path):
-        raise ValueError(f"--reference {reference} is a Quasar checkpoint; pass the unquantized original")
     reference_model = AutoModelForCausalLM.from_pretrained(reference_path, dtype=torch_dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return ModelPair(quantized, reference_model, tokenizer, quantized_source, reference_path, quantized_path)

@@ -9,8 +9,11 @@ integration end to end. Anything else is passed to lm-eval as a standard task na
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
+
+from quasar_hf.commands.loading import UsageError
 
 LOCAL_TASK_DIR = Path(__file__).resolve().parents[1] / "data" / "eval_tasks"
 LOCAL_TASKS = ("quasar_tiny_mc", "quasar_tiny_gen")
@@ -28,10 +31,13 @@ def load_task_yaml(path: str | Path) -> dict[str, Any]:
 
     path = Path(path).expanduser().resolve()
     if not path.is_file():
-        raise FileNotFoundError(f"task file {path} does not exist; pass a task YAML file or a task name")
-    config = load_yaml(path)
-    if "task" not in config:
-        raise ValueError(f"{path} has no `task:` name; lm-eval task YAMLs name their task (task: my_task)")
+        raise UsageError(f"task file {path} does not exist; pass a task YAML file or a task name")
+    try:
+        config = load_yaml(path)
+    except Exception as error:  # noqa: BLE001 - any YAML or include problem is the file's
+        raise UsageError(f"cannot read task file {path}: {str(error).splitlines()[0]}; fix the YAML") from None
+    if not isinstance(config, dict) or "task" not in config:
+        raise UsageError(f"{path} has no `task:` name; lm-eval task YAMLs name their task (task: my_task)")
     kwargs = config.get("dataset_kwargs") or {}
     if "data_files" in kwargs:
         kwargs["data_files"] = _absolute(kwargs["data_files"], path.parent)
@@ -54,7 +60,7 @@ def _absolute(data_files: Any, folder: Path) -> Any:
 def task_specs(names: list[str]) -> list[str | dict[str, Any]]:
     """Each name as lm-eval takes it: a config dict for YAML files and shipped tasks, else the name."""
     if not names:
-        raise ValueError(f"no tasks given; pass task names (e.g. {', '.join(LOCAL_TASKS)}) or task YAML files")
+        raise UsageError(f"no tasks given; pass task names (e.g. {', '.join(LOCAL_TASKS)}) or task YAML files")
     specs: list[str | dict[str, Any]] = []
     for name in names:
         local = local_task_path(name)
@@ -73,3 +79,19 @@ def task_manager_for(specs: list[str | dict[str, Any]]):
 
     needs_defaults = any(isinstance(spec, str) for spec in specs)
     return TaskManager(include_defaults=needs_defaults)
+
+
+def check_task_names(specs: list[str | dict[str, Any]]) -> None:
+    """Raise UsageError naming each standard task name lm-eval does not know (and the closest ones it does)."""
+    names = [spec for spec in specs if isinstance(spec, str)]
+    if not names:
+        return
+    known = set(task_manager_for(specs).all_tasks)
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        close = sorted({match for name in unknown for match in difflib.get_close_matches(name, known, n=3)})
+        hint = f" (close: {', '.join(close)})" if close else ""
+        raise UsageError(
+            f"unknown lm-eval task {', '.join(unknown)}{hint}; pass a task lm-eval lists (`lm-eval ls tasks`), "
+            f"a task YAML file, or a shipped offline task ({', '.join(LOCAL_TASKS)})"
+        )
