@@ -28,8 +28,20 @@ PORTABLE_CFLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-ffp-contract=off",
 TEMP_PREFIX = "tmp"  # compiles write <folder>/tmp*.so, then rename it onto the library
 
 
+MASK_ENV = "QUASAR_HF_CPU_FLAGS_OFF"  # e.g. "avx512f,avx512_vnni": build and run as on a CPU without them
+
+
+def masked_cpu_flags() -> set[str]:
+    """CPU flags that `$QUASAR_HF_CPU_FLAGS_OFF` (comma-separated /proc/cpuinfo names) says to treat as absent.
+
+    Lets one machine run the kernels' tests as a CPU with fewer features would: the portable builds,
+    and the fallbacks chosen where a kernel needs a masked flag."""
+    return {flag.strip() for flag in os.environ.get(MASK_ENV, "").split(",") if flag.strip()}
+
+
 def missing_cpu_flags(required: tuple[str, ...]) -> list[str]:
-    """CPU flags in `required` that /proc/cpuinfo does not list (all of them off x86-64 or if unreadable)."""
+    """CPU flags in `required` that /proc/cpuinfo does not list, or that are masked (all of them off
+    x86-64 or if /proc/cpuinfo is unreadable)."""
     if not required:
         return []
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -39,7 +51,7 @@ def missing_cpu_flags(required: tuple[str, ...]) -> list[str]:
     except OSError:
         return list(required)
     flags_line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    flags = set(flags_line.split(":", 1)[-1].split())
+    flags = set(flags_line.split(":", 1)[-1].split()) - masked_cpu_flags()
     return [f for f in required if f not in flags]
 
 

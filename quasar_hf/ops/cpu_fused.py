@@ -1,11 +1,13 @@
-"""Fused CPU W8A8 linear (AVX-512 VNNI): quantize -> int8 GEMM -> dequantize in one C call.
+"""Fused CPU W8A8 linear (AVX-512 VNNI, or AVX2): quantize -> int8 GEMM -> dequantize in one C call.
 
 Why: at decode/verify shapes (M = 1..16 tokens) a W8A8 linear built from torch ops costs about as
 much as a BF16 `F.linear`, because each of its ~10 small ops costs several microseconds. One fused
 call reads each weight byte once for all rows, so it runs near memory bandwidth with a single
 call's overhead. Numerics are exactly those of `ops/reference.py` (bit for bit, tested).
 
-The C source (`csrc/w8a8_vnni.c`) is compiled with the system C compiler at first use into a
+Two C sources, one numerics: `csrc/w8a8_vnni.c` (AVX-512 VNNI) where the CPU has it, else
+`csrc/w8a8_avx2.c` (AVX2; AMD Zen 2/3, Intel before Ice Lake), which computes the same bits, so a
+checkpoint gives the same logits on either kind of CPU. The one picked is compiled at first use into a
 per-user cache (`$QUASAR_HF_KERNEL_CACHE`, else `$XDG_CACHE_HOME/quasar_hf/kernels`, else
 `~/.cache/quasar_hf/kernels`), keyed by a hash of source + flags, and loaded with ctypes.
 
@@ -34,8 +36,15 @@ import torch
 
 from .c_build import PORTABLE_CFLAGS, build_and_load, find_compiler, missing_cpu_flags
 
-_CFLAGS = PORTABLE_CFLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")
-_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
+# Variants, best first: (source, extra compiler flags, CPU flags it needs). Both compute the same bits.
+VARIANTS = (
+    (
+        "w8a8_vnni.c",
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
+    ),
+    ("w8a8_avx2.c", ("-mavx2", "-mf16c"), ("avx2", "f16c")),
+)
 _MIN_BYTES_PER_THREAD = 32 * 1024  # see _thread_count and benchmarks/cpu_fused.md
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _P = ctypes.c_void_p
@@ -53,26 +62,38 @@ class _Library:
     fn: object | None
     error: str | None
     lib: object | None = None  # the loaded CDLL (its other entry points: cpu_fused_multi.py)
+    source: str | None = None  # which variant (VARIANTS) it is
 
 
 @functools.lru_cache(maxsize=1)
 def _library() -> _Library:
-    """Build (once per source version) and load the kernel; failures become a reason string."""
-    missing = missing_cpu_flags(_REQUIRED_CPU_FLAGS)
-    if missing:
-        return _Library(None, f"this CPU lacks {', '.join(missing)} (needs x86-64 with AVX-512 VNNI)")
+    """Build (once per source version) and load the best variant this CPU runs; failures become a reason."""
+    for source, flags, required in VARIANTS:
+        if not missing_cpu_flags(required):
+            return load_variant(source, flags)
+    missing = missing_cpu_flags(VARIANTS[-1][2])
+    return _Library(None, f"this CPU lacks {', '.join(missing)} (needs x86-64 with AVX2, or AVX-512 VNNI)")
+
+
+def load_variant(source: str, flags: tuple[str, ...]) -> _Library:
+    """Build csrc/<source> with `flags`, load it and check it against the reference (tests load each variant)."""
     compiler = find_compiler()
     if not compiler:
         return _Library(None, "no C compiler found (install gcc or set $CC)")
     try:
-        lib = build_and_load("w8a8_vnni.c", _CFLAGS, compiler)
+        lib = build_and_load(source, PORTABLE_CFLAGS + flags, compiler)
     except (RuntimeError, OSError) as err:
         return _Library(None, f"building the fused kernel failed: {err}")
     fn = lib.qhf_w8a8_linear
     fn.restype = _INT
     fn.argtypes = [_P, _INT, _I64, _I64, _I64, _P, _P, _P, _I64, _I64, _P, _P, _INT, _P, _INT, _I64, _P, _INT]
     mismatch = _smoke_test(fn)
-    return _Library(None, mismatch) if mismatch else _Library(fn, None, lib)
+    return _Library(None, mismatch) if mismatch else _Library(fn, None, lib, source)
+
+
+def kernel_source() -> str | None:
+    """The C source of the variant in use ('w8a8_vnni.c' or 'w8a8_avx2.c'), None when unavailable."""
+    return _library().source
 
 
 def _smoke_test(fn) -> str | None:
@@ -81,7 +102,7 @@ def _smoke_test(fn) -> str | None:
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 37, generator=gen).bfloat16()  # [M, K]: 2 row blocks, ragged K
-    weight_q = torch.randint(-127, 128, (20, 37), generator=gen, dtype=torch.int8)  # ragged N
+    weight_q = torch.randint(-128, 128, (20, 37), generator=gen, dtype=torch.int8)  # ragged N, -128 included
     weight_scale = torch.rand(20, generator=gen) / 100
     bias = torch.randn(20, generator=gen)
     expected = w8a8_linear_reference(x, weight_q, weight_scale, bias)
@@ -100,7 +121,7 @@ def unavailable_reason() -> str | None:
 
 
 def is_available() -> bool:
-    """True if the CPU has AVX-512 VNNI and the kernel built and loaded. Never raises."""
+    """True if the CPU has AVX2 (or AVX-512 VNNI) and the kernel built and loaded. Never raises."""
     return unavailable_reason() is None
 
 

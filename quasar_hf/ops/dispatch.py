@@ -5,7 +5,7 @@ Backends (all compute `ops/reference.py`'s scheme; see each module for its exact
   * "torch"        `torch._int_mm` (`ops/cpu.py`; CPU, and CUDA with M padded above 16);
   * "triton"       fused Triton kernel (`ops/triton_w8a8.py`; CUDA, or CPU under TRITON_INTERPRET=1);
   * "bitsandbytes" LLM.int8() primitives (`ops/bnb.py`; close to, not bit-identical with, the reference);
-  * "cpu_fused"    fused C/AVX-512-VNNI CPU kernel (`ops/cpu_fused.py`).
+  * "cpu_fused"    fused C CPU kernel, AVX-512 VNNI or AVX2 build, same bits (`ops/cpu_fused.py`).
 "auto" takes the first usable backend of `AUTO_PREFERENCE[device type]` (CUDA: triton, torch;
 CPU: cpu_fused, torch; elsewhere: reference) and logs once, at warning level, why a faster one
 was skipped. `backend_report()` lists every backend and kernel with the reason it cannot run.

@@ -3,7 +3,8 @@
 Why: torch's BF16 GEMM picks its blocking and summation order by the number of rows, so the
 logits of a verified row differ in the last bits from the same row's one-token decode step. At a
 near-tie that can change a greedy token. This kernel computes each output element alone in an
-order that depends on K only (see csrc/rowstable_linear.c), so logits are the same whatever the
+order that depends on K only (see csrc/rowstable_linear.c; csrc/rowstable_linear_avx2.c computes the
+same bits on CPUs without AVX-512), so logits are the same whatever the
 number of rows; it also streams the weight once per call for up to six rows, close to the bytes
 it reads. The plain-PyTorch oracle is `ops.reference.rowstable_linear_reference` (bit for bit).
 
@@ -24,8 +25,11 @@ from .c_build import PORTABLE_CFLAGS, load_checked_entry, missing_cpu_flags
 from .fallback import warn_fallback_once
 from .reference import rowstable_linear_reference
 
-_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
-_CFLAGS = PORTABLE_CFLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl")
+# Variants, best first: (source, extra compiler flags, CPU flags it needs). Both compute the same bits.
+VARIANTS = (
+    ("rowstable_linear.c", ("-mavx512f", "-mavx512bw", "-mavx512vl"), ("avx512f", "avx512bw", "avx512vl")),
+    ("rowstable_linear_avx2.c", ("-mavx2",), ("avx2",)),
+)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _MIN_BYTES_PER_THREAD = 256 * 1024  # below this a second thread costs more than it saves
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -34,12 +38,17 @@ _ARGTYPES = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _INT, _INT]
 
 @functools.lru_cache(maxsize=1)
 def _library() -> tuple[object | None, str | None]:
-    """(entry point, None), or (None, why the kernel is unavailable here)."""
-    missing = missing_cpu_flags(_REQUIRED_CPU_FLAGS)
-    if missing:
-        return None, f"this CPU lacks {', '.join(missing)} (needs x86-64 with AVX-512)"
+    """(entry point, None) for the best variant this CPU runs, or (None, why the kernel is unavailable here)."""
+    for source, flags, required in VARIANTS:
+        if not missing_cpu_flags(required):
+            return load_variant(source, flags)
+    return None, f"this CPU lacks {', '.join(missing_cpu_flags(VARIANTS[-1][2]))} (needs x86-64 with AVX2 or AVX-512)"
+
+
+def load_variant(source: str, flags: tuple[str, ...]) -> tuple[object | None, str | None]:
+    """Build csrc/<source> with `flags`, load it and smoke-test it (tests load each variant)."""
     return load_checked_entry(
-        "rowstable_linear.c", "qhf_rowstable_linear", _CFLAGS, _ARGTYPES, _smoke_test, "row-stable linear kernel"
+        source, "qhf_rowstable_linear", PORTABLE_CFLAGS + flags, _ARGTYPES, _smoke_test, "row-stable linear kernel"
     )
 
 
