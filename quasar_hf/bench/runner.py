@@ -275,6 +275,14 @@ def load_bench_models(
         from quasar_hf.models import smollm2_135m_instruct
 
         model_path = smollm2_135m_instruct()
+    else:
+        from quasar_hf.commands.loading import resolve_model
+
+        model_path = resolve_model(model_path)  # a missing folder is a one-line usage error, not a Hub lookup
+    if quantized_path is not None:
+        from quasar_hf.commands.loading import resolve_model
+
+        quantized_path = resolve_model(quantized_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
     start = time.perf_counter()

@@ -48,6 +48,7 @@ def doctor_report() -> str:
     titles = (
         ("w8a8_linear", "W8A8 linear backends (* = what backend='auto' uses)"),
         ("attention", "Attention for verification (* = what Quasar models run)"),
+        ("lm_head", "Float lm_head of Quasar models (* = what they run; row-stable: verify rows equal decode steps)"),
     )
     for kernel, title in titles:
         lines += ["", title]

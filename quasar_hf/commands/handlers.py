@@ -14,10 +14,21 @@ from quasar_hf.commands.loading import UsageError
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from quasar_hf.commands.loading import load_tokenizer, quantize_checkpoint, resolve_model, save_quantized
+    from quasar_hf.commands.loading import (
+        is_quasar_checkpoint,
+        load_tokenizer,
+        quantize_checkpoint,
+        resolve_model,
+        save_quantized,
+    )
     from quasar_hf.commands.output_dir import check_output_dir
 
     path = resolve_model(args.model)
+    if is_quasar_checkpoint(path):
+        raise UsageError(
+            f"{args.model} is already a Quasar W8A8 checkpoint; quantize its original (unquantized) model instead, "
+            "or copy the folder to keep a second copy"
+        )
     check_output_dir(args.out, path, "quasar", overwrite=args.overwrite)  # before the (long) quantization
     options = {"alpha": args.alpha, "num_calibration_samples": args.num_samples, "calibration_seq_len": args.seq_len}
     if args.calibration_dataset is not None:

@@ -1,7 +1,8 @@
 """Checks on an `--out` folder, run before any work so nothing a user saved is overwritten.
 
 Rules (same for `quantize` and `export`):
-  * the output folder may never be the input folder (symlinks resolved) or lie inside it;
+  * the output folder may never be the input folder (symlinks resolved, and inodes compared, so a
+    bind mount of the input counts too) or lie inside it;
   * a missing or empty folder is fine, and so is a folder holding a checkpoint of the kind the
     command writes (a previous result, replaced);
   * any other non-empty folder is refused unless `--overwrite` is given;
@@ -45,9 +46,9 @@ def check_output_dir(out: str, source: str | None, kind: str, overwrite: bool = 
     target = Path(os.path.expanduser(out)).resolve()
     if source is not None and Path(os.path.expanduser(source)).is_dir():
         origin = Path(os.path.expanduser(source)).resolve()
-        if target == origin:
+        if target == origin or _same_folder(target, origin):  # paths, then inodes (a bind mount of the input)
             raise UsageError(f"--out {out} is the input folder; writing there would replace the input. Choose another folder")
-        if origin in target.parents:
+        if origin in target.parents or any(_same_folder(parent, origin) for parent in target.parents):
             raise UsageError(f"--out {out} lies inside the input folder {source}; choose a folder outside it")
     if target.exists() and not target.is_dir():
         raise UsageError(f"--out {out} is a file, not a folder; choose a folder path")
@@ -58,6 +59,14 @@ def check_output_dir(out: str, source: str | None, kind: str, overwrite: bool = 
         )
     _check_writable(target, out)
     return target
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    """True when both exist and are one folder (same device and inode), whatever their paths."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _check_writable(target: Path, out: str) -> None:

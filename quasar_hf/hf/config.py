@@ -98,8 +98,27 @@ class QuasarConfig(QuantizationConfigMixin):
                 raise ValueError(f"alpha must be a float in [0, 1] or 'auto'; got {self.alpha!r}")
         elif not isinstance(self.alpha, (int, float)) or not 0.0 <= float(self.alpha) <= 1.0:
             raise ValueError(f"alpha must be a float in [0, 1] or 'auto'; got {self.alpha!r}")
-        if not self.alpha_grid or any(not 0.0 <= float(a) <= 1.0 for a in self.alpha_grid):
-            raise ValueError(f"alpha_grid must be a non-empty list of floats in [0, 1]; got {self.alpha_grid!r}")
+        grid = self.alpha_grid
+        if (
+            not isinstance(grid, (list, tuple))
+            or not grid
+            or not all(isinstance(a, (int, float)) and not isinstance(a, bool) and 0.0 <= float(a) <= 1.0 for a in grid)
+        ):
+            raise ValueError(f"alpha_grid must be a non-empty list of floats in [0, 1], e.g. [0.5, 0.7, 0.85]; got {grid!r}")
+        if str(self.version) != QUASAR_FORMAT_VERSION:
+            raise ValueError(
+                f"version {self.version!r}: this quasar_hf reads Quasar checkpoints of format version "
+                f"{QUASAR_FORMAT_VERSION!r}; a newer format needs a newer quasar_hf (`pip install -U quasar-hf`), "
+                "an older one must be re-quantized from its original model"
+            )
+        for name in ("calibration_info", "searched_alphas", "draft_info", "keep_float_info", "measured", "smoothquant_mappings"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"{name} must be a dict (written by quasar_hf) or None; got {value!r}")
+        for name in ("quantized_modules", "prescaled_modules"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value)):
+                raise ValueError(f"{name} must be a list of module names (written by quasar_hf) or None; got {value!r}")
         if self.weight_rounding not in _WEIGHT_ROUNDINGS:
             raise ValueError(f"weight_rounding must be one of {_WEIGHT_ROUNDINGS}; got {self.weight_rounding!r}")
         if self.alpha_search not in _ALPHA_SEARCHES:

@@ -98,6 +98,20 @@ def _check_checkpoint_files(checkpoint_files: list[str] | None, config: QuasarCo
         with safe_open(path, framework="pt") as handle:
             for key in handle.keys():
                 dtypes[key] = handle.get_slice(key).get_dtype()
+    quantized = set(config.quantized_modules or [])
+    stray = sorted(
+        key[: -len(".weight")]
+        for key, dtype in dtypes.items()
+        if dtype == _EXPECTED_DTYPES["weight"]
+        and key.endswith(".weight")
+        and not any(key == f"{name}.weight" or key.endswith(f".{name}.weight") for name in quantized)
+    )
+    if stray:
+        raise ValueError(
+            f"Quasar checkpoint holds int8 weights for {stray[:5]}{' ...' if len(stray) > 5 else ''}, but its config's "
+            "quantization_config.quantized_modules does not list them, so they would load into float layers. "
+            "The config.json was edited or belongs to another save: re-save the model from quasar_hf."
+        )
     prescaled = set(config.prescaled_modules or [])
     for name in config.quantized_modules or []:
         wanted = ["weight", "weight_scale"] + (["act_prescale"] if name in prescaled else [])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -129,22 +130,66 @@ def _load_or_build(compiler: str, source: Path, flags: tuple[str, ...], target: 
     return ctypes.CDLL(str(target))
 
 
-def build_and_load(source_name: str, flags: tuple[str, ...], compiler: str) -> ctypes.CDLL:
+def build_and_load(source_name: str, flags: tuple[str, ...], compiler: str | None) -> ctypes.CDLL:
     """Load csrc/<source_name> built with `flags` (+ -fopenmp when the compiler has it).
 
-    Raises RuntimeError/OSError with the compiler's message when no variant builds.
+    With no compiler (None), a library an earlier build of the same source and flags left in the
+    cache is loaded (whichever compiler made it). Raises RuntimeError/OSError with the compiler's
+    message when no variant builds or loads.
     """
     source = CSRC / source_name
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # headers key the build too
+    if compiler is None:
+        return _load_prebuilt(source, hashlib.sha256(text).hexdigest(), flags)
     errors = []
     for variant in (flags + ("-fopenmp",), flags):
         key = hashlib.sha256(text + repr((compiler, variant)).encode()).hexdigest()[:16]
         target = cache_dir() / key / f"libqhf_{source.stem}.so"
         try:
-            return _load_or_build(compiler, source, variant, target)
+            library = _load_or_build(compiler, source, variant, target)
         except (RuntimeError, OSError, subprocess.SubprocessError) as err:
             errors.append(str(err))
+            continue
+        _record_build(target, hashlib.sha256(text).hexdigest(), variant)
+        return library
     raise RuntimeError("\n".join(errors))
+
+
+BUILD_RECORD = "built_from.json"  # beside each library: the source hash and flags it was built from
+
+
+def _record_build(target: Path, source_sha: str, variant: tuple[str, ...]) -> None:
+    """Note what `target` was built from, so a later process without a compiler can still use it."""
+    record = target.parent / BUILD_RECORD
+    if record.is_file():
+        return
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".json", dir=target.parent)
+        with os.fdopen(fd, "w") as handle:
+            json.dump({"source_sha256": source_sha, "flags": list(variant), "library": target.name}, handle)
+        os.replace(tmp, record)
+    except OSError:
+        pass  # a read-only cache: the library works, it just cannot be found without a compiler
+
+
+def _load_prebuilt(source: Path, source_sha: str, flags: tuple[str, ...]) -> ctypes.CDLL:
+    """A cached library of this exact source and flags (with or without -fopenmp), else RuntimeError."""
+    wanted = (list(flags) + ["-fopenmp"], list(flags))
+    if cache_dir().is_dir():
+        for record in sorted(cache_dir().glob(f"*/{BUILD_RECORD}")):
+            try:
+                data = json.loads(record.read_text())
+            except (OSError, ValueError):
+                continue
+            library = record.parent / f"libqhf_{source.stem}.so"
+            if data.get("source_sha256") == source_sha and data.get("flags") in wanted and library.is_file():
+                try:
+                    return ctypes.CDLL(str(library))
+                except OSError:
+                    continue
+    raise RuntimeError(
+        f"no C compiler found (install gcc or set $CC) and no build of {source.name} for this version in {cache_dir()}"
+    )
 
 
 def load_checked_entry(
@@ -152,11 +197,8 @@ def load_checked_entry(
 ) -> tuple[object | None, str | None]:
     """csrc/<source_name>'s `entry` (returning int) built with `flags` and checked by `smoke_test(fn)`
     (None or why the kernel is wrong): (entry point, None), or (None, why it is unavailable)."""
-    compiler = find_compiler()
-    if not compiler:
-        return None, "no C compiler found (install gcc or set $CC)"
     try:
-        fn = getattr(build_and_load(source_name, flags, compiler), entry)
+        fn = getattr(build_and_load(source_name, flags, find_compiler()), entry)
     except (RuntimeError, OSError) as err:
         return None, f"building the {what} failed: {err}"
     fn.restype = ctypes.c_int

@@ -335,8 +335,8 @@ class BackendStatus:
 
 
 def backend_report() -> list[BackendStatus]:
-    """Every W8A8 backend and row-stable attention kernel on CPU and CUDA: usable or not, and why."""
-    from quasar_hf.ops import attention_cpu, triton_attention
+    """Every W8A8 backend, row-stable attention and lm_head kernel on CPU and CUDA: usable or not, and why."""
+    from quasar_hf.ops import attention_cpu, rowstable_linear, triton_attention
 
     rows = []
     no_cuda = None if torch.cuda.is_available() else "no CUDA device is visible to torch"
@@ -357,4 +357,9 @@ def backend_report() -> list[BackendStatus]:
                 "attention", "sdpa", device_type, sdpa_reason is None, sdpa_reason, reason is not None and sdpa_reason is None
             )
         )
+    # The float lm_head of Quasar models: the row-stable C kernel on CPU, else F.linear.
+    lm_head_reason = rowstable_linear.unavailable_reason()
+    rows.append(BackendStatus("lm_head", "rowstable_cpu", "cpu", lm_head_reason is None, lm_head_reason, lm_head_reason is None))
+    rows.append(BackendStatus("lm_head", "f_linear", "cpu", True, None, lm_head_reason is not None))
+    rows.append(BackendStatus("lm_head", "f_linear", "cuda", no_cuda is None, no_cuda, no_cuda is None))
     return rows

@@ -127,8 +127,16 @@ def _row_view(processor: Any, row: int, batch_size: int) -> Any:
 
 
 def _refuse_filled_cache(model_kwargs: dict) -> None:
+    """A cache passed in would be ignored (the loop keeps its own): refuse it rather than drop it silently."""
+    from transformers import DynamicCache
+
     for name in ("cache", "past_key_values"):
         cache = model_kwargs.get(name)
+        if cache is not None and not isinstance(cache, DynamicCache):
+            raise ValueError(
+                f"Quasar generation keeps its own dynamic KV cache and cannot use the {type(cache).__name__} passed as "
+                f"{name}=...; drop that argument (a static cache for the speculative loop is not supported yet)."
+            )
         if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
             raise ValueError(
                 "Quasar generation starts from the prompt and keeps its own KV cache; a filled cache was passed "
