@@ -26,6 +26,7 @@ import ctypes.util
 import glob
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -34,10 +35,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 STAGING_TAG = ".quasar-staging-"
-# Files a checkpoint save replaces as a whole: never carried over from the old folder, so a
-# sharded save over an unsharded one (or the reverse) leaves no stale weights beside the new ones.
-REPLACED_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json", ".h5", ".msgpack")
-REPLACED_NAMES = ("config.json", "generation_config.json")
+# Files a model save replaces as a whole: never carried over from the old folder, so a sharded
+# save over an unsharded one (or the reverse) leaves no stale weights beside the new ones. Other
+# weight-like files (training_args.bin, adapter_model.safetensors) are the user's and are kept.
+REPLACED = re.compile(
+    r"(config|generation_config)\.json"
+    r"|(model|pytorch_model|tf_model|flax_model)(-\d+-of-\d+)?\.(safetensors|bin|h5|msgpack)"
+    r"|(model\.safetensors|pytorch_model\.bin)\.index\.json"
+)
 _RENAME_EXCHANGE = 2  # linux/fs.h
 _AT_FDCWD = -100
 
@@ -163,7 +168,7 @@ def _in_place_only(final: Path) -> bool:
 
 
 def _is_replaced(name: str) -> bool:
-    return name in REPLACED_NAMES or name.endswith(REPLACED_SUFFIXES)
+    return REPLACED.fullmatch(name) is not None
 
 
 def _carry_over(final: Path, staging: Path) -> None:

@@ -103,6 +103,16 @@ def test_a_sharded_save_over_an_unsharded_one_removes_the_stale_weights(tmp_path
     assert torch.equal(logits_of(folder), logits_b)
 
 
+def test_only_model_files_are_replaced_never_other_weight_like_files(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    for name in ("training_args.bin", "adapter_model.safetensors", "model-00001-of-00002.safetensors", "config.json"):
+        (folder / name).write_text("old")
+    with atomic_folder(folder) as staging:
+        (staging / "config.json").write_text("{}")
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_model.safetensors", "config.json", "training_args.bin"]
+
+
 def test_a_failure_inside_the_block_leaves_the_target_untouched(tmp_path):
     folder = tmp_path / "out"
     folder.mkdir()
