@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -165,15 +164,7 @@ def shallow_module_copy(module: nn.Module, replace: dict[str, nn.Module] | None 
     new._modules = dict(module._modules)
     for name, child in (replace or {}).items():
         new._modules[name] = child
-    for name, value in list(vars(new).items()):  # methods bound per instance follow the copy
-        if isinstance(value, types.MethodType) and value.__self__ is module:
-            setattr(new, name, types.MethodType(value.__func__, new))
     return new
-
-
-def has_forward_hooks(module: nn.Module) -> bool:
-    """True when forward hooks or pre-hooks are registered on this module itself."""
-    return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
 def has_accelerate_hook(module: nn.Module) -> bool:

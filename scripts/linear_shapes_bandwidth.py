@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from quasar_hf.bench.kernels import measure_read_bandwidth
 from quasar_hf.nn import W8A8Linear
-from quasar_hf.nn.shared_input import share_input
+from quasar_hf.ops.dispatch import bind_folded_group
 
 # (hidden, intermediate, attention heads, kv heads, head dim, vocab, layers) of the real configs
 SHAPES = {
@@ -43,15 +43,18 @@ def _median_ms(fn, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _group(out_features: list[int], in_features: int, generator: torch.Generator) -> list[W8A8Linear]:
-    """Sibling W8A8Linears with random int8 weights (no float copy is ever made), sharing one input."""
+def _group(out_features: list[int], in_features: int, generator: torch.Generator) -> tuple[list[W8A8Linear], object]:
+    """Sibling W8A8Linears with random int8 weights (no float copy is ever made), and what runs them:
+    one folded-norm group call for several (as q/k/v and gate/up run in a Quasar model), else the linear."""
     modules = []
     for n in out_features:
         q = torch.randint(-127, 128, (n, in_features), generator=generator, dtype=torch.int8)
         shape_only = torch.zeros(1, dtype=torch.bfloat16).expand(n, in_features)  # from_weight reads its shape
         modules.append(W8A8Linear.from_weight(shape_only, rounded=(q, torch.full((n,), 1e-3))))
-    share_input(modules)
-    return modules
+    if len(modules) == 1:
+        return modules, modules[0]
+    group = bind_folded_group([m.prepared for m in modules], torch.ones(in_features), 1e-6)
+    return modules, group
 
 
 @torch.no_grad()
@@ -72,10 +75,10 @@ def measure_shape(name: str, tokens: int, iters: int, max_layers: int | None = N
         x = torch.randn(1, tokens, k, generator=g).to(torch.bfloat16)
 
         def walk(stack=stack, x=x):
-            return [[m(x) for m in group] for group in stack]  # first member runs the shared call
+            return [run(x) for _, run in stack]
 
         ms = _median_ms(walk, iters) / layers
-        nbytes = sum(m.weight.numel() for m in stack[0])
+        nbytes = sum(m.weight.numel() for m in stack[0][0])
         rows[label] = {"ms": ms, "bytes": nbytes, "gbps": nbytes / ms / 1e6, "layers": layers}
         del stack
     lm_head = torch.randint(-100, 100, (vocab, hidden), generator=g, dtype=torch.int16).to(torch.bfloat16)

@@ -1,12 +1,12 @@
 """Where a verify step's time goes (a Quasar W8A8 checkpoint, CPU), against the bytes it must read.
 
 Times one forward of 1 and of 6 tokens over a 300-token cache (what decode and a 5-draft
-verification run), split into W8A8 linears (with the RMSNorms folded into them), attention,
+verification run), split into W8A8 linears (with the RMSNorms folded into them: FoldedRMSNorm), attention,
 lm_head and the rest (other norms, rotary, residuals, cache updates, Python and module
 overhead), and compares the step with the floor `bytes read / read bandwidth` (int8 weights +
 BF16 lm_head; read bandwidth measured in the same process by reading a 512 MiB tensor once).
 Runs with all torch threads, then with one. The same steps with the norm folds undone
-(nn/norm_fold.py) are timed interleaved with the folded ones, so the fold's effect is a ratio
+(nn/folded_norm.py) are timed interleaved with the folded ones, so the fold's effect is a ratio
 measured side by side. Without --quantized, SmolLM2-135M is quantized with QuasarConfig().
 
 --gguf FILE (a Q8_0 GGUF of the same checkpoint; needs llama-cpp-python) also times llama.cpp's
@@ -28,10 +28,9 @@ from transformers import AutoModelForCausalLM
 import quasar_hf  # noqa: F401
 from quasar_hf import QuasarConfig
 from quasar_hf.bench.kernels import measure_copy_bandwidth, measure_read_bandwidth
-from quasar_hf.hf.integration import fold_norms_into_quantization
+from quasar_hf.hf.integration import fold_norms, unfold_norms
 from quasar_hf.models import smollm2_135m_instruct
-from quasar_hf.nn import W8A8Linear
-from quasar_hf.nn.norm_fold import unfold_norm
+from quasar_hf.nn import FoldedRMSNorm, W8A8Linear
 from quasar_hf.ops import attention_cpu
 from quasar_hf.speculative.kv_state import RowAlignedCache
 
@@ -64,10 +63,8 @@ ROUNDS = 4  # folded and unfolded measurements alternate this many times per row
 
 def set_folded(model, folded: bool) -> int:
     """Fold every foldable norm (True) or undo every fold (False); returns how many are folded."""
-    for module in list(model.modules()):
-        if "quasar_norm_fold" in module.__dict__:
-            unfold_norm(module)
-    return fold_norms_into_quantization(model, model.config.quantization_config) if folded else 0
+    unfold_norms(model)
+    return fold_norms(model, model.config.quantization_config) if folded else 0
 
 
 def llamacpp_steps(gguf: str, thread_counts: list[int], steps: int, floor_ms: float) -> dict:
@@ -118,19 +115,19 @@ def main() -> None:
     copy_gbps = measure_copy_bandwidth(torch.device("cpu"))
     w8a8 = [m for m in model.modules() if isinstance(m, W8A8Linear)]
     int8_bytes = sum(m.weight.numel() for m in w8a8)
-    # q/k/v and gate/up share one kernel call (nn/shared_input.py): the first member runs it.
-    kernel_calls = sum(1 for m in w8a8 if m.shared_input is None or m.shared_index == 0)
     lm_head_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     read_gbps = measure_read_bandwidth(torch.device("cpu"))
     floor_ms = (int8_bytes + lm_head_bytes) / (read_gbps * 1e9) * 1e3
 
     linears, attention, lm_head = Timer(), Timer(), Timer()
     W8A8Linear.forward = linears.wrap(W8A8Linear.forward)  # instrumentation of this script only
+    FoldedRMSNorm.forward = linears.wrap(FoldedRMSNorm.forward)  # the folded norm runs its consumers' GEMMs
     attention_cpu.rowstable_attention = attention.wrap(attention_cpu.rowstable_attention)
     model.lm_head.forward = lm_head.wrap(model.lm_head.forward)
     rows, unfolded_rows = {}, {}
     threads = torch.get_num_threads()
     folds = set_folded(model, True)
+    kernel_calls = folds + sum(1 for m in w8a8 if not m.fed_by)  # a folded norm runs its consumers in one call
 
     def timed_steps(state, tokens: int, steps: int) -> dict:
         for t in (linears, attention, lm_head):

@@ -1,7 +1,7 @@
 """device_map placement of a Quasar checkpoint (Accelerate): on CPU the multi-device mechanics are
 tested with a map over "cpu" and "disk" (offload_folder); logits and Quasar generation must match
 the model loaded in one piece. Norms that accelerate dispatches are not folded into the W8A8
-quantization (nn/norm_fold.py), so the model in one piece is compared with its folds undone."""
+quantization (nn/folded_norm.py), so the model in one piece is compared with its folds undone."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import AutoModelForCausalLM
 
-from quasar_hf.nn.norm_fold import unfold_norm
+from quasar_hf.hf.integration import unfold_norms
+from quasar_hf.nn import FoldedRMSNorm
 
 pytest.importorskip("accelerate", reason="device_map needs accelerate")
 
@@ -40,10 +41,9 @@ def test_cpu_and_disk_map_gives_identical_logits_and_generation(saved, tmp_path)
     assert spread.model.layers[1].input_layernorm.weight.device.type == "meta"  # really offloaded
     assert type(spread.model.layers[1].mlp.down_proj).__name__ == "W8A8Linear"
     assert type(spread.lm_head).__name__ == "RowStableLinear"  # re-hooked by accelerate, same bits as `whole`
-    folded = [m for m in whole.modules() if "quasar_norm_fold" in m.__dict__]
-    assert not any("quasar_norm_fold" in m.__dict__ for m in spread.modules())  # accelerate owns their forward
-    for norm in folded:  # the same function, computed norm first: `spread`'s bits
-        unfold_norm(norm)
+    assert any(isinstance(m, FoldedRMSNorm) for m in whole.modules())
+    assert not any(isinstance(m, FoldedRMSNorm) for m in spread.modules())  # accelerate owns their forward
+    unfold_norms(whole)  # the same function, computed norm first: `spread`'s bits
     ids = torch.randint(0, 250, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(spread(ids).logits, whole(ids).logits)

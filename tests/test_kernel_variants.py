@@ -85,7 +85,7 @@ MASKED_RUN = textwrap.dedent(
     import torch
     from quasar_hf.ops import cpu_fused, rowstable_linear
     from quasar_hf.ops.dispatch import resolve_backend
-    from quasar_hf.ops.multi import bind_w8a8_siblings
+    from quasar_hf.ops.cpu_fused_multi import bind_linear_multi
     from quasar_hf.ops.reference import w8a8_linear_reference, w8a8_linear_rmsnorm_reference
     print("source", cpu_fused.kernel_source(), "reason", cpu_fused.unavailable_reason(), "lm_head", rowstable_linear.unavailable_reason())
     print("auto", resolve_backend("auto", "cpu"))
@@ -94,7 +94,7 @@ MASKED_RUN = textwrap.dedent(
         w = torch.randint(-127, 128, (256, 576), dtype=torch.int8); s = torch.rand(256) * 1e-3
         scale = torch.rand(576) + 0.5
         x = torch.randn(64, 576) * 3
-        fused = bind_w8a8_siblings([(w, s, None), (w, s, None)], scale, "cpu_fused", norm_eps=1e-5)(x)
+        fused = bind_linear_multi([(w, s, None), (w, s, None)], scale, norm_eps=1e-5)(x)
         oracle = w8a8_linear_rmsnorm_reference(x, scale, 1e-5, w, s)
         assert all(torch.equal(y, oracle) for y in fused), "folded rows differ from the oracle"
         assert torch.equal(cpu_fused.w8a8_linear_cpu_fused(x.bfloat16(), w, s), w8a8_linear_reference(x.bfloat16(), w, s))

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig, W8A8Linear
-from quasar_hf.ops import dispatch, multi
+from quasar_hf.ops import dispatch
 from tests.tiny_models import save_tiny
 
 IDS = torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88, 12, 3]])
@@ -38,19 +38,18 @@ def _counting(monkeypatch, name: str) -> list[int]:
         calls.append(1)
         return entry.run(*args, **kwargs)
 
-    monkeypatch.setitem(dispatch._TABLE, name, dataclasses.replace(entry, run=run, run_prepacked=run))
-    shared_bind = multi._SHARED_FORMS[name]  # siblings (q/k/v, gate/up) run as one shared call
+    group_bind = entry.bind_group  # a folded norm's consumers (q/k/v, gate/up) run as one group call
 
-    def bind(weights, *args, **kwargs):
-        linear = shared_bind(weights, *args, **kwargs)
+    def bind_group(weights, *args, **kwargs):
+        group = group_bind(weights, *args, **kwargs)
 
         def counted(x):
-            calls.extend([1] * len(weights))  # one output per sibling linear
-            return linear(x)
+            calls.extend([1] * len(weights))  # one output per consumer linear
+            return group(x)
 
         return counted
 
-    monkeypatch.setitem(multi._SHARED_FORMS, name, bind)
+    monkeypatch.setitem(dispatch._TABLE, name, dataclasses.replace(entry, run=run, run_prepacked=run, bind_group=bind_group))
     return calls
 
 

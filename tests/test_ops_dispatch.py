@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quasar_hf.ops import dispatch
+from quasar_hf.ops import backends, dispatch
 from quasar_hf.ops.dispatch import available_backends, pack_weight_for, resolve_backend, w8a8_linear
 from quasar_hf.ops.reference import quantize_weight_per_channel, w8a8_linear_reference
 
@@ -29,7 +29,7 @@ def test_auto_on_cpu_is_cpu_fused_when_available_else_torch():
 
 
 def test_auto_on_cpu_falls_back_to_torch_without_cpu_fused(monkeypatch):
-    monkeypatch.setattr(dispatch, "_cpu_fused_module", lambda: None)
+    monkeypatch.setattr(backends, "cpu_fused_module", lambda: None)
     assert resolve_backend("auto", "cpu") == "torch"
     assert "cpu_fused" not in available_backends("cpu")
 
@@ -48,9 +48,9 @@ def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch, layer):
 
 
 def test_missing_package_is_refused_with_install_hint(monkeypatch):
-    real_find_spec = dispatch.importlib.util.find_spec
+    real_find_spec = backends.importlib.util.find_spec
     monkeypatch.setattr(
-        dispatch.importlib.util, "find_spec", lambda name: None if name == "bitsandbytes" else real_find_spec(name)
+        backends.importlib.util, "find_spec", lambda name: None if name == "bitsandbytes" else real_find_spec(name)
     )
     with pytest.raises(ValueError, match="bitsandbytes.*not installed.*pip install"):
         resolve_backend("bitsandbytes", "cpu")
@@ -121,17 +121,23 @@ def test_bound_linear_computes_the_same_bits_and_checks_x(layer, backend):
         linear(torch.ones(4, 20, dtype=torch.int32))
 
 
-def test_w8a8_linear_module_rebinds_when_a_buffer_changes():
+def test_w8a8_linear_module_uses_what_prepare_bound_until_prepared_again():
+    """The forward checks nothing: after any edit of a buffer, prepare() is what makes it count."""
     from quasar_hf.nn import W8A8Linear
 
-    module = W8A8Linear.from_linear(torch.nn.Linear(20, 12), act_prescale=torch.rand(20) + 0.5)
+    module = W8A8Linear.from_linear(torch.nn.Linear(20, 12), act_prescale=torch.rand(20) + 0.5, backend="torch")
     x = torch.randn(3, 20)
     before = module(x)
-    for buffer in (module.weight, module.weight_scale, module.act_prescale, module.bias):
-        buffer.mul_(-1 if buffer.dtype == torch.int8 else 2)  # in-place edits must be seen
+    module.weight.mul_(-1)  # in place: the packed [K, N] copy still holds the old weight
+    assert torch.equal(module(x), before)
+    for edit in (
+        lambda: module.weight_scale.mul_(2),
+        lambda: module.act_prescale.mul_(2),
+        lambda: module.bias.mul_(2),
+        lambda: setattr(module, "weight_scale", module.weight_scale.clone() * 0),  # a replaced buffer
+        lambda: setattr(module.weight_scale, "data", torch.ones(12)),  # new storage, same tensor object
+    ):
+        edit()
+        module.prepare()
         assert torch.equal(module(x), w8a8_linear(x, module.weight, module.weight_scale, module.bias, module.act_prescale))
-    module.weight_scale = module.weight_scale.clone() * 0  # a replaced buffer too
-    assert torch.equal(module(x), module.bias.expand(3, 12))
     assert not torch.equal(module(x), before)
-    module.weight_scale.data = torch.ones(12)  # new storage, same tensor object and version
-    assert torch.equal(module(x), w8a8_linear(x, module.weight, module.weight_scale, module.bias, module.act_prescale))

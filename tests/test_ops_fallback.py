@@ -10,6 +10,7 @@ import torch
 
 from quasar_hf.cli import main
 from quasar_hf.ops import attention_cpu, cpu_fused, dispatch
+from quasar_hf.ops.backend_report import backend_report
 from quasar_hf.ops.fallback import warn_fallback_once
 from quasar_hf.ops.reference import quantize_weight_per_channel
 
@@ -69,7 +70,7 @@ def test_attention_unsupported_dtype_is_not_a_fallback_warning(caplog, fresh_war
 
 def test_backend_report_lists_every_backend_with_a_reason_when_unusable(monkeypatch):
     monkeypatch.setattr(cpu_fused, "unavailable_reason", lambda: REASON)
-    rows = dispatch.backend_report()
+    rows = backend_report()
     cpu_linear = {r.name: r for r in rows if r.kernel == "w8a8_linear" and r.device == "cpu"}
     assert set(cpu_linear) == set(dispatch.BACKENDS)
     assert cpu_linear["cpu_fused"].usable is False and cpu_linear["cpu_fused"].reason == REASON

@@ -1,16 +1,14 @@
 """The kernels as PyTorch operators: schema and fake implementations (opcheck), the same bits as
-the eager calls, the per-weight preparation cache, and a tiny W8A8 model traced by torch.compile
-into one graph without breaks."""
+the eager calls, the packed layout passed in as tensors, and a tiny W8A8 model traced by
+torch.compile into one graph without breaks."""
 
 from __future__ import annotations
-
-import gc
 
 import pytest
 import torch
 
 from quasar_hf.nn import W8A8Linear
-from quasar_hf.ops import attention_cpu, dispatch, torch_ops
+from quasar_hf.ops import attention_cpu, dispatch
 from quasar_hf.ops.reference import quantize_weight_per_channel, w8a8_linear_reference
 from quasar_hf.ops.rowstable_attention import use_rowstable_attention
 from tests.tiny_models import tiny_model
@@ -28,7 +26,8 @@ def _layer(n=24, k=40, seed=0):
 def test_w8a8_op_passes_opcheck_and_matches_eager(backend):
     w_q, w_scale, bias, prescale = _layer()
     x = torch.randn(2, 3, 40).bfloat16()
-    args = (x, w_q, w_scale, bias, prescale, backend)
+    prepared = dispatch.prepare_w8a8(w_q, w_scale, bias, prescale, backend)
+    args = (x, w_q, w_scale, bias, prescale, list(prepared.packed_tensors), prepared.backend)
     torch.library.opcheck(torch.ops.quasar.w8a8_linear.default, args, test_utils=("test_schema", "test_faketensor"))
     out = torch.ops.quasar.w8a8_linear(*args)
     assert out.shape == (2, 3, 24) and out.dtype == torch.bfloat16
@@ -39,29 +38,34 @@ def test_w8a8_op_fake_gives_shape_and_the_eager_errors():
     w_q, w_scale, bias, _ = _layer()
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         x = mode.from_tensor(torch.randn(5, 40))
-        fake = torch.ops.quasar.w8a8_linear(x, mode.from_tensor(w_q), mode.from_tensor(w_scale), None, None, "auto")
+        fake = torch.ops.quasar.w8a8_linear(x, mode.from_tensor(w_q), mode.from_tensor(w_scale), None, None, [], "reference")
         assert fake.shape == (5, 24)
         with pytest.raises(ValueError, match="in_features"):
             torch.ops.quasar.w8a8_linear(
-                mode.from_tensor(torch.randn(5, 41)), mode.from_tensor(w_q), mode.from_tensor(w_scale), None, None, "auto"
+                mode.from_tensor(torch.randn(5, 41)),
+                mode.from_tensor(w_q),
+                mode.from_tensor(w_scale),
+                None,
+                None,
+                [],
+                "reference",
             )
 
 
-def test_w8a8_op_prepares_once_and_again_after_an_in_place_edit():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_w8a8_op_uses_the_packed_tensors_it_is_given(backend):
+    """The op holds no cache: with the prepared layout it runs it, without one it packs per call."""
     w_q, w_scale, bias, _ = _layer()
     x = torch.randn(4, 40)
-    torch.ops.quasar.w8a8_linear(x, w_q, w_scale, bias, None, "auto")
-    first = torch_ops._PREPARED[id(w_q)][1]
-    torch.ops.quasar.w8a8_linear(x, w_q, w_scale, bias, None, "auto")
-    assert torch_ops._PREPARED[id(w_q)][1] is first
-    w_q.neg_()
-    out = torch.ops.quasar.w8a8_linear(x, w_q, w_scale, bias, None, "auto")
-    assert torch_ops._PREPARED[id(w_q)][1] is not first
-    assert torch.equal(out, w8a8_linear_reference(x, w_q, w_scale, bias))
-    ident = id(w_q)
-    del w_q, first
-    gc.collect()
-    assert ident not in torch_ops._PREPARED, "the cache must not keep a dead weight's packed copy"
+    prepared = dispatch.prepare_w8a8(w_q, w_scale, bias, None, backend)
+    packed = list(prepared.packed_tensors)
+    expected = w8a8_linear_reference(x, w_q, w_scale, bias)
+    assert torch.equal(torch.ops.quasar.w8a8_linear(x, w_q, w_scale, bias, None, packed, prepared.backend), expected)
+    assert torch.equal(torch.ops.quasar.w8a8_linear(x, w_q, w_scale, bias, None, [], prepared.backend), expected)
+    if packed:  # what the op runs is the layout it was handed (an edit needs a new prepare_w8a8)
+        w_q.neg_()
+        stale = torch.ops.quasar.w8a8_linear(x, w_q, w_scale, bias, None, packed, prepared.backend)
+        assert torch.equal(stale, expected)
 
 
 @pytest.mark.skipif(not attention_cpu.is_available(), reason="row-stable CPU kernel not built here")
@@ -108,13 +112,13 @@ def test_tiny_w8a8_model_traces_into_one_graph_with_the_quasar_ops():
 
 
 def test_module_and_op_built_under_inference_mode_run():
-    """Inference tensors keep no version counter: the bound kernel and the op cache key them by identity."""
+    """Inference tensors keep no version counter: nothing here needs one."""
     w_q, w_scale, bias, _ = _layer()
     with torch.inference_mode():
         module = W8A8Linear.from_weight(torch.randn(24, 40), torch.randn(24))
         x = torch.randn(3, 40)
         y = module(x)
         w_q, w_scale, bias = w_q.clone(), w_scale.clone(), bias.clone()
-        out = torch.ops.quasar.w8a8_linear(x, w_q, w_scale, bias, None, "auto")
+        out = torch.ops.quasar.w8a8_linear(x, w_q, w_scale, bias, None, [], dispatch.resolve_backend("auto", "cpu"))
     assert torch.equal(y, w8a8_linear_reference(x, module.weight, module.weight_scale, module.bias))
     assert torch.equal(out, w8a8_linear_reference(x, w_q, w_scale, bias))

@@ -107,9 +107,10 @@ def test_triton_kernel_compiles_for_hopper_with_exact_arithmetic():
 
     kernel = triton_w8a8._jitted_kernel(False)
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i8", "ws_ptr": "*fp32", "bias_ptr": "*bf16", "pre_ptr": "*fp32",
-                "out_ptr": "*bf16", "acc_ptr": "*i32"}  # fmt: skip
-    scalars = dict.fromkeys(["M", "N", "K", "stride_xm", "stride_wn", "stride_om"], "i32")
-    constants = {"HAS_BIAS": True, "HAS_PRESCALE": True, "WRITE_ACC": False, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256}
+                "out_ptr": "*bf16", "acc_ptr": "*i32", "r_ptr": "*fp32"}  # fmt: skip
+    scalars = {**dict.fromkeys(["M", "N", "K", "stride_xm", "stride_wn", "stride_om"], "i32"), "norm_eps": "fp32"}
+    constants = {"HAS_BIAS": True, "HAS_PRESCALE": True, "WRITE_ACC": False, "FOLD_NORM": True,
+                 "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256}  # fmt: skip
     signature = {**pointers, **scalars, **dict.fromkeys(constants, "constexpr")}
     try:
         compiled = triton.compile(
@@ -122,4 +123,5 @@ def test_triton_kernel_compiles_for_hopper_with_exact_arithmetic():
     ptx = compiled.asm["ptx"]
     assert "mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32" in ptx or "wgmma" in ptx
     assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+    assert "sqrt.rn.f32" in ptx and "sqrt.approx" not in ptx  # the folded norm's 1 / sqrt(mean + eps)
     assert "fma.rn.f32" not in ptx, "x * inv + 0.5 or the epilogue was contracted into an FMA"

@@ -97,18 +97,23 @@ def test_greedy_generate_equals_speculative_on_a_w8a8_model(w8a8_model):
 
 
 def test_negative_control_batched_sdpa_verification_changes_the_cache(tmp_path):
-    """Without either mechanism (SDPA over all k+1 rows at once) the caches differ: the check above
-    can fail. Measured on the tiny Llama with this seed and nearest rounding (the tiny Qwen3, or GPTQ
-    rounding, happen to agree)."""
+    """Without either mechanism (SDPA over all k+1 rows at once) the caches differ on some prompts:
+    the check above can fail. Whether a prompt shows it is luck of rounding, so 8 prompts are tried
+    (tiny Llama, nearest rounding: measured, 1 of these 8 differs)."""
     model = quantized_tiny("llama", tmp_path, weight_rounding="nearest")
     model.set_attn_implementation("sdpa")
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, 96, (1, 40), generator=g)
-    tokens = torch.randint(0, 96, (12,), generator=g).tolist()
-    decoded = caches_after(model, prompt, [[t] for t in tokens])
-    batched = caches_after(model, prompt, [tokens[:6], tokens[6:]], shape_stable=False)
-    with pytest.raises(AssertionError, match="differs"):
-        assert_same_caches(decoded, batched)
+    differing = 0
+    for seed in range(8):
+        g = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(0, 96, (1, 40), generator=g)
+        tokens = torch.randint(0, 96, (12,), generator=g).tolist()
+        decoded = caches_after(model, prompt, [[t] for t in tokens])
+        batched = caches_after(model, prompt, [tokens[:6], tokens[6:]], shape_stable=False)
+        try:
+            assert_same_caches(decoded, batched)
+        except AssertionError:
+            differing += 1
+    assert differing > 0
 
 
 def test_other_attention_implementations_are_warned_about_not_silently_inexact():

@@ -40,7 +40,7 @@ def versions() -> dict[str, str]:
 
 def doctor_report() -> str:
     """The whole report as text: versions, then one line per kernel backend and device."""
-    from quasar_hf.ops.dispatch import backend_report
+    from quasar_hf.ops.backend_report import backend_report
 
     lines = ["Versions"]
     lines += [f"  {name:<13} {value}" for name, value in versions().items()]

@@ -19,9 +19,8 @@ from quasar_hf.hf.draft_search import (
     top1_agreement,
 )
 from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially, set_submodule
-from quasar_hf.nn import RowStableLinear, W8A8Linear
-from quasar_hf.nn.norm_fold import fold_norm, rmsnorm_epsilon
-from quasar_hf.nn.shared_input import share_input
+from quasar_hf.nn import FoldedRMSNorm, RowStableLinear, W8A8Linear
+from quasar_hf.nn.folded_norm import rmsnorm_epsilon
 from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibration_texts
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
 from quasar_hf.smoothquant.mappings import decoder_layers, resolve_mappings
@@ -73,30 +72,14 @@ def replace_with_w8a8_skeleton(model: nn.Module, config: QuasarConfig) -> None:
         set_submodule(model, name, skeleton)
 
 
-def share_sibling_inputs(model: nn.Module, config: QuasarConfig) -> int:
-    """Let the W8A8 linears each SmoothQuant mapping balances together (q/k/v, gate/up: they read
-    one tensor) quantize that input once per forward. Returns the number of groups bound."""
+def fold_norms(model: nn.Module, config: QuasarConfig) -> int:
+    """Replace each RMSNorm that feeds only a group of W8A8 linears (the mappings' "norm" kind: q/k/v,
+    gate/up) with a FoldedRMSNorm over that group (nn/folded_norm.py). Call after prepare_weights.
+    Norms that Accelerate dispatches, and groups holding a float or prescaled linear, stay as they are.
+    Returns the number of norms folded."""
     try:
         arch = resolve_mappings(model, config.smoothquant_mappings)
-    except ValueError:  # no mappings for this model: every linear runs alone, as before
-        return 0
-    groups = 0
-    for layer in decoder_layers(model, arch):
-        for mapping in arch.mappings:
-            try:
-                modules = [layer.get_submodule(path) for path in mapping.balance]
-            except AttributeError:  # a layer shaped unlike layer 0: its linears run alone
-                continue
-            groups += share_input(modules) is not None
-    return groups
-
-
-def fold_norms_into_quantization(model: nn.Module, config: QuasarConfig) -> int:
-    """Fold each RMSNorm that feeds a sibling group alone (the mappings' "norm" kind) into the group's
-    activation quantization (nn/norm_fold.py). Call after share_sibling_inputs. Returns the count."""
-    try:
-        arch = resolve_mappings(model, config.smoothquant_mappings)
-    except ValueError:
+    except ValueError:  # no mappings for this model: every linear quantizes its own input
         return 0
     folded = 0
     for layer in decoder_layers(model, arch):
@@ -106,18 +89,28 @@ def fold_norms_into_quantization(model: nn.Module, config: QuasarConfig) -> int:
             try:
                 norm = layer.get_submodule(mapping.smooth)
                 members = [layer.get_submodule(path) for path in mapping.balance]
-            except AttributeError:
+            except AttributeError:  # a layer shaped unlike layer 0: left as it is
                 continue
-            group = getattr(members[0], "shared_input", None)
+            foldable = all(isinstance(m, W8A8Linear) and m.act_prescale is None and not m.fed_by for m in members)
             eps = rmsnorm_epsilon(norm)
-            if group is None or list(group.members) != members or eps is None or group.norm is not None:
+            if not foldable or eps is None or compat.has_accelerate_hook(norm) or compat.has_accelerate_hook(layer):
                 continue
-            if compat.has_accelerate_hook(norm) or compat.has_accelerate_hook(layer):
-                continue  # accelerate owns these forwards (offloaded or dispatched)
-            holders = tuple({layer.get_submodule(p.rsplit(".", 1)[0]) for p in mapping.balance if "." in p})
-            fold_norm(layer, norm, group, mapping.norm_offset, eps, holders)
+            set_submodule(layer, mapping.smooth, FoldedRMSNorm(norm, members, mapping.norm_offset, eps, mapping.balance))
             folded += 1
     return folded
+
+
+def unfold_norms(model: nn.Module) -> int:
+    """Undo fold_norms: each FoldedRMSNorm gives its place back to the norm it replaced (measurements
+    compare the two). Returns the number of norms restored."""
+    restored = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, FoldedRMSNorm):
+            for linear in module.consumers:
+                linear.fed_by = ()
+            set_submodule(model, name, module.unfolded[0])
+            restored += 1
+    return restored
 
 
 def use_rowstable_lm_head(model: nn.Module) -> bool:

@@ -15,13 +15,12 @@ from transformers.quantizers.base import HfQuantizer
 from quasar_hf.hf.binding import bind_quasar_methods
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.integration import (
-    fold_norms_into_quantization,
+    fold_norms,
     quantize_model,
     replace_with_w8a8_skeleton,
-    share_sibling_inputs,
     use_rowstable_lm_head,
 )
-from quasar_hf.nn import W8A8Linear
+from quasar_hf.nn import W8A8Linear, prepare_weights
 from quasar_hf.ops.rowstable_attention import use_rowstable_attention
 
 _EXPECTED_DTYPES = {"weight": "I8", "weight_scale": "F32", "act_prescale": "F32"}
@@ -60,8 +59,8 @@ class QuasarHfQuantizer(HfQuantizer):
         else:
             quantize_model(model, config)
         model.config.quantization_config = config
-        share_sibling_inputs(model, config)  # q/k/v and gate/up quantize their shared input once
-        fold_norms_into_quantization(model, config)  # ... with the RMSNorm before them folded in
+        prepare_weights(model)  # every W8A8 kernel validated, packed and bound once
+        fold_norms(model, config)  # q/k/v and gate/up: the RMSNorm before them and their GEMMs in one call
         # Decode and verification attention rows bit-identical (C kernel on CPU, Triton on CUDA), so
         # generate(quasar=True) equals plain greedy generate of this model in one verify call per layer.
         use_rowstable_attention(model)

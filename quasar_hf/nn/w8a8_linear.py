@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-from quasar_hf.nn.norm_fold import marked_fold
+from quasar_hf.nn.folded_norm import FoldedNormOutput
+from quasar_hf.ops.dispatch import PreparedW8A8, prepare_w8a8, resolve_backend, w8a8_linear
 from quasar_hf.ops.reference import quantize_weight_per_channel
-
-if TYPE_CHECKING:
-    from quasar_hf.nn.shared_input import SharedInput
-
-_KERNEL_BUFFERS = ("weight", "weight_scale", "bias", "act_prescale")
 
 
 class W8A8Linear(nn.Module):
@@ -25,7 +19,12 @@ class W8A8Linear(nn.Module):
       bias          model dtype [out_features]           optional
       act_prescale  float32 [in_features]                optional SmoothQuant 1/s that could
                                                          not be folded into a preceding op
-    The kernel is chosen by `backend` through `quasar_hf.ops.dispatch` (one dispatch point).
+    The kernel is chosen by `backend` through `quasar_hf.ops.dispatch` (one dispatch point) and
+    prepared once (validated, packed, bound) by `prepare()`: at construction, after `.to()` /
+    `_apply`, `load_state_dict` and copies. After editing a buffer in place, call `prepare()` (or
+    `quasar_hf.prepare_weights(model)`): the forward checks nothing and uses what was prepared.
+    Called with a `FoldedNormOutput` naming it as a consumer, it returns the output the folded
+    norm computed for it (nn/folded_norm.py).
     """
 
     def __init__(
@@ -52,15 +51,19 @@ class W8A8Linear(nn.Module):
             self.register_buffer("act_prescale", torch.ones(in_features, dtype=torch.float32, device=device))
         else:
             self.act_prescale = None
-        # The kernel bound to these buffers (validated and packed once), rebuilt when any changes:
-        # kernel_key is the buffers' identity, storage and versions it was bound for, packed_weight the
-        # backend's layout of `weight` (also read by `shared_input`'s shared call, never copied).
-        self._bound: object | None = None
-        self.kernel_key: tuple | None = None
-        self.packed_weight: object | None = None
-        # Siblings reading the same input (q/k/v, gate/up) quantize it once: nn/shared_input.py.
-        self.shared_input: SharedInput | None = None
-        self.shared_index = 0  # this module's place among shared_input.members
+        self._prepared: PreparedW8A8 | None = None  # None: not prepared yet, every call dispatches unbound
+        self.fed_by: tuple[nn.Module, ...] = ()  # the FoldedRMSNorm whose output this linear reads, if any
+
+    @property
+    def backend(self) -> str:
+        """The W8A8 backend name ("auto" or one of ops.dispatch.BACKENDS); setting it prepares again."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self._backend = name
+        if self.__dict__.get("_prepared") is not None:
+            self.prepare()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, act_prescale: torch.Tensor | None = None, backend: str = "auto") -> W8A8Linear:
@@ -106,60 +109,67 @@ class W8A8Linear(nn.Module):
             if act_prescale.shape != (in_features,):
                 raise ValueError(f"act_prescale must have shape ({in_features},), got {tuple(act_prescale.shape)}")
             module.act_prescale.copy_(act_prescale.detach().float())
+        module.prepare()
         return module
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight this module computes with: W[n, k] = q[n, k] * scale[n] (prescale excluded)."""
         return (self.weight.float() * self.weight_scale[:, None]).to(dtype)
 
-    def _buffers_key(self) -> tuple:
-        """Identity, storage and in-place version of every buffer the kernel reads, and the backend.
-        Read from `_buffers` directly: this runs on every call, and Module.__getattr__ is slow."""
-        buffers, key = self._buffers, [self.backend]
-        for name in _KERNEL_BUFFERS:
-            t = buffers.get(name)
-            if t is None and name in self.__dict__:  # a plain attribute (bias=False: None)
-                t = self.__dict__[name]
-            key += (None, None, None) if t is None else (id(t), t.data_ptr(), None if t.is_inference() else t._version)
-        return tuple(key)
+    @property
+    def prepared(self) -> PreparedW8A8 | None:
+        """The kernel prepared for the current buffers (None: not prepared, or offloaded)."""
+        return self._prepared
 
-    def kernel(self):
-        """`linear(x)` bound to the current buffers; rebound on the first call, after .to(),
-        load_state_dict, in-place edits or a backend change."""
-        key = self._buffers_key()
-        if key != self.kernel_key:
-            from quasar_hf.ops.dispatch import bind_w8a8_linear, pack_weight_for
-            from quasar_hf.ops.validation import validate_weights
+    def prepare(self) -> None:
+        """Validate and pack the buffers and bind the kernel once (and rebind the folded norm feeding
+        this linear). Needed after an in-place edit of `weight`, `weight_scale`, `bias` or `act_prescale`."""
+        self._prepare_kernel()
+        for norm in self.fed_by:
+            if "_parameters" in norm.__dict__:  # a norm still being rebuilt (copy, unpickle) binds itself
+                norm.prepare()
 
-            self._bound = self.packed_weight = None  # release the old packed weight first
-            validate_weights(self.weight, self.weight_scale, self.bias, self.act_prescale)
-            self.packed_weight = pack_weight_for(self.weight, self.backend)
-            self._bound = bind_w8a8_linear(
-                self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend, packed=self.packed_weight
-            )
-            self.kernel_key = key
-        return self._bound
+    def _prepare_kernel(self) -> None:
+        self._prepared = None  # release the old packed weight first
+        if self.weight.device.type != "meta":  # offloaded or not yet loaded: run unprepared
+            self._prepared = prepare_w8a8(self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        prepared = self._prepared
         if torch.compiler.is_compiling():  # traced: one `quasar::w8a8_linear` op (ops/torch_ops.py)
-            return torch.ops.quasar.w8a8_linear(x, self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
-        if self.shared_input is not None:
-            y = self.shared_input.output(self.shared_index, x)
+            packed = list(prepared.packed_tensors) if prepared is not None else []
+            backend = prepared.backend if prepared is not None else resolve_backend(self.backend, self.weight.device)
+            return torch.ops.quasar.w8a8_linear(x, self.weight, self.weight_scale, self.bias, self.act_prescale, packed, backend)
+        if type(x) is FoldedNormOutput:
+            y = x.output_of(self)
             if y is not None:
                 return y
-        fold = marked_fold(x)
-        if fold is not None:  # a folded norm's pass-through reaching a linear on its own: normalize it
-            x = fold.normalize(x)
-        return self.kernel()(x)
+        if prepared is None:  # weights offloaded by accelerate (loaded around this call): unprepared
+            return w8a8_linear(x, self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
+        return prepared.linear(x)
 
-    def __getstate__(self) -> dict:  # copies and pickles rebind: kernels are closures over raw pointers
+    def _apply(self, fn, recurse: bool = True):
+        module = super()._apply(fn, recurse)
+        self.prepare()
+        return module
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self.prepare()
+
+    def __getstate__(self) -> dict:  # prepared kernels hold raw pointers: copies and pickles prepare their own
         state = super().__getstate__()
-        state.update(_bound=None, kernel_key=None, packed_weight=None)
+        state["_prepared"] = None
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.prepare()
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, act_prescale={self.act_prescale is not None}, "
             f"weight=int8 per-channel, activations=int8 per-token, backend={self.backend!r}"
+            + ("" if self._prepared is None else f" ({self._prepared.backend})")
         )

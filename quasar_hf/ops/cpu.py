@@ -130,3 +130,33 @@ def linear_from_quantized_torch(
     if bias is not None:
         out.add_(bias)  # promoted to fp32 in place, as the reference's `+ bias.float()`
     return out.to(dtype).reshape(*lead, weight_q.shape[0])
+
+
+def rms_factor_torch(x2: torch.Tensor, eps: float) -> torch.Tensor:
+    """[M, K] -> fp32 [M, 1]: 1 / sqrt(mean(x^2) + eps) with torch's own row sum (one row's result
+    depends on that row only; its summation order is torch's, not the C kernel's 16 lanes)."""
+    from quasar_hf.ops.reference import sqrt_correctly_rounded
+
+    xf = x2.float()
+    mean = (xf * xf).sum(dim=-1, keepdim=True) / x2.shape[-1]
+    return torch.reciprocal(sqrt_correctly_rounded(mean + eps))
+
+
+def bind_folded_group_torch(weights: list, norm_scale: torch.Tensor, packed: list, norm_eps: float):
+    """`group(x) -> (normed, y_0, ...)`: the RMSNorm folded into one per-token quantization of x * norm_scale,
+    each row's scale times rms_factor_torch (as reference.w8a8_linear_rmsnorm_reference, with torch's
+    row sum), then one `torch._int_mm` per weight."""
+    own = [p if isinstance(p, TorchPackedWeight) else None for p in packed]
+
+    def group(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        scaled = x2.float() * norm_scale  # [M, K] fp32
+        r = rms_factor_torch(x2, norm_eps)  # [M, 1]
+        a_q, a_scale = quantize_per_token_fast(scaled)
+        a_scale = torch.where(a_scale == 0, a_scale, a_scale * r)
+        lead = x.shape[:-1]
+        normed = (scaled * r).to(x.dtype).reshape(x.shape)
+        outs = (linear_from_quantized_torch(a_q, a_scale, w, s, b, p, x.dtype, lead) for (w, s, b), p in zip(weights, own))
+        return (normed, *outs)
+
+    return group

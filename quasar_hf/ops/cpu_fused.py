@@ -61,7 +61,7 @@ class _Library:
 
     fn: object | None
     error: str | None
-    lib: object | None = None  # the loaded CDLL (its other entry points: cpu_fused_multi.py)
+    lib: object | None = None  # the loaded CDLL (its other entry point: cpu_fused_multi.py)
     source: str | None = None  # which variant (VARIANTS) it is
 
 

@@ -3,7 +3,9 @@
 `bind_linear_multi(weights, act_prescale, packed)` -> `linear(x) -> (y_0, y_1, ...)`: x is
 quantized once and every weight's GEMM runs in the same C call (`qhf_w8a8_linear_multi` in
 csrc/w8a8_vnni.c; the threads split all weights' channel blocks as one range). Each y_s has the
-bits of `cpu_fused.w8a8_linear_cpu_fused(x, *weights[s], act_prescale=act_prescale)`.
+bits of `cpu_fused.w8a8_linear_cpu_fused(x, *weights[s], act_prescale=act_prescale)`. With norm_eps,
+x is an RMSNorm's input folded into that quantization, and the call can also write the norm's
+output (what a FoldedRMSNorm returns; nn/folded_norm.py).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _multi_entry():
     _require_library()
     fn = _library().lib.qhf_w8a8_linear_multi
     fn.restype = _INT
-    fn.argtypes = [_P, _INT, _I64, _I64, _I64, _P, ctypes.c_float, _I64, _INT, ctypes.POINTER(_CWeight), _P, _INT, _INT]
+    fn.argtypes = [_P, _INT, _I64, _I64, _I64, _P, ctypes.c_float, _P, _I64, _INT, ctypes.POINTER(_CWeight), _P, _INT, _INT]
     return fn
 
 
@@ -56,6 +58,7 @@ def bind_linear_multi(
     packed: list[PackedWeight | None] | None = None,
     on_bad_x: Callable[[torch.Tensor], None] | None = None,
     norm_eps: float | None = None,
+    emit_normed: bool = False,
 ):
     """Several weights reading one input (q/k/v, gate/up): `linear(x) -> (y_0, y_1, ...)`, one C call.
 
@@ -66,7 +69,9 @@ def bind_linear_multi(
 
     norm_eps: x is an RMSNorm's input, folded into the quantization: act_prescale is then the norm's
     weight and each row's epilogue scale carries 1 / sqrt(mean(x^2) + norm_eps)
-    (reference.w8a8_linear_rmsnorm_reference is the oracle, bit for bit).
+    (reference.w8a8_linear_rmsnorm_reference is the oracle, bit for bit). emit_normed (with norm_eps):
+    `linear(x)` returns (normed, y_0, y_1, ...), normed [..., K] the norm's output in x.dtype, written by
+    the same call (reference.rmsnorm_reference, bit for bit).
     """
     if not 1 <= len(weights) <= MULTI_MAX:
         raise ValueError(f"bind_linear_multi takes 1 to {MULTI_MAX} weights, got {len(weights)}")
@@ -94,6 +99,8 @@ def bind_linear_multi(
     eps = -1.0 if norm_eps is None else float(norm_eps)
     if norm_eps is not None and not (math.isfinite(eps) and eps >= 0.0):
         raise ValueError(f"norm_eps must be a finite number >= 0, got {norm_eps!r}")
+    if emit_normed and norm_eps is None:
+        raise ValueError("emit_normed needs norm_eps: only a folded norm has an output of its own")
     sizes = tuple(w[0].shape[0] for w in weights)
     k_padded, count = held[0].data.shape[1] * 4, len(weights)
     max_threads = max(1, sum(sizes) * k // _MIN_BYTES_PER_THREAD)
@@ -107,9 +114,12 @@ def bind_linear_multi(
             x2 = x2.contiguous()
         lead, code = x.shape[:-1], _DTYPE_CODES[x.dtype]
         outs = tuple(torch.empty((*lead, n), dtype=x.dtype) for n in sizes)  # [..., N_s]
+        normed = torch.empty((*lead, k), dtype=x.dtype) if emit_normed else None  # [..., K]
+        if emit_normed:
+            outs = (normed, *outs)
         if x2.shape[0] == 0:
             return outs
-        pointers = (_P * count)(*(y.data_ptr() for y in outs))
+        pointers = (_P * count)(*(y.data_ptr() for y in outs[emit_normed:]))
         status = multi(
             x2.data_ptr(),
             code,
@@ -118,6 +128,7 @@ def bind_linear_multi(
             x2.stride(0),
             prescale_ptr,
             eps,
+            None if normed is None else normed.data_ptr(),
             k_padded,
             count,
             structs,

@@ -8,34 +8,37 @@ Backends (all compute `ops/reference.py`'s scheme; see each module for its exact
   * "cpu_fused"    fused C CPU kernel, AVX-512 VNNI or AVX2 build, same bits (`ops/cpu_fused.py`).
 "auto" takes the first usable backend of `AUTO_PREFERENCE[device type]` (CUDA: triton, torch;
 CPU: cpu_fused, torch; elsewhere: reference) and logs once, at warning level, why a faster one
-was skipped. `backend_report()` lists every backend and kernel with the reason it cannot run.
+was skipped. `ops/backend_report.py` lists every backend and kernel with the reason it cannot run.
+
+Each row of the table says what a backend can do: run a linear, pack a weight once, bind a
+faster per-weight form, and run a *folded group* (an RMSNorm folded into the quantization of the
+linears it feeds, with the norm's own output written beside theirs; `bind_folded_group`). Weights
+are prepared once (`prepare_w8a8`): validated, their backend resolved and packed, a linear bound.
 
 Backends are imported lazily, so a missing optional package only matters when it is asked for.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from quasar_hf.ops import backends
 from quasar_hf.ops.fallback import warn_fallback_once
-from quasar_hf.ops.reference import w8a8_linear_reference
 from quasar_hf.ops.validation import validate_w8a8_inputs, validate_weights, x_matches
 
 __all__ = [
     "AUTO_PREFERENCE",
     "BACKENDS",
     "Backend",
-    "BackendStatus",
+    "PreparedW8A8",
     "available_backends",
-    "backend_report",
+    "bind_folded_group",
     "bind_w8a8_linear",
     "pack_weight_for",
+    "prepare_w8a8",
     "resolve_backend",
     "validate_w8a8_inputs",
     "w8a8_linear",
@@ -47,104 +50,6 @@ def _device_type(device: str | torch.device | None) -> str:
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(device).type
-
-
-def _interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-def _cpu_fused_module():
-    """The fused CPU kernel module if it can be imported (it is optional), else None."""
-    try:
-        return importlib.import_module("quasar_hf.ops.cpu_fused")
-    except ImportError:
-        return None
-
-
-# ---- why each backend cannot run on a device type (None: it can) ----------------------------
-
-
-def _reference_unavailable(device_type: str) -> str | None:
-    return None
-
-
-def _torch_unavailable(device_type: str) -> str | None:
-    if not hasattr(torch, "_int_mm"):
-        return "this torch build has no torch._int_mm (needs torch >= 2.2)"
-    return None if device_type in ("cpu", "cuda") else f"torch._int_mm does not run on {device_type!r}"
-
-
-def _triton_unavailable(device_type: str) -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "the triton package is not installed (pip install 'quasar-hf[triton]')"
-    if device_type == "cuda" or (device_type == "cpu" and _interpret_mode()):
-        return None
-    return f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tests), got {device_type!r}"
-
-
-def _bnb_unavailable(device_type: str) -> str | None:
-    if importlib.util.find_spec("bitsandbytes") is None:
-        return "the bitsandbytes package is not installed (pip install 'quasar-hf[bitsandbytes]')"
-    return None if device_type in ("cpu", "cuda") else f"bitsandbytes int8 does not run on {device_type!r}"
-
-
-def _cpu_fused_unavailable(device_type: str) -> str | None:
-    if device_type != "cpu":
-        return f"the fused C kernel runs on CPU tensors only, got {device_type!r}"
-    module = _cpu_fused_module()
-    if module is None:
-        return "quasar_hf.ops.cpu_fused is not importable"
-    return module.unavailable_reason()
-
-
-# ---- how each backend runs (inputs validated; `packed` used only if it is the backend's own) ---
-
-
-def _run_reference(x, weight_q, weight_scale, bias, act_prescale, packed) -> torch.Tensor:
-    return w8a8_linear_reference(x, weight_q, weight_scale, bias, act_prescale)
-
-
-def _run_torch(x, weight_q, weight_scale, bias, act_prescale, packed) -> torch.Tensor:
-    from quasar_hf.ops.cpu import TorchPackedWeight, w8a8_linear_torch
-
-    own = packed if isinstance(packed, TorchPackedWeight) else None
-    return w8a8_linear_torch(x, weight_q, weight_scale, bias, act_prescale, packed=own)
-
-
-def _run_triton(x, weight_q, weight_scale, bias, act_prescale, packed) -> torch.Tensor:
-    from quasar_hf.ops.triton_w8a8 import w8a8_linear_triton
-
-    return w8a8_linear_triton(x, weight_q, weight_scale, bias, act_prescale)
-
-
-def _run_bnb(x, weight_q, weight_scale, bias, act_prescale, packed) -> torch.Tensor:
-    from quasar_hf.ops.bnb import w8a8_linear_bnb
-
-    return w8a8_linear_bnb(x, weight_q, weight_scale, bias, act_prescale)
-
-
-def _run_cpu_fused(x, weight_q, weight_scale, bias, act_prescale, packed) -> torch.Tensor:
-    module = _cpu_fused_module()
-    own = packed if isinstance(packed, module.PackedWeight) else None
-    return module.w8a8_linear_cpu_fused(x, weight_q, weight_scale, bias=bias, act_prescale=act_prescale, packed=own)
-
-
-def _pack_torch(weight_q: torch.Tensor) -> object | None:
-    from quasar_hf.ops.cpu import prepare_cpu_weight
-
-    return prepare_cpu_weight(weight_q) if weight_q.device.type == "cpu" else None
-
-
-def _pack_cpu_fused(weight_q: torch.Tensor) -> object | None:
-    return _cpu_fused_module().pack_weight(weight_q)
-
-
-def _run_cpu_fused_prepacked(x, weight_q, weight_scale, bias, act_prescale, packed) -> torch.Tensor:
-    return _cpu_fused_module().run_prepacked(x, weight_q, weight_scale, bias, act_prescale, packed)
-
-
-def _bind_cpu_fused(weight_q, weight_scale, bias, act_prescale, packed, on_bad_x) -> Callable[[torch.Tensor], torch.Tensor]:
-    return _cpu_fused_module().bind_linear(weight_q, weight_scale, bias, act_prescale, packed, on_bad_x)
 
 
 # ---- the table -------------------------------------------------------------------------------
@@ -159,6 +64,10 @@ class Backend:
     (skips the backend's own checks); bind(weight_q, weight_scale, bias, act_prescale, packed,
     on_bad_x) -> linear(x) (when the backend has a faster bound form than `run`): it checks x as
     `x_matches` does, calls on_bad_x(x) (which raises) when that fails, and handles empty x.
+    packed_tensors(packed) / unpack(weight_q, tensors): the packed layout as tensors and back (the
+    `quasar::w8a8_linear` op takes tensors). bind_group(weights, norm_scale, packs, norm_eps) ->
+    group(x) -> (normed, y_0, y_1, ...): the RMSNorm fold (None: this backend cannot fold);
+    group_checks_x: the bound group checks x itself.
     """
 
     name: str
@@ -167,6 +76,10 @@ class Backend:
     pack: Callable[[torch.Tensor], object | None] | None = None
     bind: Callable[..., Callable[[torch.Tensor], torch.Tensor]] | None = None
     run_prepacked: Callable[..., torch.Tensor] | None = None
+    packed_tensors: Callable[[object], tuple[torch.Tensor, ...]] | None = None
+    unpack: Callable[[torch.Tensor, list[torch.Tensor]], object] | None = None
+    bind_group: Callable[..., Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] | None = None
+    group_checks_x: bool = False
 
     def __post_init__(self) -> None:
         if self.run_prepacked is None:
@@ -176,23 +89,40 @@ class Backend:
 _TABLE: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("reference", _reference_unavailable, _run_reference),
-        Backend("torch", _torch_unavailable, _run_torch, pack=_pack_torch),
-        Backend("triton", _triton_unavailable, _run_triton),
-        Backend("bitsandbytes", _bnb_unavailable, _run_bnb),
+        Backend("reference", backends.reference_unavailable, backends.run_reference, bind_group=backends.group_reference),
+        Backend(
+            "torch",
+            backends.torch_unavailable,
+            backends.run_torch,
+            pack=backends.pack_torch,
+            packed_tensors=backends.packed_tensors_torch,
+            unpack=backends.unpack_torch,
+            bind_group=backends.group_torch,
+        ),
+        Backend("triton", backends.triton_unavailable, backends.run_triton, bind_group=backends.group_triton),
+        Backend("bitsandbytes", backends.bnb_unavailable, backends.run_bnb),  # approximate numerics: no fold
         Backend(
             "cpu_fused",
-            _cpu_fused_unavailable,
-            _run_cpu_fused,
-            pack=_pack_cpu_fused,
-            bind=_bind_cpu_fused,
-            run_prepacked=_run_cpu_fused_prepacked,
+            backends.cpu_fused_unavailable,
+            backends.run_cpu_fused,
+            pack=backends.pack_cpu_fused,
+            bind=backends.bind_cpu_fused,
+            run_prepacked=backends.run_cpu_fused_prepacked,
+            packed_tensors=backends.packed_tensors_cpu_fused,
+            unpack=backends.unpack_cpu_fused,
+            bind_group=backends.group_cpu_fused,
+            group_checks_x=True,
         ),
     )
 }
 BACKENDS = tuple(_TABLE)
 # What "auto" tries, fastest first, per device type; "reference" closes every list.
 AUTO_PREFERENCE: dict[str, tuple[str, ...]] = {"cuda": ("triton", "torch"), "cpu": ("cpu_fused", "torch")}
+
+
+def backend_entry(name: str) -> Backend:
+    """The table row of a concrete backend name (see resolve_backend)."""
+    return _TABLE[name]
 
 
 def _unavailable_reason(backend: str, device_type: str) -> str | None:
@@ -260,7 +190,8 @@ def w8a8_linear(
     `torch.ops.quasar.w8a8_linear` (see `ops/torch_ops.py`).
     """
     if torch.compiler.is_compiling():  # one opaque op in the graph (registered by ops/torch_ops.py)
-        return torch.ops.quasar.w8a8_linear(x, weight_q, weight_scale, bias, act_prescale, backend)
+        name = resolve_backend(backend, weight_q.device)
+        return torch.ops.quasar.w8a8_linear(x, weight_q, weight_scale, bias, act_prescale, [], name)
     validate_w8a8_inputs(x, weight_q, weight_scale, bias, act_prescale)
     name = resolve_backend(backend, x.device)
     if x.numel() == 0:  # no rows: nothing to quantize
@@ -319,47 +250,76 @@ def pack_weight_for(weight_q: torch.Tensor, backend: str = "auto") -> object | N
     return entry.pack(weight_q) if entry.pack is not None else None
 
 
-# ---- what can run here ----------------------------------------------------------------------
+# ---- prepared once -------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class BackendStatus:
-    """One row of `backend_report()`: a kernel backend on a device type, usable or not and why."""
+class PreparedW8A8:
+    """One weight validated, its backend resolved and its layout packed, with `linear(x)` bound.
 
-    kernel: str  # "w8a8_linear" or "attention"
-    name: str
-    device: str
-    usable: bool
-    reason: str | None  # why it cannot run (None when usable)
-    auto: bool  # what "auto" (or the attention interface) picks on this device
+    weights: (weight_q, weight_scale, bias, act_prescale) as prepared; packed_tensors: the packed
+    layout as tensors (what the `quasar::w8a8_linear` op takes under torch.compile). Holds the
+    tensors it was prepared from: an in-place edit of them needs a new prepare_w8a8.
+    """
+
+    backend: str
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+    packed: object | None
+    packed_tensors: tuple[torch.Tensor, ...]
+    linear: Callable[[torch.Tensor], torch.Tensor]
 
 
-def backend_report() -> list[BackendStatus]:
-    """Every W8A8 backend, row-stable attention and lm_head kernel on CPU and CUDA: usable or not, and why."""
-    from quasar_hf.ops import attention_cpu, rowstable_linear, triton_attention
+def prepare_w8a8(
+    weight_q: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act_prescale: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> PreparedW8A8:
+    """Validate, resolve the backend, pack and bind once (the work W8A8Linear.prepare does)."""
+    validate_weights(weight_q, weight_scale, bias, act_prescale)
+    name = resolve_backend(backend, weight_q.device)
+    entry = _TABLE[name]
+    packed = entry.pack(weight_q) if entry.pack is not None else None
+    tensors = entry.packed_tensors(packed) if packed is not None and entry.packed_tensors is not None else ()
+    linear = bind_w8a8_linear(weight_q, weight_scale, bias, act_prescale, name, packed=packed)
+    return PreparedW8A8(name, (weight_q, weight_scale, bias, act_prescale), packed, tensors, linear)
 
-    rows = []
-    no_cuda = None if torch.cuda.is_available() else "no CUDA device is visible to torch"
-    for device_type, missing_device in (("cpu", None), ("cuda", no_cuda)):
-        auto = None if missing_device else _auto_choice(device_type)[0]
-        for name in BACKENDS:
-            reason = missing_device or _unavailable_reason(name, device_type)
-            rows.append(BackendStatus("w8a8_linear", name, device_type, reason is None, reason, name == auto))
-    # Row-stable attention: the kernel where it runs, else SDPA with row-wise verification.
-    for device_type, name, reason in (
-        ("cpu", "rowstable_cpu", attention_cpu.unavailable_reason()),
-        ("cuda", "rowstable_triton", no_cuda or triton_attention.unavailable_reason()),
-    ):
-        sdpa_reason = None if device_type == "cpu" else no_cuda
-        rows.append(BackendStatus("attention", name, device_type, reason is None, reason, reason is None))
-        rows.append(
-            BackendStatus(
-                "attention", "sdpa", device_type, sdpa_reason is None, sdpa_reason, reason is not None and sdpa_reason is None
-            )
-        )
-    # The float lm_head of Quasar models: the row-stable C kernel on CPU, else F.linear.
-    lm_head_reason = rowstable_linear.unavailable_reason()
-    rows.append(BackendStatus("lm_head", "rowstable_cpu", "cpu", lm_head_reason is None, lm_head_reason, lm_head_reason is None))
-    rows.append(BackendStatus("lm_head", "f_linear", "cpu", True, None, lm_head_reason is not None))
-    rows.append(BackendStatus("lm_head", "f_linear", "cuda", no_cuda is None, no_cuda, no_cuda is None))
-    return rows
+
+def bind_folded_group(
+    prepared: list[PreparedW8A8], norm_scale: torch.Tensor, norm_eps: float
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None:
+    """`group(x) -> (normed, y_0, y_1, ...)` for linears that read one RMSNorm's output, the norm folded
+    into their activation quantization (reference.w8a8_linear_rmsnorm_reference per y_s; normed is the
+    norm's output for any other reader), or None where it cannot be: the backend has no fold, the
+    linears differ in backend, device or in_features, or carry an act_prescale of their own.
+
+    x is the norm's input [..., K]; norm_scale fp32 [K] what the norm multiplies by (its weight, or
+    1 + weight); norm_eps its epsilon.
+    """
+    if not prepared:
+        return None
+    first = prepared[0]
+    k, device = first.weights[0].shape[1], first.weights[0].device
+    same = all(
+        p.backend == first.backend and p.weights[0].shape[1] == k and p.weights[0].device == device and p.weights[3] is None
+        for p in prepared
+    )
+    entry = _TABLE[first.backend]
+    if not same or entry.bind_group is None or norm_scale.shape != (k,) or norm_scale.device != device:
+        return None
+    weights = [p.weights[:3] for p in prepared]
+    scale = norm_scale.detach().float().contiguous()
+    group = entry.bind_group(weights, scale, [p.packed for p in prepared], float(norm_eps))
+    if entry.group_checks_x:
+        return group
+    sizes = [w.shape[0] for w, _, _ in weights]
+
+    def checked(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not x_matches(x, k, device):
+            validate_w8a8_inputs(x, *weights[0], None)  # raises the precise error
+        if x.numel() == 0:
+            return (x.new_zeros(x.shape), *(x.new_zeros(*x.shape[:-1], n) for n in sizes))
+        return group(x)
+
+    return checked

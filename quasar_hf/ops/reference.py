@@ -156,6 +156,21 @@ def w8a8_linear_rmsnorm_reference(
     return out.reshape(*lead, weight_q.shape[0])
 
 
+def rmsnorm_reference(x: torch.Tensor, norm_scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) as a folded norm outputs it: (x * norm_scale) * rms_factor, in fp32, rounded once to
+    x.dtype (x [..., K], norm_scale fp32 [K]); the fused CPU kernel writes these bits beside its GEMMs."""
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    out = (x2.float() * norm_scale) * rms_factor_reference(x2, eps)[:, None]
+    return out.to(x.dtype).reshape(x.shape)
+
+
+def w8a8_folded_group_reference(x: torch.Tensor, weights: list, norm_scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
+    """(RMSNorm(x), W8A8_0(RMSNorm(x)), ...) with the norm folded: the oracle of every backend's folded
+    group. weights: [(weight_q [N_s, K], weight_scale [N_s], bias [N_s] or None)]."""
+    outs = (w8a8_linear_rmsnorm_reference(x, norm_scale, eps, w, s, b) for w, s, b in weights)
+    return (rmsnorm_reference(x, norm_scale, eps), *outs)
+
+
 def attention_layout_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """The layout every attention kernel here takes: query [B, H, Q, D], key/value [B, KVH, N, D],
     one dtype, H a multiple of KVH (GQA)."""

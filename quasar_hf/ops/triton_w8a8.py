@@ -38,17 +38,37 @@ def interpret_mode() -> bool:
 
 
 def _w8a8_kernel(
-    x_ptr, w_ptr, ws_ptr, bias_ptr, pre_ptr, out_ptr, acc_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, HAS_PRESCALE: tl.constexpr, WRITE_ACC: tl.constexpr,
+    x_ptr, w_ptr, ws_ptr, bias_ptr, pre_ptr, out_ptr, acc_ptr, r_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, norm_eps,
+    HAS_BIAS: tl.constexpr, HAS_PRESCALE: tl.constexpr, WRITE_ACC: tl.constexpr, FOLD_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """x [M, K] (any float), w int8 [N, K], ws fp32 [N] -> out [M, N] (and int32 acc when WRITE_ACC)."""
+    """x [M, K] (any float), w int8 [N, K], ws fp32 [N] -> out [M, N] (and int32 acc when WRITE_ACC).
+
+    FOLD_NORM: x is an RMSNorm's input and pre_ptr its scale; each row's epilogue scale carries
+    r = 1 / sqrt(mean(x^2) + norm_eps) (reference.rms_factor_reference's order), written to r_ptr [M]."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     rk = tl.arange(0, BLOCK_K)  # [BK]
     m_ok = rm < M
     n_ok = rn < N
+
+    if FOLD_NORM:  # Pass 0: squares in 16 lanes over k ascending (mul, then add), lanes by a fixed tree
+        r16 = tl.arange(0, 16)
+        sq = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+        for k0 in range(0, K, 16):
+            kk = k0 + r16
+            xt = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+            xt = xt.to(tl.float32)
+            sq = sq + xt * xt
+        sq = tl.sum(tl.reshape(sq, (BLOCK_M, 2, 8)), axis=1)  # lanes (l, l + 8): one add each
+        sq = tl.sum(tl.reshape(sq, (BLOCK_M, 2, 4)), axis=1)  # (l, l + 4)
+        sq = tl.sum(tl.reshape(sq, (BLOCK_M, 2, 2)), axis=1)  # (l, l + 2)
+        total = tl.sum(sq, axis=1)  # (l, l + 1)
+        mean = tl.math.div_rn(total, tl.full([BLOCK_M], K, tl.float32))
+        r = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.math.sqrt_rn(mean + norm_eps))  # [BM]
+        if tl.program_id(1) == 0:
+            tl.store(r_ptr + rm, r, mask=m_ok)
 
     # Pass 1: row amax over the full K, and whether the row holds NaN/Inf.
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -70,6 +90,8 @@ def _w8a8_kernel(
     safe = tl.where(usable, amax, 1.0)
     inv = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), safe) * 127.0  # [BM], as the reference
     a_scale = tl.where(finite_row, tl.math.div_rn(amax, tl.full([BLOCK_M], 127.0, tl.float32)), float("nan"))
+    if FOLD_NORM:
+        a_scale = tl.where(a_scale == 0.0, a_scale, a_scale * r)
 
     # Pass 2: quantize x tiles exactly as the reference, int8 dot with int32 accumulation.
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
@@ -129,8 +151,11 @@ def _run(
     bias: torch.Tensor | None,
     act_prescale: torch.Tensor | None,
     want_acc: bool,
+    norm_eps: float | None = None,
+    r_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch on x2 [M, K] (K contiguous): returns (out [M, N] in x2.dtype, int32 acc [M, N] or None)."""
+    """Launch on x2 [M, K] (K contiguous): returns (out [M, N] in x2.dtype, int32 acc [M, N] or None).
+    norm_eps: fold an RMSNorm whose scale is act_prescale; r_out (fp32 [M]) receives its row factors."""
     m, k = x2.shape
     n = weight_q.shape[0]
     weight_q = weight_q if weight_q.stride(1) == 1 else weight_q.contiguous()
@@ -145,9 +170,10 @@ def _run(
         x2, weight_q, weight_scale,
         bias if bias is not None else weight_scale,  # dummy pointer, never read without HAS_BIAS
         act_prescale if act_prescale is not None else weight_scale,  # dummy, likewise
-        out, acc,
-        m, n, k, x2.stride(0), weight_q.stride(0), out.stride(0),
+        out, acc, r_out if r_out is not None else weight_scale,  # r_out: written only with FOLD_NORM
+        m, n, k, x2.stride(0), weight_q.stride(0), out.stride(0), 0.0 if norm_eps is None else float(norm_eps),
         HAS_BIAS=bias is not None, HAS_PRESCALE=act_prescale is not None, WRITE_ACC=want_acc,
+        FOLD_NORM=norm_eps is not None,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], enable_fp_fusion=False,
     )  # fmt: skip
@@ -177,3 +203,23 @@ def w8a8_accumulators_triton(x: torch.Tensor, weight_q: torch.Tensor, act_presca
     ones = torch.ones(weight_q.shape[0], dtype=torch.float32, device=x.device)
     _, acc = _run(_as_rows(x), weight_q, ones, None, act_prescale, want_acc=True)
     return acc
+
+
+def bind_folded_group_triton(weights: list, norm_scale: torch.Tensor, norm_eps: float):
+    """`group(x) -> (normed, y_0, ...)`: one launch per weight with the RMSNorm folded into the kernel's
+    quantization (the bits of reference.w8a8_linear_rmsnorm_reference); normed from the kernel's row
+    factors, as reference.rmsnorm_reference."""
+
+    def group(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x2 = _as_rows(x)  # [M, K]
+        r = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)  # [M]
+        outs = []
+        for index, (weight_q, weight_scale, bias) in enumerate(weights):
+            out, _ = _run(
+                x2, weight_q, weight_scale, bias, norm_scale, False, norm_eps, r if index == 0 else r.new_empty(r.shape)
+            )
+            outs.append(out.reshape(*x.shape[:-1], weight_q.shape[0]))
+        normed = ((x2.float() * norm_scale) * r[:, None]).to(x.dtype).reshape(x.shape)
+        return (normed, *outs)
+
+    return group

@@ -113,7 +113,14 @@ static inline float hmax8(__m256 v) {
 }
 
 /* One row: aq[0:Kp] = q (int8), returns the epilogue scale; the rules of w8a8_vnni.c quantize_row. */
-static float quantize_row(const void *x, int dtype, const float *prescale, int64_t K, int64_t Kp, int8_t *aq, float norm_eps) {
+static float quantize_row(const void *x, int dtype, const float *prescale, int64_t K, int64_t Kp, int8_t *aq, float norm_eps,
+                          void *normed) {
+    const float r = norm_eps >= 0.0f ? rms_factor(x, dtype, K, norm_eps) : 1.0f;
+    if (normed) { /* the norm's output row, (x * prescale) * r rounded once */
+        const __m256 vr = _mm256_set1_ps(r);
+        for (int64_t k = 0; k < K; k += 8)
+            store8(normed, dtype, k, _mm256_mul_ps(row8(x, dtype, prescale, k, K), vr), K - k < 8 ? (int)(K - k) : 8);
+    }
     __m256 vmax = _mm256_setzero_ps();
     __m256i nonfinite = _mm256_setzero_si256();
     const __m256i abs_bits = _mm256_set1_epi32(0x7fffffff), below_inf = _mm256_set1_epi32(0x7f7fffff);
@@ -141,7 +148,7 @@ static float quantize_row(const void *x, int dtype, const float *prescale, int64
         memcpy(aq + k, &q8, (size_t)count);
     }
     for (int64_t k = K; k < Kp; ++k) aq[k] = 0;
-    return norm_eps >= 0.0f ? (amax / 127.0f) * rms_factor(x, dtype, K, norm_eps) : amax / 127.0f;
+    return norm_eps >= 0.0f ? (amax / 127.0f) * r : amax / 127.0f;
 }
 
 /* ---- GEMM micro-kernel with fused epilogue ------------------------------------------------- */
@@ -223,7 +230,7 @@ static void gemm_range(const gemm_args *g, int64_t nb_begin, int64_t nb_end) {
 /* ---- entry points (the signatures of w8a8_vnni.c; wsum128 is unused here) ------------------- */
 
 static int run_segments(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                        float norm_eps, int64_t Kp, gemm_args *g, int G, int n_threads) {
+                        float norm_eps, void *normed, int64_t Kp, gemm_args *g, int G, int n_threads) {
     int64_t nblocks = 0;
     for (int s = 0; s < G; ++s) nblocks += (g[s].N + 15) / 16;
     int8_t *aq = (int8_t *)aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64));
@@ -243,7 +250,7 @@ static int run_segments(const void *x, int x_dtype, int64_t M, int64_t K, int64_
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; ++m)
             a_scale[m] = quantize_row((const char *)x + (size_t)(m * x_stride) * elem, x_dtype, prescale, K, Kp, aq + m * Kp,
-                                       norm_eps);
+                                       norm_eps, normed ? (char *)normed + (size_t)(m * K) * elem : NULL);
         const int64_t begin = nblocks * t / nt, end = nblocks * (t + 1) / nt;
         int64_t offset = 0;
         for (int s = 0; s < G; ++s) {
@@ -264,7 +271,7 @@ int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_
                     int32_t *acc_out, int n_threads) {
     (void)wsum128;
     gemm_args g = {NULL, NULL, w_packed, w_scale, bias, bias_dtype, out, out_dtype, out_stride, acc_out, M, N, Kp};
-    return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, Kp, &g, 1, n_threads);
+    return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, NULL, Kp, &g, 1, n_threads);
 }
 
 typedef struct {
@@ -279,8 +286,8 @@ typedef struct {
 #define MULTI_MAX 8
 
 int qhf_w8a8_linear_multi(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                          float norm_eps, int64_t Kp, int G, const qhf_weight *weights, void *const *outs,
-                          int out_dtype, int n_threads) {
+                          float norm_eps, void *normed, int64_t Kp, int G, const qhf_weight *weights,
+                          void *const *outs, int out_dtype, int n_threads) {
     if (G < 1 || G > MULTI_MAX) return 2;
     gemm_args g[MULTI_MAX];
     for (int s = 0; s < G; ++s) {
@@ -289,5 +296,5 @@ int qhf_w8a8_linear_multi(const void *x, int x_dtype, int64_t M, int64_t K, int6
                          out_dtype, w->N, NULL, M, w->N, Kp};
         g[s] = one;
     }
-    return run_segments(x, x_dtype, M, K, x_stride, prescale, norm_eps, Kp, g, G, n_threads);
+    return run_segments(x, x_dtype, M, K, x_stride, prescale, norm_eps, normed, Kp, g, G, n_threads);
 }

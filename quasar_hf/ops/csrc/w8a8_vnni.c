@@ -85,9 +85,18 @@ static float rms_factor(const void *x, int dtype, int64_t K, float eps) {
  * reciprocal(t) * 127, so the same two roundings are used here.
  * norm_eps >= 0 folds an RMSNorm in: per-token quantization ignores a row's scale factor, so the
  * row is quantized un-normalized (prescale = the norm's weight) and the epilogue scale carries
- * rms_factor; a zero row keeps scale 0. */
+ * rms_factor; a zero row keeps scale 0. normed (K elements in x's dtype, or NULL) receives the
+ * normalized row itself, for readers of the norm's output other than the W8A8 linears. */
 static float quantize_row(const void *x, int dtype, const float *prescale, int64_t K, int64_t Kp, uint8_t *aq,
-                          float norm_eps) {
+                          float norm_eps, void *normed) {
+    const float r = norm_eps >= 0.0f ? rms_factor(x, dtype, K, norm_eps) : 1.0f;
+    if (normed) { /* the norm's output row, (x * prescale) * r rounded once (reference.rmsnorm_reference) */
+        const __m512 vr = _mm512_set1_ps(r);
+        for (int64_t k = 0; k < K; k += 16) {
+            __mmask16 m = tail_mask(K - k);
+            store16(normed, dtype, k, _mm512_mul_ps(row16(x, dtype, prescale, k, m), vr), m);
+        }
+    }
     __m512 vmax = _mm512_setzero_ps();
     __mmask16 nonfinite = 0;
     const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
@@ -116,7 +125,7 @@ static float quantize_row(const void *x, int dtype, const float *prescale, int64
         _mm_mask_storeu_epi8(aq + k, m, _mm512_cvtepi32_epi8(q));
     }
     for (int64_t k = K; k < Kp; ++k) aq[k] = 128;
-    return norm_eps >= 0.0f ? (amax / 127.0f) * rms_factor(x, dtype, K, norm_eps) : amax / 127.0f;
+    return norm_eps >= 0.0f ? (amax / 127.0f) * r : amax / 127.0f;
 }
 
 /* ---- GEMM micro-kernel with fused epilogue ------------------------------------------------- */
@@ -203,7 +212,7 @@ static void gemm_range(const gemm_args *g, int64_t nb_begin, int64_t nb_end) {
 /* Quantize x [M, K] once into aq/a_scale (filled in every g[s]), then run every segment's GEMM.
  * The threads split the segments' channel blocks as one range, so small weights share a call. */
 static int run_segments(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                        float norm_eps, int64_t Kp, gemm_args *g, int G, int n_threads) {
+                        float norm_eps, void *normed, int64_t Kp, gemm_args *g, int G, int n_threads) {
     int64_t nblocks = 0;
     for (int s = 0; s < G; ++s) nblocks += (g[s].N + 15) / 16;
     uint8_t *aq = (uint8_t *)aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64));
@@ -223,7 +232,7 @@ static int run_segments(const void *x, int x_dtype, int64_t M, int64_t K, int64_
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; ++m)
             a_scale[m] = quantize_row((const char *)x + (size_t)(m * x_stride) * elem, x_dtype, prescale, K, Kp, aq + m * Kp,
-                                       norm_eps);
+                                       norm_eps, normed ? (char *)normed + (size_t)(m * K) * elem : NULL);
         /* implicit barrier: all rows quantized before any thread reads them */
         const int64_t begin = nblocks * t / nt, end = nblocks * (t + 1) / nt;
         int64_t offset = 0;
@@ -247,7 +256,7 @@ int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_
                     int32_t *acc_out, int n_threads) {
     gemm_args g = {NULL, NULL, w_packed, wsum128, w_scale, bias, bias_dtype, out, out_dtype, out_stride,
                    acc_out, M, N, Kp};
-    return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, Kp, &g, 1, n_threads);
+    return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, NULL, Kp, &g, 1, n_threads);
 }
 
 /* One weight of qhf_w8a8_linear_multi (ctypes mirrors this layout in cpu_fused.py). */
@@ -264,11 +273,11 @@ typedef struct {
 
 /* outs[s][M, N_s] = W8A8(x[M, K]) with weights[s], s < G <= MULTI_MAX: x quantized once, the same
  * bits as G qhf_w8a8_linear calls (contiguous outputs in out_dtype). norm_eps >= 0: x is an
- * RMSNorm's input and prescale its weight, folded into the quantization (see quantize_row).
- * Returns 0, 1 (no scratch memory) or 2 (G out of range). */
+ * RMSNorm's input and prescale its weight, folded into the quantization (see quantize_row); normed
+ * (contiguous [M, K] in x_dtype, or NULL) then receives the norm's output. Returns 0, 1 (no scratch memory) or 2 (G out of range). */
 int qhf_w8a8_linear_multi(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                          float norm_eps, int64_t Kp, int G, const qhf_weight *weights, void *const *outs,
-                          int out_dtype, int n_threads) {
+                          float norm_eps, void *normed, int64_t Kp, int G, const qhf_weight *weights,
+                          void *const *outs, int out_dtype, int n_threads) {
     if (G < 1 || G > MULTI_MAX) return 2;
     gemm_args g[MULTI_MAX];
     for (int s = 0; s < G; ++s) {
@@ -277,5 +286,5 @@ int qhf_w8a8_linear_multi(const void *x, int x_dtype, int64_t M, int64_t K, int6
                          out_dtype, w->N, NULL, M, w->N, Kp};
         g[s] = one;
     }
-    return run_segments(x, x_dtype, M, K, x_stride, prescale, norm_eps, Kp, g, G, n_threads);
+    return run_segments(x, x_dtype, M, K, x_stride, prescale, norm_eps, normed, Kp, g, G, n_threads);
 }

@@ -1,0 +1,160 @@
+"""How each W8A8 backend runs, packs, folds and says why it cannot run: the functions behind the
+rows of `ops/dispatch.py`'s table (backend modules are imported lazily, on first use)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+
+import torch
+
+from quasar_hf.ops.reference import w8a8_linear_reference
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def cpu_fused_module():
+    """The fused CPU kernel module if it can be imported (it is optional), else None."""
+    try:
+        return importlib.import_module("quasar_hf.ops.cpu_fused")
+    except ImportError:
+        return None
+
+
+# ---- why each backend cannot run on a device type (None: it can) ----------------------------
+
+
+def reference_unavailable(device_type: str) -> str | None:
+    return None
+
+
+def torch_unavailable(device_type: str) -> str | None:
+    if not hasattr(torch, "_int_mm"):
+        return "this torch build has no torch._int_mm (needs torch >= 2.2)"
+    return None if device_type in ("cpu", "cuda") else f"torch._int_mm does not run on {device_type!r}"
+
+
+def triton_unavailable(device_type: str) -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed (pip install 'quasar-hf[triton]')"
+    if device_type == "cuda" or (device_type == "cpu" and interpret_mode()):
+        return None
+    return f"Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tests), got {device_type!r}"
+
+
+def bnb_unavailable(device_type: str) -> str | None:
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "the bitsandbytes package is not installed (pip install 'quasar-hf[bitsandbytes]')"
+    return None if device_type in ("cpu", "cuda") else f"bitsandbytes int8 does not run on {device_type!r}"
+
+
+def cpu_fused_unavailable(device_type: str) -> str | None:
+    if device_type != "cpu":
+        return f"the fused C kernel runs on CPU tensors only, got {device_type!r}"
+    module = cpu_fused_module()
+    if module is None:
+        return "quasar_hf.ops.cpu_fused is not importable"
+    return module.unavailable_reason()
+
+
+# ---- how each backend runs (inputs validated; `packed` used only if it is the backend's own) ---
+
+
+def run_reference(x, weight_q, weight_scale, bias, act_prescale, packed) -> torch.Tensor:
+    return w8a8_linear_reference(x, weight_q, weight_scale, bias, act_prescale)
+
+
+def run_torch(x, weight_q, weight_scale, bias, act_prescale, packed) -> torch.Tensor:
+    from quasar_hf.ops.cpu import TorchPackedWeight, w8a8_linear_torch
+
+    own = packed if isinstance(packed, TorchPackedWeight) else None
+    return w8a8_linear_torch(x, weight_q, weight_scale, bias, act_prescale, packed=own)
+
+
+def run_triton(x, weight_q, weight_scale, bias, act_prescale, packed) -> torch.Tensor:
+    from quasar_hf.ops.triton_w8a8 import w8a8_linear_triton
+
+    return w8a8_linear_triton(x, weight_q, weight_scale, bias, act_prescale)
+
+
+def run_bnb(x, weight_q, weight_scale, bias, act_prescale, packed) -> torch.Tensor:
+    from quasar_hf.ops.bnb import w8a8_linear_bnb
+
+    return w8a8_linear_bnb(x, weight_q, weight_scale, bias, act_prescale)
+
+
+def run_cpu_fused(x, weight_q, weight_scale, bias, act_prescale, packed) -> torch.Tensor:
+    module = cpu_fused_module()
+    own = packed if isinstance(packed, module.PackedWeight) else None
+    return module.w8a8_linear_cpu_fused(x, weight_q, weight_scale, bias=bias, act_prescale=act_prescale, packed=own)
+
+
+def pack_torch(weight_q: torch.Tensor) -> object | None:
+    from quasar_hf.ops.cpu import prepare_cpu_weight
+
+    return prepare_cpu_weight(weight_q) if weight_q.device.type == "cpu" else None
+
+
+def pack_cpu_fused(weight_q: torch.Tensor) -> object | None:
+    return cpu_fused_module().pack_weight(weight_q)
+
+
+def run_cpu_fused_prepacked(x, weight_q, weight_scale, bias, act_prescale, packed) -> torch.Tensor:
+    return cpu_fused_module().run_prepacked(x, weight_q, weight_scale, bias, act_prescale, packed)
+
+
+def bind_cpu_fused(weight_q, weight_scale, bias, act_prescale, packed, on_bad_x) -> Callable[[torch.Tensor], torch.Tensor]:
+    return cpu_fused_module().bind_linear(weight_q, weight_scale, bias, act_prescale, packed, on_bad_x)
+
+
+def packed_tensors_cpu_fused(packed) -> tuple[torch.Tensor, ...]:
+    return (packed.data, packed.wsum128)
+
+
+def unpack_cpu_fused(weight_q: torch.Tensor, tensors: list[torch.Tensor]) -> object:
+    n, k = weight_q.shape
+    return cpu_fused_module().PackedWeight(tensors[0], tensors[1], n, k)
+
+
+def packed_tensors_torch(packed) -> tuple[torch.Tensor, ...]:
+    return (packed.weight_kn,)
+
+
+def unpack_torch(weight_q: torch.Tensor, tensors: list[torch.Tensor]) -> object:
+    from quasar_hf.ops.cpu import TorchPackedWeight
+
+    return TorchPackedWeight(weight_kn=tensors[0])
+
+
+# ---- folded groups: x -> (RMSNorm(x), W8A8_0(RMSNorm(x)), W8A8_1(...), ...) with the norm folded ----
+
+
+def group_reference(weights, norm_scale, packs, norm_eps):
+    from quasar_hf.ops.reference import w8a8_folded_group_reference
+
+    return lambda x: w8a8_folded_group_reference(x, weights, norm_scale, norm_eps)
+
+
+def group_torch(weights, norm_scale, packs, norm_eps):
+    from quasar_hf.ops.cpu import bind_folded_group_torch
+
+    return bind_folded_group_torch(weights, norm_scale, packs, norm_eps)
+
+
+def group_triton(weights, norm_scale, packs, norm_eps):
+    from quasar_hf.ops.triton_w8a8 import bind_folded_group_triton
+
+    return bind_folded_group_triton(weights, norm_scale, norm_eps)
+
+
+def group_cpu_fused(weights, norm_scale, packs, norm_eps):
+    from quasar_hf.ops.cpu_fused_multi import MULTI_MAX, bind_linear_multi
+
+    if len(weights) > MULTI_MAX:  # more than one C call takes: fold each weight on its own
+        singles = [bind_linear_multi([w], norm_scale, [p], norm_eps=norm_eps, emit_normed=True) for w, p in zip(weights, packs)]
+        return lambda x: (singles[0](x)[0], *(one(x)[1] for one in singles))
+    return bind_linear_multi(list(weights), norm_scale, list(packs), norm_eps=norm_eps, emit_normed=True)

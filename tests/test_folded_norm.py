@@ -1,0 +1,287 @@
+"""RMSNorm folded into the W8A8 activation quantization of the linears it feeds (nn/folded_norm.py).
+
+Oracles: reference.w8a8_linear_rmsnorm_reference (each consumer's output) and
+reference.rmsnorm_reference (the norm's own output), bit for bit on "cpu_fused" and "reference".
+The fold is a different rounding of the same function as norm-then-quantize, so model-level tests
+against the unfolded model use a bound; every context (hooks, inference mode, grad, direct calls,
+threads) must give the same bits; any reader other than the consumers sees normalized values.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import quasar_hf  # noqa: F401  (registers quant_method "quasar")
+from quasar_hf import QuasarConfig, prepare_weights
+from quasar_hf.hf.integration import unfold_norms
+from quasar_hf.nn import FoldedNormOutput, FoldedRMSNorm
+from quasar_hf.ops import cpu_fused, dispatch
+from quasar_hf.ops.reference import (
+    quantize_weight_per_channel,
+    rms_factor_reference,
+    rmsnorm_reference,
+    w8a8_linear_rmsnorm_reference,
+)
+from tests.test_arch_gemma_phi import save_tiny_arch
+from tests.tiny_models import assert_quasar_greedy_equals_plain, save_tiny
+
+needs_kernel = pytest.mark.skipif(not cpu_fused.is_available(), reason=f"fused CPU kernel: {cpu_fused.unavailable_reason()}")
+FAST = dict(num_calibration_samples=4, calibration_seq_len=64, weight_rounding="nearest")
+IDS = torch.tensor([[5, 17, 33, 2, 64, 90, 11, 7, 48, 21, 3, 77, 40, 8, 19, 60]])
+
+
+def test_rms_factor_reference_is_rmsnorm_to_float_precision():
+    x = torch.randn(5, 100, dtype=torch.float64) * 3
+    exact = 1.0 / torch.sqrt(x.pow(2).mean(-1) + 1e-6)
+    got = rms_factor_reference(x.float(), 1e-6).double()
+    assert torch.allclose(got, exact, rtol=1e-6, atol=0)
+
+
+def _group_weights(k, sizes, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    weights = []
+    for i, n in enumerate(sizes):
+        q, s = quantize_weight_per_channel(torch.randn(n, k, generator=g))
+        weights.append((q, s, torch.randn(n, generator=g).to(dtype) if i == 0 else None))
+    return weights, torch.rand(k, generator=g) + 0.5, g
+
+
+FOLDING_BACKENDS = [b for b in ("reference", "torch", "cpu_fused", "triton") if b in dispatch.available_backends("cpu")]
+
+
+@pytest.mark.parametrize("backend", FOLDING_BACKENDS)
+@pytest.mark.parametrize(
+    ("k", "sizes", "m", "dtype"),
+    [
+        (64, (64, 32, 32), 1, torch.bfloat16),
+        (100, (37, 5), 6, torch.float32),
+        (33, (16,), 3, torch.float16),
+        (576, (96, 48), 7, torch.bfloat16),
+    ],
+)
+def test_folded_group_equals_the_oracle(backend, k, sizes, m, dtype):
+    """cpu_fused, triton (interpreted here) and reference: bit for bit. torch sums squares in its own
+    order, so its r may differ by an ulp: within two units of the output dtype."""
+    weights, scale, g = _group_weights(k, sizes, dtype, k)
+    x = (torch.randn(m, k, generator=g) * 4).to(dtype)
+    if m > 2:
+        x[1] = 0  # a zero row: scale 0, outputs are the bias
+        x[2, 0] = float("nan")  # a NaN row: NaN outputs
+    prepared = [dispatch.prepare_w8a8(q, s, b, None, backend) for q, s, b in weights]
+    normed, *outs = dispatch.bind_folded_group(prepared, scale, 1e-5)(x)
+    expected_norm = rmsnorm_reference(x, scale, 1e-5)
+    expected = [w8a8_linear_rmsnorm_reference(x, scale, 1e-5, q, s, b) for q, s, b in weights]
+    if backend == "torch":  # one ulp of r, then the output's rounding: within two units of the dtype
+        tol = dict(rtol=2e-2, atol=1e-3)
+        assert torch.allclose(normed.float().nan_to_num(7.0), expected_norm.float().nan_to_num(7.0), **tol)
+        assert all(torch.allclose(o.float().nan_to_num(7.0), e.float().nan_to_num(7.0), **tol) for o, e in zip(outs, expected))
+        return
+    assert normed.dtype == dtype and torch.equal(normed.nan_to_num(7.0), expected_norm.nan_to_num(7.0))
+    for out, ref in zip(outs, expected):
+        assert out.dtype == dtype and torch.equal(out.nan_to_num(7.0), ref.nan_to_num(7.0))
+    if m > 2:
+        assert torch.isnan(outs[0][2]).all() and not torch.isnan(outs[0][[0, 1]]).any()
+
+
+def test_backends_without_a_fold_or_mixed_groups_get_none():
+    weights, scale, _ = _group_weights(32, (16, 8), torch.float32, 0)
+    prepared = [dispatch.prepare_w8a8(q, s, b, None, "reference") for q, s, b in weights]
+    prescaled = dispatch.prepare_w8a8(*weights[0][:3], torch.ones(32), "reference")
+    assert dispatch.bind_folded_group([prepared[0], prescaled], scale, 1e-5) is None  # an act_prescale of its own
+    assert dispatch.bind_folded_group(prepared, torch.ones(31), 1e-5) is None  # a norm of another size
+    if "torch" in dispatch.available_backends("cpu"):
+        other = dispatch.prepare_w8a8(*weights[1][:3], None, "torch")
+        assert dispatch.bind_folded_group([prepared[0], other], scale, 1e-5) is None  # two backends
+
+
+@needs_kernel
+def test_bad_norm_eps_is_refused():
+    from quasar_hf.ops.cpu_fused_multi import bind_linear_multi
+
+    q, s = quantize_weight_per_channel(torch.randn(16, 32))
+    for eps in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="norm_eps"):
+            bind_linear_multi([(q, s, None)], torch.ones(32), norm_eps=eps)
+
+
+def _quantized(tmp_path, arch: str, dtype=torch.bfloat16, **options):
+    src = save_tiny_arch(tmp_path / "src", "gemma3") if arch == "gemma3" else save_tiny(tmp_path / "src", arch)
+    config = QuasarConfig(**FAST, **options)
+    return AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=dtype).eval()
+
+
+def _norms(model) -> list[FoldedRMSNorm]:
+    return [m for m in model.modules() if isinstance(m, FoldedRMSNorm)]
+
+
+@pytest.mark.parametrize(
+    ("arch", "backend"),
+    [("llama", "reference"), ("qwen2", "auto"), ("gemma3", "auto")],
+)
+def test_folded_norm_outputs_equal_the_oracle(tmp_path, arch, backend):
+    if backend == "auto" and not cpu_fused.is_available():
+        pytest.skip("the fused CPU kernel is not built here")
+    model = _quantized(tmp_path, arch, backend=backend)
+    norms = _norms(model)
+    assert len(norms) == 2 * model.config.num_hidden_layers  # attention input and MLP input norms
+    x = (torch.randn(1, 5, model.config.hidden_size) * 2).to(torch.bfloat16)
+    for norm in norms:
+        out = norm(x)
+        scale = norm.offset + norm.weight.float()
+        assert type(out) is FoldedNormOutput and torch.equal(out, rmsnorm_reference(x, scale, norm.eps))
+        assert type(out * 1.0) is torch.Tensor  # any op on it gives a plain tensor: the outputs stay here
+        for linear in norm.consumers:
+            expected = w8a8_linear_rmsnorm_reference(x, scale, norm.eps, linear.weight, linear.weight_scale, linear.bias)
+            assert torch.equal(linear(out), expected)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
+def test_folded_model_is_close_to_the_unfolded_one(tmp_path, arch):
+    """Same function, one rounding fewer: logits differ by a fraction of the W8A8 error itself."""
+    model = _quantized(tmp_path, arch, dtype=torch.float32)
+    folded = model(IDS).logits
+    assert unfold_norms(model) == 2 * model.config.num_hidden_layers and not _norms(model)
+    unfolded = model(IDS).logits
+    rel = ((folded - unfolded).norm() / unfolded.norm()).item()
+    assert 0 < rel < 1e-2, f"fold moved the logits by {rel:.2e} (relative)"
+
+
+class AdapterWrapper(torch.nn.Module):
+    """The shape of a LoRA/PEFT adapter: the wrapped linear reads a new tensor computed from x."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x * 1.0)
+
+
+@needs_kernel
+def test_other_readers_of_the_norm_output_see_normalized_values(tmp_path):
+    model = _quantized(tmp_path, "llama", dtype=torch.float32)
+    reference = model(IDS).logits
+    wrapped_model, hooked = copy.deepcopy(model), copy.deepcopy(model)
+    unfold_norms(model)
+    w8a8_error = 0.01  # a bound that means something: the fold's own distance from norm-then-quantize
+    assert ((reference - model(IDS).logits).norm() / reference.norm()) < w8a8_error
+    # A LoRA-style wrapper around q_proj and gate_proj after load: the wrapped linears read values.
+    for layer in wrapped_model.model.layers:
+        layer.self_attn.q_proj = AdapterWrapper(layer.self_attn.q_proj)
+        layer.mlp.gate_proj = AdapterWrapper(layer.mlp.gate_proj)
+    wrapped = wrapped_model(IDS).logits
+    assert ((wrapped - reference).norm() / reference.norm()) < w8a8_error
+    # An op inserted between the norm and its linears (here a forward hook replacing the output).
+    for norm in _norms(hooked):
+        norm.register_forward_hook(lambda module, args, out: out * 1.0)
+    inserted = hooked(IDS).logits
+    assert ((inserted - reference).norm() / reference.norm()) < w8a8_error
+    assert not torch.equal(inserted, reference)  # the consumers quantized the values themselves
+
+
+@needs_kernel
+def test_every_context_computes_the_same_bits(tmp_path):
+    model = _quantized(tmp_path, "llama")
+    with torch.no_grad():
+        expected = model(IDS).logits
+    assert torch.equal(model(IDS).logits, expected)  # grad enabled
+    with torch.inference_mode():
+        assert torch.equal(model(IDS).logits, expected)
+    handles = [model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, out: None)]
+    handles.append(model.model.layers[1].input_layernorm.register_forward_pre_hook(lambda m, a: None))
+    handles.append(model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: None))
+    assert torch.equal(model(IDS).logits, expected)  # hooks added after load watch, change nothing
+    for handle in handles:
+        handle.remove()
+    q_proj = model.model.layers[1].self_attn.q_proj
+    for _ in range(5):  # direct calls of one consumer, their outputs used by nobody: no switch flips
+        q_proj(torch.randn(1, 4, q_proj.in_features, dtype=torch.bfloat16))
+    assert torch.equal(model(IDS).logits, expected)
+
+
+@needs_kernel
+def test_two_threads_on_one_model_get_what_sequential_calls_get(tmp_path):
+    model = _quantized(tmp_path, "llama")
+    prompts = [torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (9, 14)]
+    with torch.no_grad():
+        logits = [model(p).logits for p in prompts]
+    generated = [model.generate(p, max_new_tokens=12, do_sample=False, quasar=True) for p in prompts]
+    failures = []
+
+    def work(index: int) -> None:
+        for _ in range(6):
+            with torch.no_grad():
+                if not torch.equal(model(prompts[index]).logits, logits[index]):
+                    failures.append(("forward", index))
+            out = model.generate(prompts[index], max_new_tokens=12, do_sample=False, quasar=True)
+            if not torch.equal(out, generated[index]):
+                failures.append(("generate", index))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+@needs_kernel
+def test_an_in_place_edit_needs_prepare_weights_and_it_is_enough(tmp_path):
+    model = _quantized(tmp_path, "llama")
+    norm = model.model.layers[0].input_layernorm
+    q_proj = norm.consumers[0]
+    x = (torch.randn(1, 3, model.config.hidden_size) * 2).to(torch.bfloat16)
+    before = q_proj(norm(x))
+    with torch.no_grad():
+        q_proj.weight.neg_()
+        norm.weight.mul_(2.0).add_(0.25)
+    assert torch.equal(q_proj(norm(x)), before)  # the forward checks nothing: the prepared kernels run
+    prepare_weights(model)
+    scale = norm.weight.float()
+    expected = w8a8_linear_rmsnorm_reference(x, scale, norm.eps, q_proj.weight, q_proj.weight_scale, q_proj.bias)
+    assert torch.equal(q_proj(norm(x)), expected) and not torch.equal(expected, before)
+
+
+@needs_kernel
+def test_checkpoints_copies_and_moves_keep_the_fold(tmp_path):
+    model = _quantized(tmp_path, "llama")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    logits = model(IDS).logits
+    layer = model.model.layers[0]
+    layer_twin = pickle.loads(pickle.dumps(layer))  # a pickled layer binds its own fold
+    assert layer_twin.input_layernorm.folded and layer_twin.input_layernorm.consumers[0] is layer_twin.self_attn.q_proj
+    x = torch.randn(1, 4, model.config.hidden_size, dtype=torch.bfloat16)
+    assert torch.equal(layer_twin.mlp(layer_twin.post_attention_layernorm(x)), layer.mlp(layer.post_attention_layernorm(x)))
+    for twin in (copy.deepcopy(model), model.to("cpu")):
+        norms = _norms(twin)
+        assert norms and all(n.folded and all(c.fed_by == (n,) for c in n.consumers) for n in norms)
+        assert all(c in dict(twin.named_modules()).values() for n in norms for c in n.consumers)
+        assert torch.equal(twin(IDS).logits, logits)
+    model.save_pretrained(tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert state.keys() == reloaded.state_dict().keys()  # the norm keeps its weight's key
+    assert all(torch.equal(state[k], v) for k, v in reloaded.state_dict().items())
+    assert torch.equal(reloaded(IDS).logits, logits)
+    reloaded.load_state_dict(state)  # load_state_dict prepares again
+    assert torch.equal(reloaded(IDS).logits, logits)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_greedy_quasar_equals_plain_with_folded_norms(tmp_path, arch):
+    model = _quantized(tmp_path, arch)
+    assert _norms(model)
+    assert_quasar_greedy_equals_plain(model, max_new_tokens=24)
+
+
+def test_reference_backend_folds_and_decodes_exactly(tmp_path):
+    model = _quantized(tmp_path, "llama", backend="reference")
+    assert all(n.folded for n in _norms(model))
+    assert_quasar_greedy_equals_plain(model, max_new_tokens=12)
