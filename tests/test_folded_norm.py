@@ -285,3 +285,24 @@ def test_reference_backend_folds_and_decodes_exactly(tmp_path):
     model = _quantized(tmp_path, "llama", backend="reference")
     assert all(n.folded for n in _norms(model))
     assert_quasar_greedy_equals_plain(model, max_new_tokens=12)
+
+
+@needs_kernel
+def test_a_model_with_folded_norms_compiles_into_one_graph(tmp_path):
+    """Under torch.compile the folded norm computes itself (its Transformers class) and the consumers
+    run as `quasar::w8a8_linear` ops: fullgraph, no break. Compiled need not equal eager: within W8A8 error."""
+    model = _quantized(tmp_path, "llama")
+    seen = []
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(IDS).logits.float()
+        compiled = torch.compile(model.forward, fullgraph=True, backend=backend)(input_ids=IDS).logits.float()
+    assert sum("quasar.w8a8_linear" in t for t in seen) == 7 * model.config.num_hidden_layers
+    assert ((compiled - eager).norm() / eager.norm()) < 0.05
