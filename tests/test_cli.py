@@ -249,14 +249,14 @@ def test_demo_path_on_a_tiny_model(tiny, tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["quantize", "/definitely/missing/model", "--out", "/tmp/never"], "does not exist"),
+        (["quantize", "TMP/missing/model", "--out", "TMP/never"], "does not exist"),
         (["generate", "TINY", "--prompt", "x", "--drafter", "assistant"], "needs --assistant"),
-        (["export", "TINY", "--out", "/tmp/never"], "not a Quasar W8A8 checkpoint"),
-        (["eval", "TINY", "--reference", "TINY", "--text-file", "/definitely/missing.txt"], "cannot read --text-file"),
+        (["export", "TINY", "--out", "TMP/never"], "not a Quasar W8A8 checkpoint"),
+        (["eval", "TINY", "--reference", "TINY", "--text-file", "TMP/missing.txt"], "cannot read --text-file"),
     ],
 )
-def test_user_errors_exit_2_with_one_line(argv, message, tiny, capsys):
-    argv = [str(tiny) if part == "TINY" else part for part in argv]
+def test_user_errors_exit_2_with_one_line(argv, message, tiny, capsys, tmp_path):
+    argv = [str(tiny) if part == "TINY" else part.replace("TMP", str(tmp_path)) for part in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "Traceback" not in err and len(err.splitlines()) == 1

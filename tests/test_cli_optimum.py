@@ -43,8 +43,8 @@ def test_optimum_cli_helps_quasar():  # each optimum-cli start imports torch: ke
         assert name in result.stdout
 
 
-def test_optimum_cli_quasar_user_error_is_one_line_exit_2():
-    result = optimum_cli("quasar", "export", "/definitely/missing/model", "--out", "/tmp/never-written")
+def test_optimum_cli_quasar_user_error_is_one_line_exit_2(tmp_path):
+    result = optimum_cli("quasar", "export", str(tmp_path / "missing/model"), "--out", str(tmp_path / "never-written"))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         line for line in result.stderr.strip().splitlines() if line.startswith("optimum-cli quasar export: error:")

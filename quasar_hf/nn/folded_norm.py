@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from quasar_hf.nn.prepared_module import PreparedModule
 from quasar_hf.ops.dispatch import bind_folded_group
 
 # RMSNorm classes computing x * rsqrt(mean(x^2) + eps) * (offset + weight), and their eps attribute
@@ -78,13 +79,15 @@ class FoldedNormOutput(torch.Tensor):
         return self.quasar_outputs.get(linear)
 
 
-class FoldedRMSNorm(nn.Module):
+class FoldedRMSNorm(PreparedModule):
     """An RMSNorm whose consumers are W8A8 linears: one folded call gives its output and theirs.
 
     weight: the replaced norm's Parameter (same object, same state-dict key); offset: 1.0 for
     Gemma's (1 + weight) norms, else 0.0; consumers: the W8A8Linears it feeds (left where the
     model holds them), consumer_names their paths in the decoder layer, for repr.
     """
+
+    derived = ("_group",)
 
     def __init__(
         self, norm: nn.Module, consumers: Sequence[nn.Module], offset: float, eps: float, consumer_names: Sequence[str] = ()
@@ -120,24 +123,6 @@ class FoldedRMSNorm(nn.Module):
             return self.unfolded[0](x)
         normed, *outputs = group(x.detach())
         return FoldedNormOutput.wrap(normed, self.consumers, outputs)
-
-    def _apply(self, fn, recurse: bool = True):
-        module = super()._apply(fn, recurse)
-        self.prepare()
-        return module
-
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        self.prepare()
-
-    def __getstate__(self) -> dict:  # the bound group holds raw pointers: copies and pickles bind their own
-        state = super().__getstate__()
-        state["_group"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self.prepare()
 
     def extra_repr(self) -> str:
         names = ", ".join(self.consumer_names) or f"{len(self.consumers)} linears"

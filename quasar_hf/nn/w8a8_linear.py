@@ -6,11 +6,12 @@ import torch
 from torch import nn
 
 from quasar_hf.nn.folded_norm import FoldedNormOutput
+from quasar_hf.nn.prepared_module import PreparedModule
 from quasar_hf.ops.dispatch import PreparedW8A8, prepare_w8a8, resolve_backend, w8a8_linear
 from quasar_hf.ops.reference import quantize_weight_per_channel
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(PreparedModule):
     """y = dequant(int8(x * act_prescale) @ int8(W).T) + bias, with exact int32 accumulation.
 
     Serialized state (stable names):
@@ -26,6 +27,8 @@ class W8A8Linear(nn.Module):
     Called with a `FoldedNormOutput` naming it as a consumer, it returns the output the folded
     norm computed for it (nn/folded_norm.py).
     """
+
+    derived = ("_prepared",)
 
     def __init__(
         self,
@@ -124,15 +127,12 @@ class W8A8Linear(nn.Module):
     def prepare(self) -> None:
         """Validate and pack the buffers and bind the kernel once (and rebind the folded norm feeding
         this linear). Needed after an in-place edit of `weight`, `weight_scale`, `bias` or `act_prescale`."""
-        self._prepare_kernel()
-        for norm in self.fed_by:
-            if "_parameters" in norm.__dict__:  # a norm still being rebuilt (copy, unpickle) binds itself
-                norm.prepare()
-
-    def _prepare_kernel(self) -> None:
         self._prepared = None  # release the old packed weight first
         if self.weight.device.type != "meta":  # offloaded or not yet loaded: run unprepared
             self._prepared = prepare_w8a8(self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
+        for norm in self.fed_by:
+            if "_parameters" in norm.__dict__:  # a norm still being rebuilt (copy, unpickle) binds itself
+                norm.prepare()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         prepared = self._prepared
@@ -147,24 +147,6 @@ class W8A8Linear(nn.Module):
         if prepared is None:  # weights offloaded by accelerate (loaded around this call): unprepared
             return w8a8_linear(x, self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
         return prepared.linear(x)
-
-    def _apply(self, fn, recurse: bool = True):
-        module = super()._apply(fn, recurse)
-        self.prepare()
-        return module
-
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        self.prepare()
-
-    def __getstate__(self) -> dict:  # prepared kernels hold raw pointers: copies and pickles prepare their own
-        state = super().__getstate__()
-        state["_prepared"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self.prepare()
 
     def extra_repr(self) -> str:
         return (

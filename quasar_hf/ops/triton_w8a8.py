@@ -214,10 +214,8 @@ def bind_folded_group_triton(weights: list, norm_scale: torch.Tensor, norm_eps: 
         x2 = _as_rows(x)  # [M, K]
         r = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)  # [M]
         outs = []
-        for index, (weight_q, weight_scale, bias) in enumerate(weights):
-            out, _ = _run(
-                x2, weight_q, weight_scale, bias, norm_scale, False, norm_eps, r if index == 0 else r.new_empty(r.shape)
-            )
+        for weight_q, weight_scale, bias in weights:  # every launch writes the same row factors into r
+            out, _ = _run(x2, weight_q, weight_scale, bias, norm_scale, False, norm_eps, r)
             outs.append(out.reshape(*x.shape[:-1], weight_q.shape[0]))
         normed = ((x2.float() * norm_scale) * r[:, None]).to(x.dtype).reshape(x.shape)
         return (normed, *outs)
