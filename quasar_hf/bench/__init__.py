@@ -7,6 +7,5 @@ Public entry points (import the submodule you need; nothing heavy is imported he
   fidelity.evaluate_fidelity(model, reference_model, tokenizer, texts, ...)  perplexity, top-1, KL, L
   report.write_reports(result, out_dir)             JSON (+ environment), markdown, PNG plots
   kernels.run_kernel_benchmark(...)                 kernel micro-benchmark (W8A8 backends vs BF16)
-Command-line scripts (not shipped) live in scripts/: gpu_check (H200 acceptance), attention_check,
-fidelity_report, kernel_bench.
+The research measurements (not shipped) run from a source checkout: `python -m benchmarks --help`.
 """

@@ -6,8 +6,8 @@ layer's weight comes from memory), and the achieved bandwidth
 `(weight bytes + activation bytes read) / time`, compared with a measured copy bandwidth
 (`dst.copy_(src)` of a large tensor, read + write bytes).
 
-    python -m scripts.kernel_bench --out benchmarks/ --quick            # this device
-    python -m scripts.kernel_bench --device cuda --out results/ --ms 1 16 64
+    python -m benchmarks kernels --out benchmarks/ --quick            # this device
+    python -m benchmarks kernels --device cuda --out results/ --ms 1 16 64
 
 Python API: `run_kernel_benchmark(device, shapes, ms, backends) -> dict`, then
 `write_json(result, path)` / `write_markdown(result, path)`.

@@ -325,7 +325,7 @@ def per_layer_main(argv: list[str] | None = None) -> list[str]:
     from quasar_hf import QuasarConfig
     from quasar_hf.bench.report import environment
 
-    parser = argparse.ArgumentParser(prog="scripts/per_layer_error.py", description=per_layer_main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks per-layer", description=per_layer_main.__doc__)
     parser.add_argument("--model", default=None, help="float checkpoint folder (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--quantized", default=None, help="saved Quasar checkpoint of --model (default: quantize now)")
     parser.add_argument("--alpha", default=None, help="QuasarConfig alpha when quantizing now (default: the default)")
@@ -336,7 +336,7 @@ def per_layer_main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--out", default="benchmarks")
     parser.add_argument("--name", default="per_layer")
     args = parser.parse_args(argv)
-    command = "python scripts/per_layer_error.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = "python -m benchmarks per-layer " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
 
     model_path = args.model
     if model_path is None:

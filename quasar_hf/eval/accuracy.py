@@ -40,7 +40,9 @@ def accuracy_rows(result: dict[str, Any] | str | os.PathLike) -> list[dict[str, 
             }
         ]
     if "rows" not in result:
-        raise ValueError("not an accuracy result: expected the JSON written by `quasar-hf eval --tasks` or scripts/humaneval.py")
+        raise ValueError(
+            "not an accuracy result: expected the JSON written by `quasar-hf eval --tasks` or python -m benchmarks humaneval"
+        )
     return [
         {
             "task": row["task"],

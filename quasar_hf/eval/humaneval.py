@@ -231,7 +231,8 @@ def build_parser():
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="scripts/humaneval.py", description="HumanEval pass@1 (greedy) of a W8A8 Quasar model vs its unquantized original"
+        prog="python -m benchmarks humaneval",
+        description="HumanEval pass@1 (greedy) of a W8A8 Quasar model vs its unquantized original",
     )
     parser.add_argument(
         "model",
@@ -275,6 +276,6 @@ def main(argv: list[str] | None = None) -> int:
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )
     result["settings"]["dtype"] = args.dtype
-    result["command"] = " ".join(["python", "scripts/humaneval.py", *(sys.argv[1:] if argv is None else argv)])
+    result["command"] = " ".join(["python", "python -m benchmarks humaneval", *(sys.argv[1:] if argv is None else argv)])
     publish(result, to_markdown(result), args.out, args.name, pair.quantized_path if args.record else None, "pass@1")
     return 0

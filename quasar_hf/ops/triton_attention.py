@@ -8,7 +8,7 @@ values whether the call has 1 query row (decode) or k+1 (verification): bit-iden
 the exactness of `generate(quasar=True)` needs. Oracle: `ops.reference.attention_reference`.
 
 Verified in Triton's CPU interpreter (tests) and by an ahead-of-time compile for sm_90; its GPU
-speed is unmeasured (no GPU was available when it was written): `scripts/gpu_check.sh` times it.
+speed is unmeasured: `benchmarks/gpu_check.sh` times it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-call GPU check of quasar_hf (H200: torch 2.11, triton 3.6, transformers 5.17), < 8 minutes.
-#   scripts/gpu_check.sh [OUT_DIR] [extra args for python -m scripts.gpu_check]
+#   benchmarks/gpu_check.sh [OUT_DIR] [extra args for python -m benchmarks gpu-check]
 # Runs from the source tree (no `pip install`: the GPU image has no network, and the package's
 # datasets/optimum requirements are not needed here). bitsandbytes is used when importable; to
 # include it, carry a CUDA bitsandbytes wheel and install it first with `pip install --no-deps`.
@@ -12,14 +12,14 @@ shift || true
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 python="${PYTHON:-python}"
 "$python" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
-timeout 470 "$python" -m scripts.gpu_check --out "$out" "$@"
+timeout 470 "$python" -m benchmarks gpu-check --out "$out" "$@"
 status=$?
 # Optional: where vLLM imports (CUDA image with vLLM), serve the compressed-tensors export and
 # compare greedy output with Transformers'. QUASAR_CHECKPOINT=DIR uses a real Quasar checkpoint;
 # without it a tiny random model checks the mechanics. Writes OUT_DIR/vllm_check.{json,md}.
 if "$python" -c "import vllm" 2>/dev/null; then
   if [ -n "${QUASAR_CHECKPOINT:-}" ]; then target=(--checkpoint "$QUASAR_CHECKPOINT"); else target=(--tiny); fi
-  timeout 300 "$python" -m scripts.vllm_check "${target[@]}" --out "$out" || echo "vllm_check failed (status $?)"
+  timeout 300 "$python" -m benchmarks vllm-check "${target[@]}" --out "$out" || echo "vllm_check failed (status $?)"
 else
   echo "vllm not importable: the vLLM load check is skipped (see docs/serving.md for the commands)"
 fi

@@ -1,7 +1,7 @@
 """One-shot GPU check (H200): kernels, verify-step latency and end-to-end speed, within a time budget.
 
-    python -m scripts.gpu_check --out DIR            # on the GPU, < 8 minutes
-    python -m scripts.gpu_check --out DIR --tiny     # same code paths, tiny shapes, CPU, < 2 minutes
+    python -m benchmarks gpu-check --out DIR            # on the GPU, < 8 minutes
+    python -m benchmarks gpu-check --out DIR --tiny     # same code paths, tiny shapes, CPU, < 2 minutes
 
 Sections (each in its own try/except: a failure is recorded and the next section still runs;
 results are rewritten to DIR/gpu_check.json and .md after every section):
@@ -372,9 +372,9 @@ def _section(result: dict, out_dir: str, name: str, fn: Callable[[], Any], budge
 
 def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 450.0, backend: str = "auto", command: str = "") -> dict:
     """Run every section within `budget_s` seconds; write DIR/gpu_check.{json,md}; return the result."""
+    from benchmarks.attention_check import attention_check
     from quasar_hf.bench.report import environment
     from quasar_hf.ops.dispatch import available_backends
-    from scripts.attention_check import attention_check
 
     os.makedirs(out_dir, exist_ok=True)
     device = "cpu" if tiny or not torch.cuda.is_available() else "cuda"
@@ -422,12 +422,12 @@ def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 450.0, bac
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: python -m scripts.gpu_check --out DIR [--tiny] [--budget-s 450] [--backend auto]."""
+    """CLI: python -m benchmarks gpu-check --out DIR [--tiny] [--budget-s 450] [--backend auto]."""
     import shlex
     import sys
 
     parser = argparse.ArgumentParser(
-        prog="python -m scripts.gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks gpu-check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.md")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (a test of the code paths)")
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="auto", help="W8A8 backend of the quantized model (default auto)")
     args = parser.parse_args(argv)
     budget = args.budget_s if args.budget_s is not None else (100.0 if args.tiny else 450.0)
-    command = "python -m scripts.gpu_check " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "python -m benchmarks gpu-check " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     result = run_gpu_check(args.out, tiny=args.tiny, budget_s=budget, backend=args.backend, command=command)
     print(to_markdown(result))
     return 1 if result.get("errors") else 0

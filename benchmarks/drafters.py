@@ -1,6 +1,6 @@
 """Drafters compared on a real checkpoint, two prompt suites, W8A8 verification (CPU).
 
-    python scripts/draft_compare.py --model smollm2 --draft-layers auto --draft-vocab-sizes 2048,8192 \
+    python -m benchmarks drafters --model smollm2 --draft-layers auto --draft-vocab-sizes 2048,8192 \
         --prompts grounded=8,open=20 --max-new-tokens 96 --no-bf16-draft-layers \
         --out benchmarks/draft_compare_smollm2_cpu.json --markdown benchmarks/draft_compare_smollm2_cpu.md
 
@@ -222,7 +222,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help='"smollm2" or a local checkpoint folder (e.g. Qwen2.5-Coder-0.5B)')
     parser.add_argument("--draft-layers", required=True, help='comma-separated layer indices, or "auto"')
@@ -241,7 +241,7 @@ def main() -> None:
     parser.add_argument("--calibration-seq-len", type=int, default=512)
     parser.add_argument("--out", default="draft_compare.json", help="JSON report (the committed runs name theirs)")
     parser.add_argument("--markdown", default=None, help="also write the tables to this markdown file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     layers = "auto" if args.draft_layers == "auto" else [int(i) for i in args.draft_layers.split(",")]
     sizes = [int(n) for n in args.draft_vocab_sizes.split(",")]
     path = smollm2_135m_instruct() if args.model == "smollm2" else os.path.expanduser(args.model)
@@ -288,7 +288,7 @@ def main() -> None:
     byte_info = {"verify_step": draft_bytes_per_token(models["int8"], reduced=False)["verify_bytes_per_step"]}
     byte_info["model_bytes"] = {k: module_bytes(m) for k, m in models.items()}
     report = {
-        "command": "python scripts/draft_compare.py "
+        "command": "python -m benchmarks drafters "
         + " ".join(
             f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in vars(args).items() if v not in (None, False)
         ),

@@ -1,7 +1,7 @@
 """W8A8 linear vs BF16 micro-benchmark at real model shapes (quasar_hf.bench.kernels), written as JSON + markdown.
 
-python -m scripts.kernel_bench --out benchmarks/ --quick            # this device
-python -m scripts.kernel_bench --device cuda --out results/ --ms 1 16 64
+python -m benchmarks kernels --out benchmarks/ --quick            # this device
+python -m benchmarks kernels --device cuda --out results/ --ms 1 16 64
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from quasar_hf.bench.kernels import MS, SHAPES, run_kernel_benchmark, to_markdow
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m scripts.kernel_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     parser.add_argument("--out", default="benchmarks", help="directory for kernels_<device>.json and .md")
     parser.add_argument("--quick", action="store_true", help="7 samples per point instead of 15")
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not shapes:
         raise SystemExit(f"no shape matches {args.shapes}; labels are {[s[0] for s in SHAPES]}")
     result = run_kernel_benchmark(args.device, shapes, args.ms, args.backends, samples=7 if args.quick else 15)
-    result["command"] = "python -m scripts.kernel_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    result["command"] = "python -m benchmarks kernels " + shlex.join(sys.argv[1:] if argv is None else argv)
     device_type = torch.device(result["environment"]["device"]).type
     out = Path(args.out)
     for path in (

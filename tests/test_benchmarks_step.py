@@ -1,4 +1,4 @@
-"""scripts/verify_step_breakdown.py: the fold toggle, the report and its argument checks (no timing)."""
+"""python -m benchmarks step: the fold toggle, the report and its argument checks (no timing)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
+from benchmarks import step as breakdown
 from quasar_hf import QuasarConfig
 from quasar_hf.ops import cpu_fused
-from tests.tiny_models import load_script, save_tiny
-
-breakdown = load_script("verify_step_breakdown")
+from tests.tiny_models import save_tiny
 
 
 def row(threads, tokens, step):
@@ -23,7 +22,7 @@ def row(threads, tokens, step):
 
 def report() -> dict:
     return {
-        "command": "python scripts/verify_step_breakdown.py --quantized X",
+        "command": "python python -m benchmarks step --quantized X",
         "environment": {"cpu": "test cpu", "git_commit": "abc"},
         "load_average_end": [0.1, 0.2, 0.3],
         "cache_tokens": 300,

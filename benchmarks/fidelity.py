@@ -1,9 +1,9 @@
 """W8A8 vs BF16 fidelity of QuasarConfig variants on one model: perplexity, top-1 agreement, KL, quantize time.
 
-    python scripts/fidelity_models.py --model smollm2 --name fidelity_smollm2
-    python scripts/fidelity_models.py --model ~/.cache/quasar_hf/Qwen2.5-Coder-0.5B-Instruct-bf16 \
+    python -m benchmarks fidelity --model smollm2 --name fidelity_smollm2
+    python -m benchmarks fidelity --model ~/.cache/quasar_hf/Qwen2.5-Coder-0.5B-Instruct-bf16 \
         --variants 'default={}' 'rows2048={"calibration_sample_rows": 2048}' --name fidelity_qwen
-    python scripts/fidelity_models.py --model qwen --eval-blocks 200 --saved default=CKPT --record --name fid_qwen
+    python -m benchmarks fidelity --model qwen --eval-blocks 200 --saved default=CKPT --record --name fid_qwen
 
 Each variant is `label=<JSON of QuasarConfig overrides>`; the model is quantized on load
 (`from_pretrained(..., quantization_config=QuasarConfig(**overrides))`, on the built-in
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--out", default="benchmarks")
     parser.add_argument("--name", required=True)
     args = parser.parse_args(argv)
-    command = "python scripts/fidelity_models.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    command = "python -m benchmarks fidelity " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     if args.merge:
         return merge_reports(args.merge, args.out, args.name, args.note)
     if args.record and not args.saved:

@@ -1,6 +1,6 @@
 """Quantization cost and verify-step time at real Llama sizes, on random-weight checkpoints.
 
-    python scripts/scaling_run.py --shapes llama-3.2-1b,llama-3.2-3b,llama-3.1-8b --out benchmarks/scaling_cpu.json
+    python -m benchmarks scaling --shapes llama-3.2-1b,llama-3.2-3b,llama-3.1-8b --out benchmarks/scaling_cpu.json
 
 For each shape (the real configs of Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B, written below as
 data): builds a BF16 safetensors checkpoint with random weights one shard at a time (never two
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         from quasar_hf.models import smollm2_135m_instruct
 
         args.tokenizer = smollm2_135m_instruct()
-    report = {"command": "python scripts/scaling_run.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    report = {"command": "python -m benchmarks scaling " + " ".join(argv if argv is not None else sys.argv[1:])}
     report["environment"] = environment()
     report["results"] = {}
     for shape in shapes:

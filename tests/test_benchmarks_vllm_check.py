@@ -7,9 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.tiny_models import load_script
-
-vllm_check = load_script("vllm_check")
+from benchmarks import vllm_check
 
 
 def test_first_difference_and_compare():

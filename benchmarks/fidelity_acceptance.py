@@ -1,6 +1,6 @@
 """W8A8 vs BF16 (and both vs FP32) fidelity on held-out text plus the acceptance comparison; writes reports.
 
-python -m scripts.fidelity_report --out benchmarks --name fidelity_cpu
+python -m benchmarks fidelity-acceptance --out benchmarks --name fidelity_cpu
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     from quasar_hf.bench.runner import load_bench_models
     from quasar_hf.bench.suites import load_suites, render_prompt
 
-    parser = argparse.ArgumentParser(prog="python -m scripts.fidelity_report", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks fidelity-acceptance", description=main.__doc__)
     parser.add_argument("--model", default=None, help="checkpoint (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--quantized", default=None, help="saved Quasar checkpoint (default: quantize now)")
     parser.add_argument("--seq-len", type=int, default=256)
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--out", default="benchmarks")
     parser.add_argument("--name", default="fidelity_cpu")
     args = parser.parse_args(argv)
-    command = "python -m scripts.fidelity_report " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "python -m benchmarks fidelity-acceptance " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     reference, quantized, tokenizer, info = load_bench_models(args.model, args.quantized)
     prompts = [torch.tensor([render_prompt(it, tokenizer)]) for it in load_suites(args.suites, args.limit_per_suite)]
     result = {

@@ -1,7 +1,7 @@
 """Serve the compressed-tensors export in vLLM and compare its greedy output with Transformers'.
 
-    python -m scripts.vllm_check --checkpoint QUASAR_DIR --out DIR     # CUDA machine with vLLM
-    python -m scripts.vllm_check --tiny --out DIR                      # anywhere: export + skip report
+    python -m benchmarks vllm-check --checkpoint QUASAR_DIR --out DIR     # CUDA machine with vLLM
+    python -m benchmarks vllm-check --tiny --out DIR                      # anywhere: export + skip report
 
 Steps: load the Quasar W8A8 checkpoint, export it (`quasar_hf.export.export_compressed_tensors`),
 greedy-decode the prompts with Transformers on the Quasar model (`generate(quasar=...)`, n-gram

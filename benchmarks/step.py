@@ -13,13 +13,14 @@ measured side by side. Without --quantized, SmolLM2-135M is quantized with Quasa
 forward of the same token counts over a 300-token cache in the same process, against its own
 floor (GGUF bytes / the same read bandwidth): the step a CPU user would otherwise run.
 
-    python scripts/verify_step_breakdown.py [--quantized DIR] [--out benchmarks/verify_step_breakdown_cpu.json]
+    python -m benchmarks step [--quantized DIR] [--out benchmarks/verify_step_breakdown_cpu.json]
 """
 
 import argparse
 import importlib.metadata
 import json
 import os
+import sys
 import time
 
 import torch
@@ -96,13 +97,13 @@ def llamacpp_steps(gguf: str, thread_counts: list[int], steps: int, floor_ms: fl
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quantized", default=None, help="a saved Quasar checkpoint (default: quantize now)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/verify_step_breakdown_cpu.json")
     parser.add_argument("--gguf", default=None, help="a Q8_0 GGUF of the same checkpoint: time llama.cpp's step too")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.gguf and not os.path.isfile(args.gguf):
         raise SystemExit(f"--gguf {args.gguf}: no such file (convert the checkpoint first: bench/llamacpp_peer.py)")
     model = (
@@ -177,7 +178,7 @@ def main() -> None:
     from quasar_hf.bench.report import environment
 
     result = {
-        "command": "python scripts/verify_step_breakdown.py " + " ".join(os.sys.argv[1:]),
+        "command": "python -m benchmarks step " + " ".join(sys.argv[1:] if argv is None else argv),
         "environment": environment(),
         "load_average_end": os.getloadavg(),
         "torch_threads": threads,

@@ -1,4 +1,4 @@
-"""scripts/fidelity_models.py: variant parsing and merging reports of one model (no model runs)."""
+"""`python -m benchmarks fidelity` (benchmarks/fidelity.py): variant parsing and merging reports of one model (no model runs)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny_models import load_script
 
 
 def _script():
-    return load_script("fidelity_models")
+    from benchmarks import fidelity
+
+    return fidelity
 
 
 def _report(code: str, ppl: float = 10.0) -> dict:

@@ -1,15 +1,17 @@
-"""scripts/scaling_run.py end to end on a tiny shape: checkpoint built, quantized, verify step timed."""
+"""`python -m benchmarks scaling` (benchmarks/scaling.py) end to end on a tiny shape: checkpoint built, quantized, verify step timed."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from tiny_models import char_tokenizer, load_script
+from tiny_models import char_tokenizer
 
 
 def _load_script():
-    return load_script("scaling_run")
+    from benchmarks import scaling
+
+    return scaling
 
 
 def test_real_shapes_are_the_published_configs() -> None:

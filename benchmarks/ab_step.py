@@ -5,7 +5,7 @@ forwards over a 300-token cache (RowAlignedCache, as the speculative loop runs t
 threads and with one. Writes JSON (every batch, the environment) and a table of per-row medians
 and minima.
 
-    python scripts/ab_verify_step.py --a /path/to/before --b . --quantized DIR [--rounds 8] [--steps 20]
+    python -m benchmarks ab-step --a /path/to/before --b . --quantized DIR [--rounds 8] [--steps 20]
         --out benchmarks/NAME.json
 """
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
         worker.stdin.close()
         worker.wait()
     report = {
-        "command": "python scripts/ab_verify_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks ab-step " + " ".join(argv if argv is not None else sys.argv[1:]),
         "quantized": args.quantized,
         "environment": {
             "cpu": cpu_name(),

@@ -1,0 +1,57 @@
+"""`python -m benchmarks <measurement> [options]`: dispatch to one measurement's own `main(argv)`.
+
+`python -m benchmarks` (or `--help`) lists the measurements; `python -m benchmarks NAME --help`
+shows that measurement's options.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module:function taking argv, what it measures)
+MEASUREMENTS: dict[str, tuple[str, str]] = {
+    "step": ("benchmarks.step:main", "where a decode / verify step's time goes, against its bytes floor"),
+    "ab-step": ("benchmarks.ab_step:main", "two source trees' steps alternated batch by batch (a code change as a ratio)"),
+    "scaling": ("benchmarks.scaling:main", "quantize cost and step time at real Llama sizes (random weights)"),
+    "drafters": ("benchmarks.drafters:main", "drafters compared on a real checkpoint, grounded and open prompts"),
+    "fidelity": ("benchmarks.fidelity:main", "W8A8 vs BF16 perplexity, top-1 and KL of QuasarConfig variants on one model"),
+    "fidelity-acceptance": (
+        "benchmarks.fidelity_acceptance:main",
+        "W8A8 vs BF16 vs FP32 fidelity plus acceptance length on the embedded model",
+    ),
+    "kernels": ("benchmarks.kernels:main", "W8A8 linear vs BF16 micro-benchmark at real model shapes"),
+    "per-layer": ("quasar_hf.bench.per_layer:per_layer_main", "W8A8 error per decoder linear: weight-only, activation-only"),
+    "humaneval": ("quasar_hf.eval.humaneval:main", "HumanEval pass@1: unquantized vs W8A8 vs W8A8 with Quasar decoding"),
+    "gpu-check": ("benchmarks.gpu_check:main", "one-call GPU check: kernels, verify step, end to end (--tiny on CPU)"),
+    "vllm-check": ("benchmarks.vllm_check:main", "serve the compressed-tensors export in vLLM and compare its greedy output"),
+}
+
+
+def usage() -> str:
+    width = max(len(name) for name in MEASUREMENTS)
+    rows = [f"  {name:<{width}}  {about}" for name, (_, about) in MEASUREMENTS.items()]
+    return "usage: python -m benchmarks MEASUREMENT [options]   (MEASUREMENT --help for its options)\n\n" + "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in MEASUREMENTS:
+        print(f"python -m benchmarks: error: unknown measurement {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module_name, function = MEASUREMENTS[name][0].split(":")
+    entry = getattr(importlib.import_module(module_name), function)
+    result = entry(rest)
+    if isinstance(result, int):  # an exit status
+        return result
+    if isinstance(result, list):  # the report files it wrote
+        print("\n".join(str(path) for path in result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
