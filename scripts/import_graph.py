@@ -1,9 +1,12 @@
-"""Print the import graph between quasar_hf's subpackages and fail on an upward edge.
+"""Print the import graph between quasar_hf's subpackages; fail on an upward edge or an import cycle.
 
 Layers, lowest first: a module may import its own layer and the layers below it, never above.
+Within and across subpackages, no file may import itself through other files (a cycle of modules).
 Every import counts, including imports inside functions (they are dependencies all the same).
+`from package import name` is an edge to the submodule `package.name` when that is a module, else
+to the package's `__init__`.
 
-    python -m scripts.import_graph            # the edges, the layer picture; exit 1 on an upward edge
+    python -m scripts.import_graph            # the edges, the layer picture; exit 1 on either fault
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # Lowest first; units in one layer may import each other. "__init__" is the package's public
 # facade (`from quasar_hf import QuasarConfig`), at the application layer with the CLI and the bench.
 LAYERS: list[tuple[str, ...]] = [
-    ("compat", "locking", "atomic_folder"),
+    ("compat", "locking", "atomic_folder", "detect"),
     ("ops",),
     ("nn",),
-    ("smoothquant", "speculative"),
+    ("smoothquant", "speculative", "hub"),
+    ("self_draft",),
     ("hf",),
     ("models", "export"),
     ("bench", "eval", "commands", "cli", "__init__"),
@@ -43,6 +47,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def is_module(name: str) -> bool:
+    """Whether dotted `name` ('quasar_hf.ops.dispatch') is a module or package file of quasar_hf."""
+    relative = Path(*name.split(".")[1:]) if "." in name else Path()
+    return (ROOT / relative / "__init__.py").is_file() or (ROOT / relative).with_suffix(".py").is_file()
+
+
 def imported_modules(path: Path) -> set[str]:
     """quasar_hf modules imported by the file at `path` (absolute and relative imports)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
@@ -61,13 +71,73 @@ def imported_modules(path: Path) -> set[str]:
                 target = node.module or ""
             if target.split(".")[0] != PACKAGE:
                 continue
-            if target == PACKAGE:  # `from quasar_hf import compat` names a unit; `import QuasarConfig` the facade
-                for alias in node.names:
-                    is_unit = (ROOT / alias.name).is_dir() or (ROOT / f"{alias.name}.py").is_file()
-                    found.add(f"{PACKAGE}.{alias.name}" if is_unit else PACKAGE)
-            else:
-                found.add(target)
+            for alias in node.names:  # `from quasar_hf.ops import dispatch` names a module; `import w8a8_linear` the package
+                found.add(f"{target}.{alias.name}" if is_module(f"{target}.{alias.name}") else target)
     return found
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the quasar_hf modules it imports (itself left out)."""
+    graph = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        if "optimum_namespace" not in path.parts:
+            graph[module_name(path)] = set()
+    for path in sorted(ROOT.rglob("*.py")):
+        if "optimum_namespace" in path.parts:
+            continue
+        this = module_name(path)
+        for target in imported_modules(path):
+            while target not in graph and "." in target:  # `import quasar_hf.ops.dispatch.x` -> the file it names
+                target = target.rsplit(".", 1)[0]
+            if target in graph and target != this:
+                graph[this].add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of two or more modules that import each other through a cycle (Tarjan's strongly
+    connected components, iterative), each sorted, the list sorted."""
+    index: dict[str, int] = {}
+    lowlink: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = lowlink[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            advanced = False
+            for target in targets:
+                if target not in index:
+                    index[target] = lowlink[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph.get(target, ())))))
+                    advanced = True
+                    break
+                if target in on_stack:
+                    lowlink[node] = min(lowlink[node], index[target])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                lowlink[work[-1][0]] = min(lowlink[work[-1][0]], lowlink[node])
+            if lowlink[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return sorted(cycles)
 
 
 def edges() -> dict[tuple[str, str], list[str]]:
@@ -113,10 +183,14 @@ def main() -> int:
     bad = upward_edges(graph)
     for unit in unknown:
         bad.append(f"{unit}: not placed in any layer (add it to LAYERS in scripts/import_graph.py)")
+    cycles = import_cycles(module_graph())
     if bad:
         print("upward edges:\n  " + "\n  ".join(bad))
+    if cycles:
+        print("import cycles (modules that import each other):\n  " + "\n  ".join(" <-> ".join(c) for c in cycles))
+    if bad or cycles:
         return 1
-    print("no upward edges")
+    print("no upward edges, no import cycles")
     return 0
 
 

@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-Generate = Callable[[torch.Tensor, int], tuple[list[int], dict]]
+from quasar_hf.bench.variants import Generate
 
 LLAMACPP_PEERS = ("llamacpp_q8_0", "llamacpp_q8_0_lookup")
 INSTALL_HELP = (

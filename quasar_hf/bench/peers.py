@@ -19,14 +19,11 @@ from __future__ import annotations
 import copy
 import importlib.metadata
 import os
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from quasar_hf.bench.llamacpp_peer import LLAMACPP_PEERS, build_llamacpp_variants, llamacpp_version
-
-Generate = Callable[[torch.Tensor, int], tuple[list[int], dict]]
+from quasar_hf.bench.variants import Generate, greedy_generate
 
 TORCHAO_PEERS = ("ao_w8a8", "ao_w8a8_prompt_lookup")
 # peer -> the variant whose greedy tokens it must reproduce (its own plain greedy decoding)
@@ -98,13 +95,6 @@ def torchao_w8a8_model(reference_model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _greedy(model: torch.nn.Module, **extra: Any) -> Generate:
-    """Plain greedy `model.generate` (extra kwargs select e.g. prompt lookup), as the runner's variants call it."""
-    from quasar_hf.bench.runner import _hf_generate
-
-    return _hf_generate(model, **extra)
-
-
 def build_peer_variants(
     names: tuple[str, ...] | list[str], reference_model: torch.nn.Module, num_draft_tokens: int = 5, gguf: str | None = None
 ) -> dict[str, Generate]:
@@ -122,8 +112,10 @@ def build_peer_variants(
         raise ValueError(f"variants {missing} need torchao, which does not import here: {INSTALL_HELP['torchao']}")
     model = torchao_w8a8_model(reference_model)
     builders = {
-        "ao_w8a8": lambda: _greedy(model),
-        "ao_w8a8_prompt_lookup": lambda: _greedy(model, prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=3),
+        "ao_w8a8": lambda: greedy_generate(model),
+        "ao_w8a8_prompt_lookup": lambda: greedy_generate(
+            model, prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=3
+        ),
     }
     return variants | {name: builders[name]() for name in wanted}
 

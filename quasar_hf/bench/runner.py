@@ -34,11 +34,10 @@ from quasar_hf.bench.summary import (  # re-exported: part of the runner's resul
     summarize_variant,
 )
 from quasar_hf.bench.timing import timed
+from quasar_hf.bench.variants import Generate, greedy_generate
 from quasar_hf.speculative.attention import rowstable_attention_for
 
 DEFAULT_VARIANTS = ("bf16_generate", "bf16_prompt_lookup", "bf16_verify_ngram", "quasar_ngram")
-
-Generate = Callable[[torch.Tensor, int], tuple[list[int], dict]]
 
 
 # ---------------------------------------------------------------- peak memory
@@ -77,23 +76,6 @@ class PeakMemory:
             self.peak_bytes = None
 
 
-def _hf_generate(model: torch.nn.Module, **extra: Any) -> Generate:
-    """A variant that calls `model.generate` greedily (extra kwargs select e.g. prompt lookup)."""
-
-    def run(input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], dict]:
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=model.generation_config.eos_token_id or 0,
-            **extra,
-        )
-        return out[0, input_ids.shape[1] :].tolist(), {}
-
-    return run
-
-
 def _speculative(model: torch.nn.Module, drafter: str, num_draft_tokens: int) -> Generate:
     """A variant running the speculative loop with `model` as the verifier.
 
@@ -119,13 +101,15 @@ def build_variants(
     variants: dict[str, Generate] = build_peer_variants(names, reference_model, num_draft_tokens, gguf)
     for name in [n for n in names if n not in variants]:
         if name == "bf16_generate":
-            variants[name] = _hf_generate(reference_model)
+            variants[name] = greedy_generate(reference_model)
         elif name == "bf16_prompt_lookup":
-            variants[name] = _hf_generate(reference_model, prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=3)
+            variants[name] = greedy_generate(
+                reference_model, prompt_lookup_num_tokens=num_draft_tokens, max_matching_ngram_size=3
+            )
         elif name == "w8a8_generate":
             if quantized_model is None:
                 raise ValueError("variant 'w8a8_generate' needs a quantized_model (a W8A8 copy of the model)")
-            variants[name] = _hf_generate(quantized_model)
+            variants[name] = greedy_generate(quantized_model)
         elif name == "bf16_verify_ngram":
             variants[name] = _speculative(reference_model, "ngram", num_draft_tokens)
         elif name.startswith("quasar_"):

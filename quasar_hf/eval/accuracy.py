@@ -14,9 +14,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .report import recovery_pct
-
 ACCURACY_KEY = "accuracy"
+
+
+def recovery_pct(quantized: float | None, reference: float | None) -> float | None:
+    """100 * quantized / reference (the quantized-model cards' "recovery"); None when undefined."""
+    if quantized is None or reference is None or reference == 0:
+        return None
+    return 100.0 * quantized / reference
 
 
 def accuracy_rows(result: dict[str, Any] | str | os.PathLike) -> list[dict[str, Any]]:
@@ -65,7 +70,7 @@ def merge_rows(existing: list[dict[str, Any]], new: list[dict[str, Any]]) -> lis
 
 def record_accuracy(folder: str | os.PathLike, result: dict[str, Any] | str | os.PathLike) -> Path:
     """Merge the result's rows into the checkpoint's measured accuracy and refresh its model card."""
-    from quasar_hf.hf.model_card import record_measurements
+    from quasar_hf.hub.model_card import record_measurements
 
     config = json.loads((Path(folder) / "config.json").read_text())
     measured = (config.get("quantization_config") or {}).get("measured") or {}

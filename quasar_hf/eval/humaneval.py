@@ -16,8 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .accuracy import recovery_pct
 from .loading import add_quantize_arguments
-from .report import environment, publish, recovery_pct
+from .report import environment, publish
 from .sandbox import PASSED, run_python
 
 # Completion mode: the model continues the function body; these end it (standard HumanEval stops).
@@ -276,6 +277,6 @@ def main(argv: list[str] | None = None) -> int:
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )
     result["settings"]["dtype"] = args.dtype
-    result["command"] = " ".join(["python", "python -m benchmarks humaneval", *(sys.argv[1:] if argv is None else argv)])
+    result["command"] = " ".join(["python -m benchmarks humaneval", *(sys.argv[1:] if argv is None else argv)])
     publish(result, to_markdown(result), args.out, args.name, pair.quantized_path if args.record else None, "pass@1")
     return 0

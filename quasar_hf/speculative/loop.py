@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .config import QuasarGenerationConfig
 from .drafters import Drafter, DraftSetup
 from .kv_state import RowAlignedCache
 from .stats import QuasarStats
@@ -43,47 +41,6 @@ class PreparedGeneration:
     stopping_criteria: StoppingCriteriaList
     pad_token_id: int | None
     max_length: int
-
-
-def speculative_generate(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    *,
-    generation_config: GenerationConfig | None = None,
-    quasar_config: QuasarGenerationConfig | dict | bool | None = None,
-    logits_processor: LogitsProcessorList | None = None,
-    stopping_criteria: StoppingCriteriaList | None = None,
-    streamer: Any = None,
-    tokenizer: Any = None,
-    generator: torch.Generator | None = None,
-    **generate_kwargs: Any,
-) -> torch.Tensor | QuasarGenerateOutput:
-    """Speculative generation with `model` as the verifier; returns what `model.generate` returns.
-
-    input_ids [B, T] (left-padded when B > 1, with attention_mask); generation options go in
-    `generation_config` and/or keyword arguments exactly as for `generate` (max_new_tokens,
-    do_sample, temperature, top_k, top_p, repetition_penalty, eos_token_id, pad_token_id,
-    stop_strings + tokenizer, return_dict_in_generate, ...). `quasar_config` chooses the drafter.
-    `generator` seeds the acceptance and sampling randomness (None: torch's global RNG).
-    Runs `generate` with the Quasar strategy (quasar_hf.speculative.strategy).
-    """
-    from .strategy import generate_with_quasar
-
-    if attention_mask is not None:
-        generate_kwargs["attention_mask"] = attention_mask
-    return generate_with_quasar(
-        model,
-        input_ids,
-        generation_config=generation_config,
-        logits_processor=logits_processor,
-        stopping_criteria=stopping_criteria,
-        streamer=streamer,
-        quasar=quasar_config,
-        quasar_generator=generator,
-        tokenizer=tokenizer,
-        **generate_kwargs,
-    )
 
 
 class SpeculativeRun:
@@ -144,7 +101,7 @@ class SpeculativeRun:
             num_accepted, next_token = speculative_sample_accept(draft.tokens, draft.probs, probs, self.generator, draft.lengths)
         else:
             num_accepted, next_token = greedy_accept(draft.tokens, scores, draft.lengths)
-        self.verifier.keep_appended(num_accepted + 1, k + 1)  # pending token + accepted drafts
+        self.verifier.keep_accepted(num_accepted + 1, k + 1)  # pending token + accepted drafts
         self.drafter.on_accept(num_accepted)
         accepted_list = num_accepted.tolist()
         emitted, finished = [], []

@@ -98,7 +98,7 @@ def run_prepared(
         max_length=int(generation_config.max_length),
     )
     drafter = make_drafter(model, quasar_config)
-    with verification_attention(model, quasar_config.shape_stable_attention) as verify_kwargs:
+    with verification_attention(model, quasar_config.rowstable_attention) as verify_kwargs:
         sequences, stats = SpeculativeRun(model, prepared, drafter, streamer, generator, verify_kwargs).run()
     if generation_config.return_dict_in_generate:
         return QuasarGenerateOutput(sequences=sequences, quasar_stats=stats)
@@ -248,3 +248,42 @@ def _stop_strings_as_criterion(
         raise ValueError("stop_strings needs the model's tokenizer: pass tokenizer=... to generate (as plain generate requires).")
     criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
     return generation_config, StoppingCriteriaList([*(stopping_criteria or []), criterion])
+
+
+def speculative_generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    generation_config: GenerationConfig | None = None,
+    quasar_config: QuasarGenerationConfig | dict | bool | None = None,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    streamer: Any = None,
+    tokenizer: Any = None,
+    generator: torch.Generator | None = None,
+    **generate_kwargs: Any,
+) -> torch.Tensor | QuasarGenerateOutput:
+    """Speculative generation with `model` as the verifier; returns what `model.generate` returns.
+
+    input_ids [B, T] (left-padded when B > 1, with attention_mask); generation options go in
+    `generation_config` and/or keyword arguments exactly as for `generate` (max_new_tokens,
+    do_sample, temperature, top_k, top_p, repetition_penalty, eos_token_id, pad_token_id,
+    stop_strings + tokenizer, return_dict_in_generate, ...). `quasar_config` chooses the drafter.
+    `generator` seeds the acceptance and sampling randomness (None: torch's global RNG).
+    Runs `generate` with the Quasar strategy (quasar_hf.speculative.strategy).
+    """
+    if attention_mask is not None:
+        generate_kwargs["attention_mask"] = attention_mask
+    return generate_with_quasar(
+        model,
+        input_ids,
+        generation_config=generation_config,
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
+        streamer=streamer,
+        quasar=quasar_config,
+        quasar_generator=generator,
+        tokenizer=tokenizer,
+        **generate_kwargs,
+    )
