@@ -43,7 +43,7 @@ with torch.no_grad():
                     start = time.perf_counter()
                     for _ in range(steps if timed else 1):
                         state.forward(torch.randint(0, vocab, (1, tokens)))
-                        state.keep_appended(torch.tensor([0]), tokens)  # back to the same cache length
+                        state.keep_accepted(torch.tensor([0]), tokens)  # back to the same cache length
                 rows[f"{count}x{tokens}"] = (time.perf_counter() - start) / steps * 1e3
         torch.set_num_threads(threads)
         print(json.dumps({"rows": rows}), flush=True)

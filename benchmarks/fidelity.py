@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import quasar_hf
 from quasar_hf import QuasarConfig
 from quasar_hf.bench.fidelity import finalize_sums, next_token_sums, perplexity_ratio_interval
-from quasar_hf.hf.model_card import record_measurements
+from quasar_hf.hub.model_card import record_measurements
 from quasar_hf.smoothquant.data import build_calibration_blocks, builtin_texts
 
 ALIASES = {
@@ -55,7 +55,7 @@ def resolve_model(name: str | None) -> str:
 
 
 def card_measurements(row: dict, evaluation: str) -> dict:
-    """The fidelity entries of a model card (quasar_hf.hf.model_card.FIDELITY_LABELS) from one result row."""
+    """The fidelity entries of a model card (quasar_hf.hub.model_card.FIDELITY_LABELS) from one result row."""
     low, high = row["perplexity_ratio_ci95"]
     return {
         "perplexity": round(row["perplexity_model"], 4),

@@ -9,7 +9,7 @@ results are rewritten to DIR/gpu_check.json and .md after every section):
   bandwidth     measured device copy bandwidth (the floor's denominator)
   correctness   every available W8A8 backend vs ops.reference at decode / verify / prefill shapes
   kernels       W8A8 linear vs BF16 linear (cuBLAS), per backend, M in 1..64, 8B shapes, GB/s
-                (`quasar_hf.bench.kernels.run_kernel_benchmark`, the ops helper's micro-benchmark)
+                (`benchmarks.kernels.run_kernel_benchmark`, the ops helper's micro-benchmark)
   verify        verify-step latency of a random Qwen3-8B-shaped model, BF16 vs W8A8, 1..8 draft tokens
   end_to_end    tokens/s with n-gram drafts: BF16 generate, BF16-verify loop, Quasar (W8A8) loop
   targets       the H200 acceptance targets, checked against the numbers above (report, not assert)
@@ -31,7 +31,7 @@ import torch
 
 from quasar_hf.bench.timing import median_time, sync
 
-TINY_SHAPES = [("tiny.up 128x256", 128, 256), ("tiny.down 256x128", 256, 128)]  # (label, K, N) as bench.kernels
+TINY_SHAPES = [("tiny.up 128x256", 128, 256), ("tiny.down 256x128", 256, 128)]  # (label, K, N) as benchmarks.kernels
 QWEN3_8B = dict(
     hidden_size=4096,
     intermediate_size=12288,
@@ -66,8 +66,8 @@ class Budget:
 
 # ---------------------------------------------------------------- sections: bandwidth, correctness, kernels
 def measure_copy_bandwidth(device: str, tiny: bool) -> dict:
-    """Device copy bandwidth in GB/s (bytes read + written), as `bench.kernels` measures it."""
-    from quasar_hf.bench.kernels import measure_copy_bandwidth as copy_gbps
+    """Device copy bandwidth in GB/s (bytes read + written), as `benchmarks.kernels` measures it."""
+    from benchmarks.kernels import measure_copy_bandwidth as copy_gbps
 
     mebibytes = 64 if tiny else 2048
     return {"mebibytes": mebibytes, "gbps": copy_gbps(torch.device(device), mebibytes, samples=5 if tiny else 20)}
@@ -114,8 +114,8 @@ def check_correctness(device: str, tiny: bool, backends: list[str]) -> list[dict
 
 
 def bench_kernels(device: str, tiny: bool, backends: list[str], copy_gbps: float, budget: Budget) -> list[dict]:
-    """`bench.kernels.run_kernel_benchmark` shape by shape (so the budget is checked between shapes)."""
-    from quasar_hf.bench.kernels import SHAPES, run_kernel_benchmark
+    """`benchmarks.kernels.run_kernel_benchmark` shape by shape (so the budget is checked between shapes)."""
+    from benchmarks.kernels import SHAPES, run_kernel_benchmark
 
     rows: list[dict] = []
     for shape in TINY_SHAPES if tiny else SHAPES:
@@ -147,7 +147,7 @@ def build_model(device: str, tiny: bool) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     from quasar_hf.ops.rowstable_attention import use_rowstable_attention
 
-    use_rowstable_attention(model)  # what Quasar models run: exact verification without row-wise calls
+    use_rowstable_attention(model)  # what Quasar models run: exact verification without row-by-row calls
     return model.eval()
 
 
@@ -233,7 +233,7 @@ def ngram_prompt(vocab: int, device: str, tiny: bool) -> torch.Tensor:
 def end_to_end(model: torch.nn.Module, variants: list[str], device: str, tiny: bool) -> dict:
     """tokens/s (median of repeats) and L for the given variants on one n-gram-friendly prompt."""
     from quasar_hf.bench.fidelity import aggregate_stats, speculative_tokens
-    from quasar_hf.bench.runner import _hf_generate
+    from quasar_hf.bench.variants import greedy_generate
 
     prompt = ngram_prompt(model.config.vocab_size, device, tiny)
     max_new = 16 if tiny else 128
@@ -244,7 +244,7 @@ def end_to_end(model: torch.nn.Module, variants: list[str], device: str, tiny: b
             sync(device)
             start = time.perf_counter()
             if name == "bf16_generate":
-                tokens, stats = _hf_generate(model)(prompt, max_new)
+                tokens, stats = greedy_generate(model)(prompt, max_new)
             else:
                 tokens, stats = speculative_tokens(model, prompt, max_new, "ngram", 5)
             sync(device)

@@ -27,9 +27,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import quasar_hf  # noqa: F401
+from benchmarks.kernels import measure_copy_bandwidth, measure_read_bandwidth
 from quasar_hf import QuasarConfig
-from quasar_hf.bench.kernels import measure_copy_bandwidth, measure_read_bandwidth
-from quasar_hf.hf.integration import fold_norms, unfold_norms
+from quasar_hf.hf.quantize_on_load import fold_norms, unfold_norms
 from quasar_hf.models import smollm2_135m_instruct
 from quasar_hf.nn import FoldedRMSNorm, W8A8Linear
 from quasar_hf.ops import attention_cpu
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         for _ in range(steps):
             state.forward(torch.randint(0, model.config.vocab_size, (1, tokens)))
-            state.keep_appended(torch.tensor([0]), tokens)  # back to the same 300-token cache
+            state.keep_accepted(torch.tensor([0]), tokens)  # back to the same 300-token cache
         parts = {"w8a8_linears_ms": linears.seconds, "attention_ms": attention.seconds, "lm_head_ms": lm_head.seconds}
         return {"seconds": time.perf_counter() - start, **parts}
 

@@ -85,7 +85,7 @@ def test_auto_greedy_equals_plain_greedy(models, name, policy):
 def test_calibration_prior_starts_the_model_policy_and_a_losing_path_is_left_out(models, monkeypatch):
     model = models["reduced"]
     drafter = auto_factory(model, QuasarGenerationConfig(drafter="auto"))
-    prior = drafter.model_drafter.policy_prior
+    prior = drafter.model_drafter.calibration_prediction
     assert prior["acceptance"] == PAYING_AGREEMENT and prior["predicted_speedup"] > 1
     assert drafter.model_policy.warmup_steps == 1 and drafter.model_policy.length == prior["draft_tokens"]
     assert drafter.model_policy.acceptance == pytest.approx(PAYING_AGREEMENT)

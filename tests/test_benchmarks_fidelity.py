@@ -73,7 +73,7 @@ def test_saved_checkpoint_argument_names_the_fix(tmp_path: Path) -> None:
 
 
 def test_card_measurements_use_the_model_card_labels() -> None:
-    from quasar_hf.hf.model_card import FIDELITY_LABELS
+    from quasar_hf.hub.model_card import FIDELITY_LABELS
 
     row = {**_report("x")["results"][0], "perplexity_reference": 10.0, "tokens_evaluated": 511}
     row["perplexity_ratio_ci95"] = [0.99, 1.03]

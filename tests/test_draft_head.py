@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig, QuasarGenerationConfig
-from quasar_hf.hf.draft_head import (
+from quasar_hf.self_draft.head import (
     ReducedVocabLogits,
     draft_bytes_per_token,
     head_token_ids,

@@ -7,9 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig
-from quasar_hf.hf.draft_path import self_draft_model
-from quasar_hf.hf.draft_search import expected_acceptance_length
 from quasar_hf.nn import RowStableLinear
+from quasar_hf.self_draft.layer_search import expected_acceptance_length
+from quasar_hf.self_draft.path import self_draft_model
 from tests.tiny_models import char_tokenizer
 
 IDS = torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88]])

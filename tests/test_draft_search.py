@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from quasar_hf.hf import draft_search
-from quasar_hf.hf.draft_search import draft_byte_ratio, layer_bytes, predicted_speedup, select_draft_layers
+from quasar_hf.self_draft import layer_search as draft_search
+from quasar_hf.self_draft.layer_search import draft_byte_ratio, layer_bytes, predicted_speedup, select_draft_layers
 from tests.tiny_models import tiny_model
 
 

@@ -8,7 +8,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 from quasar_hf.eval.accuracy import accuracy_rows, merge_rows, record_accuracy
-from quasar_hf.hf.model_card import render_model_card
+from quasar_hf.hub.model_card import render_model_card
 
 BASE = {"quant_method": "quasar", "bits": 8, "alpha": 0.5, "modules_to_not_convert": ["lm_head"], "version": "1"}
 LM_EVAL_RESULT = {

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from quasar_hf import QuasarConfig, prepare_weights
-from quasar_hf.hf.integration import unfold_norms
+from quasar_hf.hf.quantize_on_load import unfold_norms
 from quasar_hf.nn import FoldedNormOutput, FoldedRMSNorm
 from quasar_hf.ops import cpu_fused, dispatch
 from quasar_hf.ops.reference import (

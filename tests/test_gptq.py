@@ -8,7 +8,7 @@ from test_sequential_calibration import _blocks
 from tiny_models import tiny_model
 
 from quasar_hf import QuasarConfig
-from quasar_hf.hf.integration import find_quantizable_linears
+from quasar_hf.hf.quantize_on_load import find_quantizable_linears
 from quasar_hf.hf.sequential import quantize_layers_sequentially
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.ops.reference import quantize_weight_per_channel

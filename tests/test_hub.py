@@ -11,7 +11,7 @@ from huggingface_hub.utils._http import default_client_factory
 from test_hub_support import HubStandIn, make_tiny_checkpoint, quantize_tiny
 from transformers import AutoModelForCausalLM
 
-from quasar_hf.hf.model_card import FALLBACK_CARD_NAME, is_quasar_card, validate_model_card
+from quasar_hf.hub.model_card import FALLBACK_CARD_NAME, is_quasar_card, validate_model_card
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_card_usage_snippet_runs_as_written(quantized, tmp_path):
 
     from test_hub_support import byte_level_tokenizer
 
-    from quasar_hf.hf.model_card import model_card_for
+    from quasar_hf.hub.model_card import model_card_for
 
     quantized.save_pretrained(tmp_path)
     tokenizer = byte_level_tokenizer()

@@ -10,7 +10,7 @@ import torch
 from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import AutoModelForCausalLM
 
-from quasar_hf.hf.integration import unfold_norms
+from quasar_hf.hf.quantize_on_load import unfold_norms
 from quasar_hf.nn import FoldedRMSNorm
 
 pytest.importorskip("accelerate", reason="device_map needs accelerate")

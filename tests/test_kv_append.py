@@ -52,7 +52,7 @@ def test_decode_verify_and_rollback_match_concatenation(w8a8_model, monkeypatch)
             for s in states:
                 s.logits.append(s.forward(tokens))
                 if keep is not None:
-                    s.keep_appended(keep, n)  # rejected drafts cropped away
+                    s.keep_accepted(keep, n)  # rejected drafts cropped away
             assert torch.equal(states[0].logits[-1], states[1].logits[-1]), f"step {step}"
             assert_same(*states)
 
@@ -70,7 +70,7 @@ def test_rows_with_holes_and_row_selection_match_concatenation(w8a8_model):
             tokens = torch.randint(0, 96, (2, 4), generator=g)
             for s in states:
                 s.last = s.forward(tokens)
-                s.keep_appended(torch.tensor([1 + step % 4, 4]), 4)
+                s.keep_accepted(torch.tensor([1 + step % 4, 4]), 4)
             assert torch.equal(states[0].last, states[1].last)
             assert_same(*states)
         for s in states:

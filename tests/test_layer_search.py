@@ -10,7 +10,7 @@ from test_sequential_calibration import _blocks, _tiny_gemma3
 from tiny_models import tiny_model
 
 from quasar_hf import QuasarConfig
-from quasar_hf.hf.integration import find_quantizable_linears
+from quasar_hf.hf.quantize_on_load import find_quantizable_linears
 from quasar_hf.hf.sequential import active_mappings, quantize_layers_sequentially, smooth_layer, swap_in_w8a8
 from quasar_hf.smoothquant.calibration import CalibrationStats, capture_layer_inputs, recording_linear_inputs, run_layer
 from quasar_hf.smoothquant.layer_search import per_token_relative_error, search_alphas_on_layer_output

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from quasar_hf.hf.model_card import (
+from quasar_hf.hub.model_card import (
     REQUIRED_TAGS,
     is_quasar_card,
     render_model_card,
@@ -121,7 +121,7 @@ def test_rendered_card_passes_the_formatter_ci_runs(has_chat_template, tmp_path)
 
 
 def test_embedded_checkpoint_folders_map_to_their_hub_ids():
-    from quasar_hf.hf.model_card import base_model_from_name
+    from quasar_hf.hub.model_card import base_model_from_name
 
     assert base_model_from_name("/cache/Qwen2.5-Coder-0.5B-Instruct-bf16") == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
     assert base_model_from_name("/cache/gemma-3-270m-bf16") == "google/gemma-3-270m"

@@ -8,7 +8,7 @@ from tiny_models import char_tokenizer, tiny_model
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from quasar_hf import QuasarConfig
-from quasar_hf.hf.integration import find_quantizable_linears, quantize_model
+from quasar_hf.hf.quantize_on_load import find_quantizable_linears, quantize_model
 from quasar_hf.hf.sequential import quantize_layers_sequentially, smooth_layer, swap_in_w8a8
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.smoothquant.calibration import CalibrationStats, capture_layer_inputs, collect_linear_input_stats, run_layer

@@ -32,9 +32,9 @@ def w8a8_model(request, tmp_path_factory):
     return quantized_tiny(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def caches_after(model, prompt, chunks, shape_stable=True):
+def caches_after(model, prompt, chunks, rowstable=True):
     """KV tensors per layer after a prefill and then `chunks` (lists of tokens), each one forward."""
-    with verification_attention(model, shape_stable) as verify_kwargs:
+    with verification_attention(model, rowstable) as verify_kwargs:
         state = RowAlignedCache(model, 1, torch.device("cpu"), verify_kwargs)
         state.forward(prompt)
         for chunk in chunks:
@@ -108,7 +108,7 @@ def test_negative_control_batched_sdpa_verification_changes_the_cache(tmp_path):
         prompt = torch.randint(0, 96, (1, 40), generator=g)
         tokens = torch.randint(0, 96, (12,), generator=g).tolist()
         decoded = caches_after(model, prompt, [[t] for t in tokens])
-        batched = caches_after(model, prompt, [tokens[:6], tokens[6:]], shape_stable=False)
+        batched = caches_after(model, prompt, [tokens[:6], tokens[6:]], rowstable=False)
         try:
             assert_same_caches(decoded, batched)
         except AssertionError:

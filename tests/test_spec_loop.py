@@ -253,6 +253,8 @@ def test_unsupported_options_raise_clear_errors():
         speculative_generate(model, prompt, quasar_config={"drafter": "assistant"}, max_new_tokens=4)
     with pytest.raises(ValueError, match="Unknown quasar option"):
         QuasarGenerationConfig.from_value({"num_draft": 3})
+    with pytest.raises(ValueError, match="Use 'rowstable_attention' for 'shape_stable_attention'"):
+        QuasarGenerationConfig.from_value({"shape_stable_attention": False})
     with pytest.raises(TypeError, match="quasar= takes"):
         QuasarGenerationConfig.from_value("yes")
 
@@ -278,7 +280,7 @@ def test_bound_generate_routes_quasar_models_and_refuses_plain_ones():
 
 
 def test_batched_attention_mode_verifies_the_same_way_and_counts_the_same_steps():
-    """shape_stable_attention=False (one batched attention call per layer): on a float32 model the
+    """rowstable_attention=False (one batched attention call per layer): on a float32 model the
     output still equals plain greedy here, and the drafts/acceptances it records are real."""
     model = tiny_model("llama")
     for seed in range(2):
@@ -290,7 +292,7 @@ def test_batched_attention_mode_verifies_the_same_way_and_counts_the_same_steps(
             max_new_tokens=32,
             do_sample=False,
             return_dict_in_generate=True,
-            quasar_config=QuasarGenerationConfig(shape_stable_attention=False),
+            quasar_config=QuasarGenerationConfig(rowstable_attention=False),
         )
         assert torch.equal(fast.sequences, plain)
         assert fast.quasar_stats.drafted_tokens > 0

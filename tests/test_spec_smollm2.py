@@ -27,7 +27,7 @@ NEW_TOKENS = int(os.environ.get("QUASAR_SPEC_SLOW_TOKENS", "128"))
 # cost most per token, so by default they check fewer prompts; set these to 10 for the full set.
 ASSISTANT_PROMPTS = int(os.environ.get("QUASAR_SPEC_ASSISTANT_PROMPTS", "4"))
 SELF_PROMPTS = int(os.environ.get("QUASAR_SPEC_SELF_PROMPTS", "3"))
-# SDPA with row-wise verification is the fallback path: a smaller sample of the same prompts.
+# SDPA with row-by-row verification is the fallback path: a smaller sample of the same prompts.
 SDPA_PROMPTS = int(os.environ.get("QUASAR_SPEC_SDPA_PROMPTS", "3"))
 
 
@@ -102,12 +102,12 @@ def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
     return None if a.shape[0] == b.shape[0] else n
 
 
-# The default attention in both dtypes; SDPA with row-wise verification (what runs where the
+# The default attention in both dtypes; SDPA with row-by-row verification (what runs where the
 # kernel does not apply) in float32, where equality must be exact.
 @pytest.mark.parametrize(
     "dtype,attention",
     [(torch.float32, "quasar_rowstable"), (torch.bfloat16, "quasar_rowstable"), (torch.float32, "sdpa")],
-    ids=["float32", "bfloat16", "float32-sdpa-rowwise"],
+    ids=["float32", "bfloat16", "float32-sdpa-rowstable"],
 )
 def test_greedy_quasar_equals_plain_w8a8(checkpoint, prompts, dtype, attention):
     model = load(checkpoint, dtype, attention)

@@ -45,7 +45,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     count = len(getattr(qconfig, "quantized_modules", None) or [])
     print(f"quantized {count} linear layers to W8A8 in {time.perf_counter() - start:.1f} s; saved to {args.out}")
     if args.push_to_hub:
-        from quasar_hf.hf.hub import push_quasar_model
+        from quasar_hf.hub.push import push_quasar_model
 
         commit = push_quasar_model(model, args.push_to_hub, tokenizer=tokenizer, token=args.token, private=args.private)
         print(f"pushed to {commit.commit_url}")
@@ -173,7 +173,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             json.dump(result, handle, indent=2, default=str)
         print(f"wrote {args.json}")
     if args.record:
-        from quasar_hf.hf.model_card import record_measurements
+        from quasar_hf.hub.model_card import record_measurements
 
         card = record_measurements(path, fidelity_measurements(result, args))
         print(f"recorded the numbers in {path}/config.json and refreshed {card}")

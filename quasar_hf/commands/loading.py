@@ -103,7 +103,7 @@ def save_quantized(model: Any, tokenizer: Any, out_dir: str, base_model: str | N
     """save_pretrained + tokenizer + our model card (rendered with the tokenizer's chat template)."""
     from quasar_hf.atomic_folder import atomic_folder
     from quasar_hf.hf.binding import save_quasar_files
-    from quasar_hf.hf.model_card import model_card_for, write_model_card
+    from quasar_hf.hub.model_card import model_card_for, write_model_card
 
     with atomic_folder(out_dir) as staging:  # model, tokenizer and card replace the folder in one step
         save_quasar_files(model, staging)  # writes a first card (and warns about a user README)

@@ -22,7 +22,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from transformers import StoppingCriteriaList
 
-from quasar_hf.hf.detect import is_quasar_model
+from quasar_hf.detect import is_quasar_model
 
 from .stopping import RowStopSequences
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from quasar_hf.atomic_folder import atomic_folder
-from quasar_hf.hf.detect import is_quasar_model
+from quasar_hf.detect import is_quasar_model
 from quasar_hf.ops.reference import quantize_weight_per_channel
 
 CT_FORMAT = "int-quantized"

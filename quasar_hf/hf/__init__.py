@@ -5,8 +5,8 @@ from __future__ import annotations
 from quasar_hf.compat import allow_loading_attributes
 from quasar_hf.hf.binding import bind_quasar_methods
 from quasar_hf.hf.config import QuasarConfig
-from quasar_hf.hf.detect import QUANT_METHOD, is_quasar_model
-from quasar_hf.hf.draft_path import register_self_drafter
+from quasar_hf.detect import QUANT_METHOD, is_quasar_model
+from quasar_hf.self_draft import register_self_drafter
 
 
 def register_with_transformers() -> None:

@@ -22,7 +22,7 @@ import warnings
 from typing import Any
 
 from quasar_hf.atomic_folder import atomic_folder
-from quasar_hf.hf.detect import is_quasar_model
+from quasar_hf.detect import is_quasar_model
 
 NOT_QUANTIZED_HELP = (
     "quasar=... needs a Quasar W8A8 model. Quantize it first: "
@@ -90,14 +90,14 @@ def push_to_hub_with_card(self: Any, *args: Any, tokenizer: Any = None, base_mod
     arguments = inspect.signature(original).bind(self, *args, **kwargs).arguments
     arguments.pop("self")
     arguments.update(arguments.pop("kwargs", {}))
-    from quasar_hf.hf.hub import push_quasar_model
+    from quasar_hf.hub.push import push_quasar_model
 
     return push_quasar_model(self, tokenizer=tokenizer, base_model=base_model, **arguments)
 
 
 def save_card(model: Any, save_directory: Any) -> None:
     """Render and write the card; a card failure warns instead of failing an otherwise good save."""
-    from quasar_hf.hf.model_card import model_card_for, write_model_card
+    from quasar_hf.hub.model_card import model_card_for, write_model_card
 
     try:
         write_model_card(save_directory, model_card_for(model))

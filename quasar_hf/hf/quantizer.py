@@ -1,7 +1,7 @@
 """QuasarHfQuantizer: the lifecycle hooks Transformers calls during `from_pretrained`.
 
 This is the only module that implements Transformers' quantizer hooks (they move between 5.x
-releases). The work itself lives in `quasar_hf.hf.integration`; after loading, the model gets the
+releases). The work itself lives in `quasar_hf.hf.quantize_on_load`; after loading, the model gets the
 row-stable attention and lm_head and its Quasar methods (`quasar_hf.hf.binding`).
 """
 
@@ -14,7 +14,7 @@ from transformers.quantizers.base import HfQuantizer
 
 from quasar_hf.hf.binding import bind_quasar_methods
 from quasar_hf.hf.config import QuasarConfig
-from quasar_hf.hf.integration import (
+from quasar_hf.hf.quantize_on_load import (
     fold_norms,
     quantize_model,
     replace_with_w8a8_skeleton,

@@ -32,7 +32,7 @@ def backend_report() -> list[BackendStatus]:
         for name in BACKENDS:
             reason = missing_device or _unavailable_reason(name, device_type)
             rows.append(BackendStatus("w8a8_linear", name, device_type, reason is None, reason, name == auto))
-    # Row-stable attention: the kernel where it runs, else SDPA with row-wise verification.
+    # Row-stable attention: the kernel where it runs, else SDPA with row-by-row verification.
     for device_type, name, reason in (
         ("cpu", "rowstable_cpu", attention_cpu.unavailable_reason()),
         ("cuda", "rowstable_triton", no_cuda or triton_attention.unavailable_reason()),

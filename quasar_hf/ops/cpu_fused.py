@@ -364,7 +364,7 @@ def bind_linear(
             raise MemoryError(f"fused W8A8 kernel could not allocate scratch for {m}x{k} activations")
         return result
 
-    linear.held = _storages(packed, w_scale, bias_c, prescale)
+    linear.kernel_storages = _storages(packed, w_scale, bias_c, prescale)
     return linear
 
 

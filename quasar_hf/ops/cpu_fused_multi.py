@@ -140,5 +140,5 @@ def bind_linear_multi(
             raise MemoryError(f"fused W8A8 kernel could not allocate scratch for {x2.shape[0]}x{k} activations")
         return outs
 
-    linear.held = _storages(*held, prescale)
+    linear.kernel_storages = _storages(*held, prescale)
     return linear

@@ -27,7 +27,7 @@ import torch
 
 from quasar_hf.ops import backends
 from quasar_hf.ops.fallback import warn_fallback_once
-from quasar_hf.ops.validation import validate_w8a8_inputs, validate_weights, x_matches
+from quasar_hf.ops.validation import is_bound_linear_input, validate_w8a8_inputs, validate_weights
 
 __all__ = [
     "AUTO_PREFERENCE",
@@ -63,7 +63,7 @@ class Backend:
     `run` reuses; run_prepacked: `run` for inputs already validated with `packed` from `pack`
     (skips the backend's own checks); bind(weight_q, weight_scale, bias, act_prescale, packed,
     on_bad_x) -> linear(x) (when the backend has a faster bound form than `run`): it checks x as
-    `x_matches` does, calls on_bad_x(x) (which raises) when that fails, and handles empty x.
+    `is_bound_linear_input` does, calls on_bad_x(x) (which raises) when that fails, and handles empty x.
     packed_tensors(packed) / unpack(weight_q, tensors): the packed layout as tensors and back (the
     `quasar::w8a8_linear` op takes tensors). bind_group(weights, norm_scale, packs, norm_eps) ->
     group(x) -> (normed, y_0, y_1, ...): the RMSNorm fold (None: this backend cannot fold);
@@ -230,7 +230,7 @@ def bind_w8a8_linear(
     k, n, device = weight_q.shape[1], weight_q.shape[0], weight_q.device
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        if not x_matches(x, k, device):
+        if not is_bound_linear_input(x, k, device):
             bad_x(x)
         if x.numel() == 0:
             return x.new_zeros(*x.shape[:-1], n)
@@ -316,7 +316,7 @@ def bind_folded_group(
     sizes = [w.shape[0] for w, _, _ in weights]
 
     def checked(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if not x_matches(x, k, device):
+        if not is_bound_linear_input(x, k, device):
             validate_w8a8_inputs(x, *weights[0], None)  # raises the precise error
         if x.numel() == 0:
             return (x.new_zeros(x.shape), *(x.new_zeros(*x.shape[:-1], n) for n in sizes))

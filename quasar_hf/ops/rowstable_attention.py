@@ -14,7 +14,7 @@ Two registered attention implementations:
   applies (CPU float16, a device where the Triton kernel fails its first-use check) and for long
   prefills it is SDPA.
 * `QUASAR_SDPA` ("quasar_sdpa"): plain SDPA, for SDPA models during one speculative call.
-Both take the forward keyword `quasar_rowwise=True` (Transformers passes a forward's extra keyword
+Both take the forward keyword `quasar_rowstable=True` (Transformers passes a forward's extra keyword
 arguments through to the attention function): a multi-token call over a cache that no kernel
 computes then runs SDPA once per query row, on exactly the keys a decode step would see (exact,
 one SDPA call per row). Without it they never split a call.
@@ -30,7 +30,7 @@ from quasar_hf.ops import attention_cpu
 
 QUASAR_ATTENTION = "quasar_rowstable"
 QUASAR_SDPA = "quasar_sdpa"
-ROWWISE_KWARG = "quasar_rowwise"  # forward keyword asking for verification rows equal to decode steps
+ROWSTABLE_KWARG = "quasar_rowstable"  # forward keyword asking for verification rows equal to decode steps
 # A fresh prefill longer than this goes to SDPA (multi-threaded, flash-style): it is the same call
 # in plain and speculative generation, so it needs no row stability, only speed.
 LONG_PREFILL_ROWS = 64
@@ -91,7 +91,7 @@ def _within_sliding_window(visible, query: torch.Tensor, key: torch.Tensor, wind
     return band.expand(batch, q_len, kv_len) if visible is None else visible & band
 
 
-def _rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
+def _sdpa_row_by_row(module, query, key, value, attention_mask, **kwargs):
     """SDPA with query [B, H, q, D] split into q one-row calls, each on the keys its decode step saw."""
     q_len, kv_len = query.shape[2], key.shape[2]
     outputs = []
@@ -107,12 +107,12 @@ def _rowwise_sdpa(module, query, key, value, attention_mask, **kwargs):
     return torch.cat(outputs, dim=1), None
 
 
-def _verifying_over_cache(query: torch.Tensor, key: torch.Tensor, rowwise: bool) -> bool:
-    return rowwise and 1 < query.shape[2] < key.shape[2]
+def _verifying_over_cache(query: torch.Tensor, key: torch.Tensor, rowstable: bool) -> bool:
+    return rowstable and 1 < query.shape[2] < key.shape[2]
 
 
 def rowstable_attention_forward(
-    module, query, key, value, attention_mask, dropout=0.0, scaling=None, quasar_rowwise: bool = False, **kwargs
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, quasar_rowstable: bool = False, **kwargs
 ):
     """QUASAR_ATTENTION: the row-stable kernel where it applies, else SDPA (row by row when verifying)."""
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -120,19 +120,19 @@ def rowstable_attention_forward(
         kernel, visible = _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs)
         if kernel is not None:
             return kernel(query, key, value, visible, scaling), None
-    if _verifying_over_cache(query, key, quasar_rowwise):
-        return _rowwise_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if _verifying_over_cache(query, key, quasar_rowstable):
+        return _sdpa_row_by_row(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def rowwise_sdpa_attention(module, query, key, value, attention_mask, quasar_rowwise: bool = False, **kwargs):
+def rowstable_sdpa_attention(module, query, key, value, attention_mask, quasar_rowstable: bool = False, **kwargs):
     """QUASAR_SDPA: plain SDPA; one call per query row when verifying over a cache."""
-    if _verifying_over_cache(query, key, quasar_rowwise):
-        return _rowwise_sdpa(module, query, key, value, attention_mask, **kwargs)
+    if _verifying_over_cache(query, key, quasar_rowstable):
+        return _sdpa_row_by_row(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-ATTENTION_FUNCTIONS = {QUASAR_ATTENTION: rowstable_attention_forward, QUASAR_SDPA: rowwise_sdpa_attention}
+ATTENTION_FUNCTIONS = {QUASAR_ATTENTION: rowstable_attention_forward, QUASAR_SDPA: rowstable_sdpa_attention}
 
 
 def register_attention() -> None:

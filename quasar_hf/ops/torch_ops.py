@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from quasar_hf.ops import dispatch
-from quasar_hf.ops.validation import validate_w8a8_inputs, x_matches
+from quasar_hf.ops.validation import is_bound_linear_input, validate_w8a8_inputs
 
 _LIB = torch.library.Library("quasar", "DEF")
 _LIB.define(
@@ -39,7 +39,7 @@ _LIB.define("rowstable_attention_triton(Tensor query, Tensor key, Tensor value, 
 
 
 def _w8a8_linear_impl(x, weight_q, weight_scale, bias, act_prescale, packed: list, backend: str) -> torch.Tensor:
-    if not x_matches(x, weight_q.shape[1], weight_q.device):
+    if not is_bound_linear_input(x, weight_q.shape[1], weight_q.device):
         validate_w8a8_inputs(x, weight_q, weight_scale, bias, act_prescale)  # raises the precise error
     if x.numel() == 0:
         return x.new_zeros(*x.shape[:-1], weight_q.shape[0])

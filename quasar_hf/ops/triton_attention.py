@@ -105,7 +105,7 @@ def works_on(device: torch.device) -> bool:
         )
         out = _rowstable_attention_triton(q.to(device), k.to(device), v.to(device), None, 0.25).cpu()
         return bool(torch.allclose(out, attention_reference(q, k, v, None, 0.25).float(), rtol=1e-4, atol=1e-5))
-    except Exception:  # noqa: BLE001 - any failure means: use SDPA with row-wise verification instead
+    except Exception:  # noqa: BLE001 - any failure means: use SDPA with row-by-row verification instead
         return False
 
 

@@ -74,12 +74,6 @@ def validate_w8a8_inputs(
         )
 
 
-def x_matches(x: object, k: int, device: torch.device) -> bool:
+def is_bound_linear_input(x: object, k: int, device: torch.device) -> bool:
     """The cheap per-call check of a bound linear: a float tensor [..., k] on `device`."""
     return isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1 and x.shape[-1] == k and x.device == device
-
-
-def tensor_version(t: torch.Tensor) -> int | None:
-    """t's in-place version counter, or None for an inference tensor (made under
-    torch.inference_mode), which keeps none: such a tensor is keyed by identity alone."""
-    return None if t.is_inference() else t._version

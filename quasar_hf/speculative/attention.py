@@ -1,6 +1,6 @@
 """How one speculative call makes its verification rows equal to decode steps (see ops/rowstable_attention.py).
 
-* A QUASAR_ATTENTION model (every Quasar model): verify forwards carry `quasar_rowwise=True`; the
+* A QUASAR_ATTENTION model (every Quasar model): verify forwards carry `quasar_rowstable=True`; the
   row-stable kernel needs nothing else, and where no kernel applies the call runs SDPA row by row.
 * An SDPA model (a BF16 verifier, a Quasar model switched back to "sdpa"): for the duration of the
   call it runs QUASAR_SDPA, which is plain SDPA except on those verify forwards.
@@ -19,9 +19,9 @@ from collections.abc import Iterator
 import torch
 
 from quasar_hf import compat
-from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION, QUASAR_SDPA, ROWWISE_KWARG, register_attention
+from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION, QUASAR_SDPA, ROWSTABLE_KWARG, register_attention
 
-_ROWWISE_IMPLEMENTATIONS = (QUASAR_ATTENTION, QUASAR_SDPA)
+_ROWSTABLE_IMPLEMENTATIONS = (QUASAR_ATTENTION, QUASAR_SDPA)
 
 
 @contextlib.contextmanager
@@ -35,12 +35,12 @@ def verification_attention(model: torch.nn.Module, enabled: bool = True) -> Iter
         register_attention()
         model.set_attn_implementation(QUASAR_SDPA)
         try:
-            yield {ROWWISE_KWARG: True}
+            yield {ROWSTABLE_KWARG: True}
         finally:
             model.set_attn_implementation(original)
         return
-    if original in _ROWWISE_IMPLEMENTATIONS:
-        yield {ROWWISE_KWARG: True}
+    if original in _ROWSTABLE_IMPLEMENTATIONS:
+        yield {ROWSTABLE_KWARG: True}
         return
     warnings.warn(
         f"attn_implementation={original!r}: verification runs it on all drafted rows at once, which may round "

@@ -62,7 +62,7 @@ class AutoDrafter:
         self.model_drafter = model_drafter
         ngram_options = NGRAM_POLICY | {"min_tokens": options["max_tokens"]} | options
         self.ngram_policy = AdaptivePolicy(**ngram_options)
-        self.model_policy = AdaptivePolicy(**_with_prior(options, getattr(model_drafter, "policy_prior", None)))
+        self.model_policy = AdaptivePolicy(**_with_prior(options, getattr(model_drafter, "calibration_prediction", None)))
         self.model_left_out: str | None = None  # why auto_factory left the model's draft path out
         self.clock = clock
         self.setup: DraftSetup | None = None
@@ -268,7 +268,7 @@ def auto_factory(verifier: torch.nn.Module, config) -> Drafter:
     use_ngram = kwargs.get("ngram", True)
     ngram = NgramDrafter(config.num_draft_tokens, config.max_ngram_size, config.min_ngram_size) if use_ngram else None
     model_drafter = _model_drafter(verifier, config, kwargs.get("model_drafter"))
-    prior = getattr(model_drafter, "policy_prior", None)
+    prior = getattr(model_drafter, "calibration_prediction", None)
     left_out = None
     if ngram is not None and kwargs.get("model_drafter") is None and prior and prior["predicted_speedup"] < MIN_PREDICTED_SPEEDUP:
         # bytes-bound (no per-call overhead) the draft path would barely pay: probing it only costs

@@ -7,6 +7,7 @@ from typing import Any
 
 DEFAULT_NUM_DRAFT_TOKENS = 5  # the Quasar authors' setting (n-gram drafter, 5 speculative tokens)
 DRAFTER_METHODS = ("start", "propose", "on_accept", "select_rows")  # the Drafter interface (drafters.py)
+RENAMED_OPTIONS = {"shape_stable_attention": "rowstable_attention"}  # old name -> the option to use
 
 
 @dataclass
@@ -19,7 +20,7 @@ class QuasarGenerationConfig:
     max_ngram_size / min_ngram_size: n-gram sizes tried by the prompt-lookup drafter, longest first.
     assistant_model: the causal LM drafting for drafter="assistant" (must share the tokenizer).
     drafter_kwargs: extra keyword arguments for the drafter factory.
-    shape_stable_attention: True (default) makes every verified row's attention equal to the decode
+    rowstable_attention: True (default) makes every verified row's attention equal to the decode
         step's, so the KV cache and logits are bit-identical to plain decoding (greedy output equals
         plain greedy token for token). Quasar models get this from their row-stable attention
         kernel (C on CPU, Triton on CUDA: one batched call); where no kernel applies (float16 on CPU,
@@ -35,7 +36,7 @@ class QuasarGenerationConfig:
     min_ngram_size: int = 1
     assistant_model: Any = None
     drafter_kwargs: dict = field(default_factory=dict)
-    shape_stable_attention: bool = True
+    rowstable_attention: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
@@ -60,7 +61,8 @@ class QuasarGenerationConfig:
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(value) - known)
             if unknown:
-                raise ValueError(f"Unknown quasar option(s) {unknown}; valid options are {sorted(known)}.")
+                renamed = "".join(f" Use {RENAMED_OPTIONS[name]!r} for {name!r}." for name in unknown if name in RENAMED_OPTIONS)
+                raise ValueError(f"Unknown quasar option(s) {unknown}; valid options are {sorted(known)}.{renamed}")
             return cls(**value)
         raise TypeError(f"quasar= takes True, a dict or a QuasarGenerationConfig, got {type(value).__name__} ({value!r}).")
 

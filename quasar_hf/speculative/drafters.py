@@ -117,8 +117,8 @@ class AssistantDrafter:
             )
         self.model = assistant_model
         # what calibration predicts for this drafter ({"acceptance", "draft_tokens", "predicted_speedup"}),
-        # set by the self-draft factories; drafter="auto" starts its adaptive policy from it
-        self.policy_prior: dict | None = None
+        # set by the self drafters (quasar_hf.self_draft.drafters); drafter="auto" starts its adaptive policy from it
+        self.calibration_prediction: dict | None = None
         self.num_draft_tokens = num_draft_tokens
         # Drafts and their probabilities cover the verifier's vocabulary (None: the assistant's own).
         self.vocab_size = None if verifier is None else check_assistant_vocabulary(verifier, assistant_model)

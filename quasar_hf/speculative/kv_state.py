@@ -67,7 +67,7 @@ class RowAlignedCache:
         logits = outputs.logits
         return (logits[:, -1:] if last_only else logits).float()
 
-    def keep_appended(self, num_keep: torch.Tensor, num_appended: int) -> None:
+    def keep_accepted(self, num_keep: torch.Tensor, num_appended: int) -> None:
         """Of the last `num_appended` slots keep the first num_keep[b] per row; mask the rest."""
         start = self.slot_mask.shape[1] - num_appended
         offsets = torch.arange(num_appended, device=self.slot_mask.device)

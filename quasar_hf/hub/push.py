@@ -11,8 +11,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from quasar_hf.hf.detect import is_quasar_model
-from quasar_hf.hf.model_card import FALLBACK_CARD_NAME, README_NAME, is_quasar_card, model_card_for
+from quasar_hf.detect import is_quasar_model
+from quasar_hf.hub.model_card import FALLBACK_CARD_NAME, README_NAME, is_quasar_card, model_card_for
 
 
 def remote_readme(api: Any, repo_id: str, revision: str | None, cache_dir: str) -> str | None:

@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quasar_hf.hf.draft_path import module_bytes, self_draft_model
-from quasar_hf.speculative.drafters import DRAFTER_FACTORIES, AssistantDrafter
+from quasar_hf.self_draft.path import module_bytes, self_draft_model
 
 HEAD_ATTR = "quasar_draft_head"
 
@@ -131,17 +130,6 @@ def reduced_self_draft_model(model: nn.Module) -> nn.Module:
     lm_head = model.get_output_embeddings()
     draft.lm_head = ReducedVocabLogits(lm_head, ids, lm_head.weight.shape[0])
     return draft
-
-
-def _self_reduced_factory(verifier: nn.Module, config):
-    from quasar_hf.hf.draft_search import policy_prior
-
-    drafter = AssistantDrafter(reduced_self_draft_model(verifier), config.num_draft_tokens, **config.drafter_kwargs)
-    drafter.policy_prior = policy_prior(verifier, reduced=True)  # read by drafter="auto"
-    return drafter
-
-
-DRAFTER_FACTORIES.setdefault("self_reduced", _self_reduced_factory)
 
 
 def draft_bytes_per_token(model: nn.Module, reduced: bool | None = None) -> dict:

@@ -24,7 +24,7 @@ from quasar_hf import compat
 DRAFT_ATTR = "quasar_draft"
 
 
-def _renumbered(layer: nn.Module, index: int, deep: bool) -> nn.Module:
+def renumbered(layer: nn.Module, index: int, deep: bool) -> nn.Module:
     """A copy of a decoder layer whose attention uses KV-cache slot `index`.
 
     deep=True copies weights; deep=False shares every submodule except the attention wrapper.
@@ -70,7 +70,7 @@ def attach_draft_layers(model: nn.Module, layer_indices: list[int]) -> nn.Module
         raise ValueError(
             f"draft_layers {bad} are out of range: this model has {len(source)} decoder layers (0..{len(source) - 1})"
         )
-    copies = nn.ModuleDict({str(i): _renumbered(source[i], slot, deep=True) for slot, i in enumerate(layer_indices)})
+    copies = nn.ModuleDict({str(i): renumbered(source[i], slot, deep=True) for slot, i in enumerate(layer_indices)})
     setattr(model, DRAFT_ATTR, copies)
     return copies
 
@@ -88,28 +88,11 @@ def self_draft_model(model: nn.Module) -> nn.Module:
         )
     if info.get("dtype") == "int8":
         verify_layers = model.get_submodule("model.layers")
-        layers = [_renumbered(verify_layers[i], slot, deep=False) for slot, i in enumerate(indices)]
+        layers = [renumbered(verify_layers[i], slot, deep=False) for slot, i in enumerate(indices)]
     else:
         copies = getattr(model, DRAFT_ATTR)
         layers = [copies[str(i)] for i in indices]
     return build_draft_model(model, indices, layers)
-
-
-def self_drafter_factory(verifier: nn.Module, config) -> object:
-    """Drafter factory for drafter="self": the model's own draft path, drafting like an assistant model."""
-    from quasar_hf.hf.draft_search import policy_prior
-    from quasar_hf.speculative.drafters import AssistantDrafter
-
-    drafter = AssistantDrafter(self_draft_model(verifier), config.num_draft_tokens, **config.drafter_kwargs)
-    drafter.policy_prior = policy_prior(verifier, reduced=False)  # read by drafter="auto"
-    return drafter
-
-
-def register_self_drafter() -> None:
-    """Make drafter="self" available to the speculative loop (its drafter registry)."""
-    from quasar_hf.speculative.drafters import DRAFTER_FACTORIES
-
-    DRAFTER_FACTORIES.setdefault("self", self_drafter_factory)
 
 
 def module_bytes(module: nn.Module) -> int:

@@ -9,18 +9,18 @@ from torch import nn
 
 from quasar_hf import compat
 from quasar_hf.hf.config import QuasarConfig
-from quasar_hf.hf.draft_head import attach_draft_head_skeleton, build_draft_head
-from quasar_hf.hf.draft_path import attach_draft_layers, module_bytes
-from quasar_hf.hf.draft_search import (
+from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially, set_submodule
+from quasar_hf.nn import FoldedRMSNorm, RowStableLinear, W8A8Linear
+from quasar_hf.nn.folded_norm import rmsnorm_epsilon
+from quasar_hf.self_draft.head import attach_draft_head_skeleton, build_draft_head
+from quasar_hf.self_draft.layer_search import (
     draft_byte_ratio,
     expected_acceptance_length,
     predicted_speedup,
     select_draft_layers,
     top1_agreement,
 )
-from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially, set_submodule
-from quasar_hf.nn import FoldedRMSNorm, RowStableLinear, W8A8Linear
-from quasar_hf.nn.folded_norm import rmsnorm_epsilon
+from quasar_hf.self_draft.path import attach_draft_layers, module_bytes
 from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibration_texts
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
 from quasar_hf.smoothquant.mappings import decoder_layers, resolve_mappings

@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-from quasar_hf.hf.draft_path import _renumbered, build_draft_model, module_bytes
+from quasar_hf.self_draft.path import build_draft_model, module_bytes, renumbered
 
 MAX_DRAFT_TOKENS = 5  # the speculative loop's default draft length
 MIN_LAYER_FRACTION = 0.125  # the search stops at this fraction of the layers (at least 1)
@@ -59,7 +59,7 @@ def layer_bytes(layer: nn.Module, draft_dtype: str) -> int:
 def top1_agreement(model: nn.Module, layer_indices: list[int], blocks: torch.Tensor, reference: torch.Tensor) -> float:
     """Fraction of positions where the skipped-layer model's argmax equals `reference` [N, T]."""
     source = model.get_submodule("model.layers")
-    layers = [_renumbered(source[i], slot, deep=False) for slot, i in enumerate(layer_indices)]
+    layers = [renumbered(source[i], slot, deep=False) for slot, i in enumerate(layer_indices)]
     draft = build_draft_model(model, layer_indices, layers)
     device = next(model.parameters()).device
     hits = 0
@@ -137,21 +137,3 @@ def select_draft_layers(
         "evaluations": evaluations,
         "candidates": [{k: v for k, v in c.items() if k != "layers"} for c in candidates],
     }
-
-
-def policy_prior(model: nn.Module, reduced: bool) -> dict | None:
-    """What calibration predicts for the model's self-draft path, for the adaptive policy's start.
-
-    {"acceptance": top-1 agreement measured at quantization, "draft_tokens": the best k,
-    "predicted_speedup": bytes-bound speedup over plain decoding} with the draft head actually used
-    (reduced or full); None for a model saved without a measured draft path.
-    """
-    from quasar_hf.hf.draft_head import draft_bytes_per_token
-
-    qconfig = getattr(model.config, "quantization_config", None)
-    info = getattr(qconfig, "draft_info", None) if not isinstance(qconfig, dict) else qconfig.get("draft_info")
-    if not info or info.get("top1_agreement") is None:
-        return None
-    ratio = draft_bytes_per_token(model, reduced=reduced)["draft_over_verify"]
-    speedup, k = predicted_speedup(float(info["top1_agreement"]), ratio)
-    return {"acceptance": float(info["top1_agreement"]), "draft_tokens": k, "predicted_speedup": round(speedup, 4)}
