@@ -7,7 +7,7 @@ and any causal LM can decode with `model.generate(ids, custom_generate=quasar_hf
 """
 
 from quasar_hf.hf import QuasarConfig, is_quasar_model, register_self_drafter, register_with_transformers
-from quasar_hf.nn import W8A8Linear, prepare_weights
+from quasar_hf.nn import W8A8Linear, prepare_weights, set_backend
 from quasar_hf.ops.rowstable_attention import use_rowstable_attention
 from quasar_hf.speculative import QuasarGenerationConfig, speculative_generate
 from quasar_hf.speculative.strategy import generate
@@ -23,6 +23,7 @@ __all__ = [
     "generate",
     "is_quasar_model",
     "prepare_weights",
+    "set_backend",
     "speculative_generate",
     "use_rowstable_attention",
     "__version__",

@@ -1,5 +1,6 @@
-"""`QuasarConfig(backend=...)` passed when loading a saved Quasar checkpoint is the backend the
-W8A8Linear modules run (it is the config's one loading attribute)."""
+"""Choosing the backend of a saved Quasar checkpoint: `quasar_hf.set_backend(model, name)` after loading
+switches every W8A8Linear (and is saved), checks before it changes anything, and no Transformers
+module-level state is changed to make a load-time override work."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from quasar_hf import QuasarConfig, W8A8Linear
+from quasar_hf import QuasarConfig, W8A8Linear, set_backend
 from quasar_hf.ops import dispatch
 from tests.tiny_models import save_tiny
 
@@ -53,18 +54,52 @@ def _counting(monkeypatch, name: str) -> list[int]:
     return calls
 
 
-def test_backend_passed_at_load_is_the_one_in_use(saved, monkeypatch):
+def test_set_backend_after_load_is_the_one_in_use(saved, monkeypatch):
     path, logits = saved
+    model = AutoModelForCausalLM.from_pretrained(path)
     calls = _counting(monkeypatch, "reference")
-    with pytest.warns(UserWarning, match="loading attributes"):
-        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=QuasarConfig(backend="reference"))
+    assert set_backend(model, "reference") == len([m for m in model.modules() if isinstance(m, W8A8Linear)])
     linears = [m for m in model.modules() if isinstance(m, W8A8Linear)]
     assert linears and all(m.backend == "reference" for m in linears)
     assert model.config.quantization_config.backend == "reference"
     with torch.no_grad():
         again = model(IDS).logits
-    assert len(calls) == len(linears), "every W8A8 linear must run on the backend passed at load time"
+    assert len(calls) == len(linears), "every W8A8 linear must run on the backend chosen with set_backend"
     assert torch.equal(again, logits), "the reference backend computes the same bits as the saved model's"
+
+
+def test_set_backend_is_saved_with_the_model(saved, tmp_path):
+    path, _ = saved
+    model = AutoModelForCausalLM.from_pretrained(path)
+    set_backend(model, "reference")
+    model.save_pretrained(tmp_path / "again")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "again")
+    assert {m.backend for m in reloaded.modules() if isinstance(m, W8A8Linear)} == {"reference"}
+
+
+def test_set_backend_checks_before_changing_anything(saved, monkeypatch):
+    path, _ = saved
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with pytest.raises(ValueError, match="unknown backend 'fast'.*'auto'"):
+        set_backend(model, "fast")
+    entry = dispatch._TABLE["torch"]  # a backend that cannot run here is refused, naming why
+    monkeypatch.setitem(dispatch._TABLE, "torch", dataclasses.replace(entry, unavailable_reason=lambda device_type: "no kernel"))
+    with pytest.raises(ValueError, match="no kernel"):
+        set_backend(model, "torch")
+    assert {m.backend for m in model.modules() if isinstance(m, W8A8Linear)} == {"auto"}
+    assert model.config.quantization_config.backend == "auto"
+    with pytest.raises(ValueError, match="needs a Quasar model"):
+        set_backend(torch.nn.Linear(2, 2), "reference")
+
+
+def test_loading_changes_no_transformers_module_state(saved):
+    from transformers.quantizers import auto
+
+    before = {name: getattr(auto, name) for name in dir(auto) if name.isupper()}
+    AutoModelForCausalLM.from_pretrained(saved[0])
+    after = {name: getattr(auto, name) for name in dir(auto) if name.isupper()}
+    assert before.keys() == after.keys() and all(after[name] is before[name] for name in before)
+    assert QuasarConfig not in getattr(auto, "LOADING_ATTRIBUTES_CONFIG_TYPES", ())
 
 
 def test_reload_without_a_config_keeps_the_saved_backend(saved):

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from quasar_hf.compat import allow_loading_attributes
+from quasar_hf.detect import QUANT_METHOD, is_quasar_model
 from quasar_hf.hf.binding import bind_quasar_methods
 from quasar_hf.hf.config import QuasarConfig
-from quasar_hf.detect import QUANT_METHOD, is_quasar_model
 from quasar_hf.self_draft import register_self_drafter
 
 
@@ -19,7 +18,6 @@ def register_with_transformers() -> None:
         auto.register_quantization_config(QUANT_METHOD)(QuasarConfig)
     if QUANT_METHOD not in auto.AUTO_QUANTIZER_MAPPING:
         auto.register_quantizer(QUANT_METHOD)(QuasarHfQuantizer)
-    allow_loading_attributes(QuasarConfig)  # QuasarConfig(backend=...) overrides a saved checkpoint's
 
 
 __all__ = ["QuasarConfig", "bind_quasar_methods", "is_quasar_model", "register_self_drafter", "register_with_transformers"]

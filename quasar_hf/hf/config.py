@@ -36,7 +36,8 @@ class QuasarConfig(QuantizationConfigMixin):
         modules_to_not_convert: module-name suffixes kept in high precision (lm_head by default;
             embeddings and norms are never quantized).
         smoothquant_mappings: custom mappings as data (see `quasar_hf.smoothquant.mappings`).
-        backend: W8A8 kernel: "auto", "torch", "triton", "bitsandbytes", "cpu_fused" or "reference".
+        backend: W8A8 kernel when quantizing on load: "auto", "torch", "triton", "bitsandbytes", "cpu_fused"
+            or "reference" (a saved checkpoint keeps its own: switch it with `quasar_hf.set_backend(model, name)`).
         draft_layers: None (no draft path), decoder-layer indices kept in high precision for the
             self-draft path, or "auto".
         draft_dtype: "model" keeps unquantized copies of the draft layers in the model's dtype (BF16 for a
@@ -196,7 +197,3 @@ class QuasarConfig(QuantizationConfigMixin):
         if config_dict.get("quantized_modules") and "weight_rounding" not in config_dict:
             config_dict["weight_rounding"] = "nearest"  # saved before the field existed: rounded to nearest
         return super().from_dict(config_dict, return_unused_kwargs=return_unused_kwargs, **kwargs)
-
-    def get_loading_attributes(self) -> dict[str, Any]:
-        """Fields a user may override when loading a saved Quasar checkpoint."""
-        return {"backend": self.backend}

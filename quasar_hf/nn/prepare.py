@@ -1,4 +1,5 @@
-"""prepare_weights(model): pack and bind every W8A8 kernel and folded norm once, in the right order."""
+"""prepare_weights(model): pack and bind every W8A8 kernel and folded norm once, in the right order;
+set_backend(model, name): run a loaded Quasar model's W8A8 linears on another backend."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from torch import nn
 
 from quasar_hf.nn.folded_norm import FoldedRMSNorm
 from quasar_hf.nn.w8a8_linear import W8A8Linear
+from quasar_hf.ops.dispatch import BACKENDS, resolve_backend
 
 
 def prepare_weights(model: nn.Module) -> int:
@@ -21,4 +23,32 @@ def prepare_weights(model: nn.Module) -> int:
     for norm in model.modules():
         if isinstance(norm, FoldedRMSNorm):
             norm.prepare()
+    return len(linears)
+
+
+def set_backend(model: nn.Module, backend: str) -> int:
+    """Run every W8A8Linear of a loaded Quasar model on `backend` ("auto" or a name from
+    `quasar_hf.ops.BACKENDS`), preparing each again, and record the choice in
+    `model.config.quantization_config.backend` (so `save_pretrained` keeps it).
+
+    This is how to choose the backend of a saved checkpoint after `from_pretrained` (a
+    `QuasarConfig` passed when loading one is ignored by Transformers, which keeps the saved
+    config). Checked before anything changes: an unknown name, or a backend that cannot run on a
+    weight's device, raises a ValueError and leaves the model as it was. Returns the number of
+    W8A8Linears switched.
+    """
+    linears = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+    if not linears:
+        raise ValueError("set_backend needs a Quasar model (one with W8A8Linear modules); load or quantize it with QuasarConfig")
+    if backend not in ("auto", *BACKENDS):
+        raise ValueError(f"unknown backend {backend!r}; choose 'auto' or one of {list(BACKENDS)}")
+    for device in {m.weight.device for m in linears if m.weight.device.type != "meta"}:
+        resolve_backend(backend, device)  # raises, naming why, before any module changes
+    for linear in linears:
+        linear.backend = backend  # prepares again (and the folded norm it feeds)
+    qconfig = getattr(getattr(model, "config", None), "quantization_config", None)
+    if isinstance(qconfig, dict):
+        qconfig["backend"] = backend
+    elif qconfig is not None:
+        qconfig.backend = backend
     return len(linears)
