@@ -56,6 +56,21 @@ def test_quantize_save_reload_bit_identical(tmp_path, arch):
     assert torch.equal(got, again), "reload must give bit-identical logits"
 
 
+def test_whole_model_pickles_and_copies_with_its_quasar_methods(tmp_path):
+    """pickle and deepcopy of a Quasar model keep generate(quasar=...) bound to the copy itself."""
+    import copy
+    import pickle
+
+    model = quantize(save_tiny(tmp_path / "src", "llama"))
+    prompt = torch.cat([IDS, IDS], dim=1)
+    expected = model.generate(prompt, max_new_tokens=6, do_sample=False, quasar=True)
+    for clone in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        assert clone.generate.__self__ is clone and clone.save_pretrained.__self__ is clone
+        assert torch.equal(clone.generate(prompt, max_new_tokens=6, do_sample=False, quasar=True), expected)
+        with torch.no_grad():
+            assert torch.equal(clone(IDS).logits, model(IDS).logits)
+
+
 def test_bfloat16_reload_keeps_fp32_scales(tmp_path):
     src = save_tiny(tmp_path / "src", "llama", dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(src, quantization_config=QuasarConfig(**FAST), dtype=torch.bfloat16)

@@ -15,9 +15,9 @@ so every other model in the process behaves exactly as without quasar_hf.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
-import types
 import warnings
 from typing import Any
 
@@ -33,11 +33,28 @@ NOT_QUANTIZED_HELP = (
 )
 
 
+class ModelMethod(functools.partial):
+    """A function bound to one model instance, as a method is, that also pickles with the model
+    (a bound method of a module-level function does not: pickle looks it up by name on the class)."""
+
+    @property
+    def __self__(self) -> Any:
+        return self.args[0]
+
+    @property
+    def __func__(self) -> Any:
+        return self.func
+
+    @property
+    def __name__(self) -> str:
+        return self.func.__name__
+
+
 def bind_quasar_methods(model: Any) -> None:
     """Give this model instance Quasar's generate, save_pretrained and push_to_hub (idempotent)."""
-    model.generate = types.MethodType(quasar_generate, model)
-    model.save_pretrained = types.MethodType(save_pretrained_with_card, model)
-    model.push_to_hub = types.MethodType(push_to_hub_with_card, model)
+    model.generate = ModelMethod(quasar_generate, model)
+    model.save_pretrained = ModelMethod(save_pretrained_with_card, model)
+    model.push_to_hub = ModelMethod(push_to_hub_with_card, model)
 
 
 def quasar_generate(self: Any, *args: Any, quasar: Any = None, **kwargs: Any) -> Any:
