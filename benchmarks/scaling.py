@@ -147,8 +147,8 @@ def measure(folder: Path, steps: int, num_calibration_samples: int | None = None
     """Quantize-on-load with QuasarConfig() defaults, then time 1- and 6-token forwards over a cache."""
     from transformers import AutoModelForCausalLM
 
+    from benchmarks.kernels import measure_copy_bandwidth, measure_read_bandwidth
     from quasar_hf import QuasarConfig
-    from quasar_hf.bench.kernels import measure_copy_bandwidth, measure_read_bandwidth
     from quasar_hf.nn import W8A8Linear
     from quasar_hf.speculative.kv_state import RowAlignedCache
 
@@ -178,11 +178,11 @@ def measure(folder: Path, steps: int, num_calibration_samples: int | None = None
         suffix = "" if count == threads else f"_{count}_thread"
         for tokens in (1, 6):
             state.forward(torch.randint(0, model.config.vocab_size, (1, tokens)))  # warm-up
-            state.keep_appended(torch.tensor([0]), tokens)
+            state.keep_accepted(torch.tensor([0]), tokens)
             start = time.perf_counter()
             for _ in range(steps):
                 state.forward(torch.randint(0, model.config.vocab_size, (1, tokens)))
-                state.keep_appended(torch.tensor([0]), tokens)  # back to the same cache length
+                state.keep_accepted(torch.tensor([0]), tokens)  # back to the same cache length
             step_ms = (time.perf_counter() - start) / steps * 1e3
             result[f"step_{tokens}_ms{suffix}"] = round(step_ms, 2)
             result[f"step_{tokens}_x_floor{suffix}"] = round(step_ms / floor_ms, 2)
@@ -199,8 +199,8 @@ def measure(folder: Path, steps: int, num_calibration_samples: int | None = None
 
 
 def _in_subprocess(phase: str, args: list[str]) -> dict:
-    cmd = [sys.executable, __file__, "--phase", phase, *args]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "benchmarks.scaling", "--phase", phase, *args]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

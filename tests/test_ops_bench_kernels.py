@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from quasar_hf.bench import kernels
+from benchmarks import kernels
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
+from benchmarks.per_layer import main as per_layer_main
 from quasar_hf import QuasarConfig, W8A8Linear
-from quasar_hf.bench.per_layer import evaluate_per_layer, linear_frames, per_layer_main
+from quasar_hf.bench.per_layer import evaluate_per_layer, linear_frames
 from quasar_hf.ops.reference import w8a8_linear_reference
 from quasar_hf.smoothquant.linear_error import add_output_errors, column_row_factors, new_error_sums, summarize
 from quasar_hf.smoothquant.mappings import resolve_mappings
