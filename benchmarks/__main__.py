@@ -13,6 +13,10 @@ import sys
 MEASUREMENTS: dict[str, tuple[str, str]] = {
     "step": ("benchmarks.step:main", "where a decode / verify step's time goes, against its bytes floor"),
     "ab-step": ("benchmarks.ab_step:main", "two source trees' steps alternated batch by batch (a code change as a ratio)"),
+    "compiled-rows": (
+        "benchmarks.compiled_rows:main",
+        "compiled verify rows vs compiled decode steps over a static cache, per compile mode",
+    ),
     "scaling": ("benchmarks.scaling:main", "quantize cost and step time at real Llama sizes (random weights)"),
     "drafters": ("benchmarks.drafters:main", "drafters compared on a real checkpoint, grounded and open prompts"),
     "fidelity": ("benchmarks.fidelity:main", "W8A8 vs BF16 perplexity, top-1 and KL of QuasarConfig variants on one model"),

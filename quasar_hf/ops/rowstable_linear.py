@@ -76,10 +76,10 @@ def is_available() -> bool:
     return unavailable_reason() is None
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """True if these tensors can go to the kernel: CPU, one dtype (float32 or bfloat16), weight [N, K]
-    with K = x.shape[-1], and the kernel built here (if not, the reason is logged once)."""
-    if not (
+def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """True if these tensors are the kernel's kind: CPU, one dtype (float32 or bfloat16), weight [N, K]
+    with K = x.shape[-1] (pure checks on metadata, so `torch.compile` traces them)."""
+    return (
         x.device.type == "cpu"
         and weight.device.type == "cpu"
         and x.dtype in _DTYPE_CODES
@@ -88,12 +88,24 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
         and x.dim() >= 1
         and x.shape[-1] == weight.shape[1] > 0
         and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu" and tuple(bias.shape) == (weight.shape[0],)))
-    ):
+    )
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """True if these tensors can go to the kernel (`fits`) and the kernel built here (if not, the
+    reason is logged once)."""
+    if not fits(x, weight, bias):
         return False
     reason = unavailable_reason()
     if reason is not None:
         warn_fallback_once("the row-stable CPU linear kernel", "F.linear (its rounding depends on the row count)", reason)
     return reason is None
+
+
+@torch.compiler.assume_constant_result
+def available_when_compiled() -> bool:
+    """`is_available()` as a constant of a compiled graph (evaluated once, when Dynamo traces)."""
+    return is_available()
 
 
 def rowstable_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,6 +5,7 @@ fake implementation gives, and Inductor calls the real kernel at run time.
   quasar::w8a8_linear(x, weight_q, weight_scale, bias?, act_prescale?, packed[], backend) -> [..., N]
   quasar::rowstable_attention_cpu(query, key, value, visible?, scale?) -> [B, Q, H, D]
   quasar::rowstable_attention_triton(query, key, value, visible?, scale?) -> [B, Q, H, D]
+  quasar::rowstable_linear(x, weight, bias?) -> [..., N]   (the float lm_head, RowStableLinear)
 
 Registered with `torch.library.Library` (define + impl + `register_fake`) rather than the
 `torch.library.custom_op` decorator: both give the same operator, but the decorator's Python
@@ -33,6 +34,7 @@ _LIB.define(
 )
 _LIB.define("rowstable_attention_cpu(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor")
 _LIB.define("rowstable_attention_triton(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor")
+_LIB.define("rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
 # ---- quasar::w8a8_linear -------------------------------------------------------------------
@@ -82,3 +84,20 @@ _LIB.impl("rowstable_attention_cpu", _attention_cpu_impl, "CompositeExplicitAuto
 _LIB.impl("rowstable_attention_triton", _attention_triton_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("quasar::rowstable_attention_cpu", _attention_fake, lib=_LIB)
 torch.library.register_fake("quasar::rowstable_attention_triton", _attention_fake, lib=_LIB)
+
+
+# ---- row-stable float linear (the lm_head) -------------------------------------------------
+
+
+def _rowstable_linear_impl(x, weight, bias) -> torch.Tensor:
+    from quasar_hf.ops import rowstable_linear
+
+    return rowstable_linear.rowstable_linear(x, weight, bias)
+
+
+def _rowstable_linear_fake(x, weight, bias) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+_LIB.impl("rowstable_linear", _rowstable_linear_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("quasar::rowstable_linear", _rowstable_linear_fake, lib=_LIB)

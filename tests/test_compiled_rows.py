@@ -1,0 +1,129 @@
+"""Compiled steps are row-stable: over a static KV cache, one compiled verify call of k+1 tokens gives
+the logits of k+1 compiled one-token decode calls, bit for bit, and warm steps do not recompile.
+
+This is what makes greedy `quasar=True` exact in compiled mode (compiled need not equal eager, but a
+verified row must equal the decode step it stands for). Every reduction in a step is an op of ours
+(W8A8 linears, row-stable attention, the lm_head) or a per-row torch reduction (the norms). The
+sweep over architectures runs Dynamo + AOTAutograd with eager kernels (seconds per model); one
+architecture also runs Inductor's generated code. A negative control routes the lm_head through
+`F.linear` under compile and shows the rows then differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from transformers import AutoModelForCausalLM, StaticCache
+
+from quasar_hf import QuasarConfig
+from quasar_hf.nn import RowStableLinear
+from quasar_hf.ops import rowstable_linear
+from tests.test_arch_gemma_phi import save_tiny_arch
+from tests.tiny_models import save_tiny
+
+PROMPT = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+DRAFTS = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
+CACHE_LEN = 64
+
+needs_kernels = pytest.mark.skipif(not rowstable_linear.is_available(), reason="the row-stable CPU linear kernel did not build")
+
+
+def quasar_model(tmp_path, arch: str, dtype=torch.float32) -> torch.nn.Module:
+    src = save_tiny_arch(tmp_path / arch, arch) if arch in ("gemma3", "phi3") else save_tiny(tmp_path / arch, arch)
+    config = QuasarConfig(num_calibration_samples=4, calibration_seq_len=64, weight_rounding="nearest", alpha=0.5)
+    return AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=dtype).eval()
+
+
+def step(forward, cache: StaticCache, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """One forward of ids [1, n] at positions start..start+n-1 over `cache`: logits [1, n, V]."""
+    positions = torch.arange(start, start + ids.shape[1])[None]
+    return forward(input_ids=ids, position_ids=positions, cache_position=positions[0], past_key_values=cache).logits
+
+
+def prefilled(model) -> StaticCache:
+    cache = StaticCache(config=model.config, max_cache_len=CACHE_LEN)
+    step(model.forward, cache, PROMPT, 0)  # eager prefill: only the decode and verify steps are compiled
+    return cache
+
+
+def verify_and_decode_rows(model, compiled) -> tuple[torch.Tensor, torch.Tensor]:
+    """(one compiled call over the 6 drafts, 6 compiled one-token calls), both [1, 6, V]."""
+    start = PROMPT.shape[1]
+    verify = step(compiled, prefilled(model), DRAFTS, start)
+    cache = prefilled(model)
+    decode = torch.cat([step(compiled, cache, DRAFTS[:, i : i + 1], start + i) for i in range(DRAFTS.shape[1])], dim=1)
+    return verify, decode
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "phi3"])
+def test_compiled_verify_rows_equal_compiled_decode_steps(tmp_path, arch):
+    model = quasar_model(tmp_path, arch)
+    assert isinstance(model.get_output_embeddings(), RowStableLinear)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, backend="aot_eager")
+    with torch.no_grad():
+        verify, decode = verify_and_decode_rows(model, compiled)
+    assert torch.equal(verify, decode), f"max |diff| {(verify - decode).abs().max().item():.3g}"
+
+
+@needs_kernels
+def test_inductor_steps_are_row_stable_and_do_not_recompile_once_warm(tmp_path):
+    model = quasar_model(tmp_path, "qwen3", torch.bfloat16)  # q/k norms, bf16 rounding between ops
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
+    with torch.no_grad():
+        verify, decode = verify_and_decode_rows(model, compiled)
+        assert torch.equal(verify, decode)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert graphs == 2, "one graph per step length (1 and 6 tokens)"
+        cache = prefilled(model)
+        with torch._dynamo.config.patch(error_on_recompile=True):  # warm: new positions, new cache contents
+            for position in range(PROMPT.shape[1], PROMPT.shape[1] + 4):
+                step(compiled, cache, DRAFTS[:, :1], position)
+            step(compiled, cache, DRAFTS, PROMPT.shape[1] + 4)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@needs_kernels
+def test_negative_control_a_float_lm_head_breaks_compiled_row_stability(tmp_path, monkeypatch):
+    model = quasar_model(tmp_path, "llama")
+    monkeypatch.setattr(rowstable_linear, "available_when_compiled", lambda: False)  # lm_head traces as F.linear
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, backend="aot_eager")
+    with torch.no_grad():
+        verify, decode = verify_and_decode_rows(model, compiled)
+    torch._dynamo.reset()
+    assert not torch.equal(verify, decode), "F.linear's rounding depends on the row count; the test must see that"
+
+
+@needs_kernels
+def test_the_lm_head_op_computes_the_eager_kernel_bits():
+    linear = RowStableLinear.from_linear(torch.nn.Linear(64, 96))
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        assert torch.equal(torch.ops.quasar.rowstable_linear(x, linear.weight, linear.bias), linear(x))
+        compiled = torch.compile(linear, fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(x), linear(x))
+    torch._dynamo.reset()
+
+
+@needs_kernels
+def test_compiled_rows_measurement_reports_a_checkpoint(tmp_path):
+    """`python -m benchmarks compiled-rows` on a saved tiny checkpoint (the fast mode only)."""
+    import json
+
+    from benchmarks import compiled_rows
+
+    quasar_model(tmp_path, "llama").save_pretrained(tmp_path / "saved")
+    out = tmp_path / "rows.json"
+    argv = ["--quantized", str(tmp_path / "saved"), "--modes", "aot_eager", "--prompt-tokens", "8", "--out", str(out)]
+    report = compiled_rows.main(argv)
+    torch._dynamo.reset()
+    (row,) = report["results"]
+    assert row["mode"] == "aot_eager" and row["rows_equal"] and row["rows_differing"] == 0 and row["unique_graphs"] == 2
+    assert json.loads(out.read_text())["environment"] and "| aot_eager | yes |" in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit, match="unknown modes"):
+        compiled_rows.main(["--quantized", "x", "--modes", "fast"])
