@@ -1,4 +1,4 @@
-"""Compiled steps are row-stable: over a static KV cache, one compiled verify call of k+1 tokens gives
+"""Compiled steps are row-stable: over a static KV cache, one compiled verify call of k+1 tokens (here k = 3) gives
 the logits of k+1 compiled one-token decode calls, bit for bit, and warm steps do not recompile.
 
 This is what makes greedy `quasar=True` exact in compiled mode (compiled need not equal eager, but a
@@ -23,7 +23,7 @@ from tests.test_arch_gemma_phi import save_tiny_arch
 from tests.tiny_models import save_tiny
 
 PROMPT = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
-DRAFTS = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(1))
+DRAFTS = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(1))  # a 3-draft verify step
 CACHE_LEN = 64
 
 needs_kernels = pytest.mark.skipif(not rowstable_linear.is_available(), reason="the row-stable CPU linear kernel did not build")
@@ -48,12 +48,17 @@ def prefilled(model) -> StaticCache:
 
 
 def verify_and_decode_rows(model, compiled) -> tuple[torch.Tensor, torch.Tensor]:
-    """(one compiled call over the 6 drafts, 6 compiled one-token calls), both [1, 6, V]."""
+    """(one compiled call over the drafts, one compiled one-token call per draft), both [1, n, V]."""
     start = PROMPT.shape[1]
     verify = step(compiled, prefilled(model), DRAFTS, start)
     cache = prefilled(model)
     decode = torch.cat([step(compiled, cache, DRAFTS[:, i : i + 1], start + i) for i in range(DRAFTS.shape[1])], dim=1)
     return verify, decode
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> torch.nn.Module:
+    return quasar_model(tmp_path_factory.mktemp("compiled_rows"), "llama")
 
 
 @needs_kernels
@@ -78,7 +83,7 @@ def test_inductor_steps_are_row_stable_and_do_not_recompile_once_warm(tmp_path):
         verify, decode = verify_and_decode_rows(model, compiled)
         assert torch.equal(verify, decode)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        assert graphs == 2, "one graph per step length (1 and 6 tokens)"
+        assert graphs == 2, "one graph per step length (1 and 4 tokens)"
         cache = prefilled(model)
         with torch._dynamo.config.patch(error_on_recompile=True):  # warm: new positions, new cache contents
             for position in range(PROMPT.shape[1], PROMPT.shape[1] + 4):
@@ -88,8 +93,8 @@ def test_inductor_steps_are_row_stable_and_do_not_recompile_once_warm(tmp_path):
 
 
 @needs_kernels
-def test_negative_control_a_float_lm_head_breaks_compiled_row_stability(tmp_path, monkeypatch):
-    model = quasar_model(tmp_path, "llama")
+def test_negative_control_a_float_lm_head_breaks_compiled_row_stability(tiny_llama, monkeypatch):
+    model = tiny_llama
     monkeypatch.setattr(rowstable_linear, "available_when_compiled", lambda: False)  # lm_head traces as F.linear
     torch._dynamo.reset()
     compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, backend="aot_eager")
@@ -111,13 +116,13 @@ def test_the_lm_head_op_computes_the_eager_kernel_bits():
 
 
 @needs_kernels
-def test_compiled_rows_measurement_reports_a_checkpoint(tmp_path):
+def test_compiled_rows_measurement_reports_a_checkpoint(tmp_path, tiny_llama):
     """`python -m benchmarks compiled-rows` on a saved tiny checkpoint (the fast mode only)."""
     import json
 
     from benchmarks import compiled_rows
 
-    quasar_model(tmp_path, "llama").save_pretrained(tmp_path / "saved")
+    tiny_llama.save_pretrained(tmp_path / "saved")
     out = tmp_path / "rows.json"
     argv = ["--quantized", str(tmp_path / "saved"), "--modes", "aot_eager", "--prompt-tokens", "8", "--out", str(out)]
     report = compiled_rows.main(argv)
