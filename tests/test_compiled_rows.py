@@ -132,3 +132,13 @@ def test_compiled_rows_measurement_reports_a_checkpoint(tmp_path, tiny_llama):
     assert json.loads(out.read_text())["environment"] and "| aot_eager | yes |" in out.with_suffix(".md").read_text()
     with pytest.raises(SystemExit, match="unknown modes"):
         compiled_rows.main(["--quantized", "x", "--modes", "fast"])
+
+
+def test_the_lm_head_compiles_with_gradients_as_a_plain_linear():
+    """The op has no autograd formula: compiled with gradients the module is F.linear, and trains."""
+    linear = RowStableLinear.from_linear(torch.nn.Linear(64, 96))
+    x = torch.randn(3, 64)
+    compiled = torch.compile(linear, fullgraph=True, backend="aot_eager")
+    compiled(x).sum().backward()
+    torch._dynamo.reset()
+    assert torch.allclose(linear.weight.grad, torch.ones(96, 1) * x.sum(0)[None], rtol=1e-5, atol=1e-5)

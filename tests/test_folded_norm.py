@@ -29,7 +29,7 @@ from quasar_hf.ops.reference import (
     w8a8_linear_rmsnorm_reference,
 )
 from tests.test_arch_gemma_phi import save_tiny_arch
-from tests.tiny_models import assert_quasar_greedy_equals_plain, save_tiny
+from tests.tiny_models import assert_quasar_greedy_equals_plain, recording_aot_eager, save_tiny
 
 needs_kernel = pytest.mark.skipif(not cpu_fused.is_available(), reason=f"fused CPU kernel: {cpu_fused.unavailable_reason()}")
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64, weight_rounding="nearest")
@@ -293,12 +293,7 @@ def test_a_model_with_folded_norms_compiles_into_one_graph(tmp_path):
     run as `quasar::w8a8_linear` ops: fullgraph, no break. Compiled need not equal eager: within W8A8 error."""
     model = _quantized(tmp_path, "llama")
     seen = []
-
-    def backend(gm, example_inputs):
-        from torch._dynamo.backends.common import aot_autograd
-
-        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-        return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+    backend = recording_aot_eager(seen)
 
     torch._dynamo.reset()
     with torch.no_grad():

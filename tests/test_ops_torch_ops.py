@@ -11,7 +11,7 @@ from quasar_hf.nn import W8A8Linear
 from quasar_hf.ops import attention_cpu, dispatch
 from quasar_hf.ops.reference import quantize_weight_per_channel, w8a8_linear_reference
 from quasar_hf.ops.rowstable_attention import use_rowstable_attention
-from tests.tiny_models import tiny_model
+from tests.tiny_models import recording_aot_eager, tiny_model
 
 CPU_BACKENDS = [b for b in ("reference", "torch", "cpu_fused") if b in dispatch.available_backends("cpu")]
 
@@ -94,12 +94,7 @@ def test_tiny_w8a8_model_traces_into_one_graph_with_the_quasar_ops():
     model = _tiny_w8a8()
     ids = torch.randint(0, 96, (1, 12))
     seen = []
-
-    def backend(gm, example_inputs):
-        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-        from torch._dynamo.backends.common import aot_autograd
-
-        return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+    backend = recording_aot_eager(seen)
 
     torch._dynamo.reset()
     with torch.no_grad():

@@ -59,3 +59,16 @@ def assert_quasar_greedy_equals_plain(model, max_new_tokens: int) -> None:
     spec = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, quasar=True, return_dict_in_generate=True)
     assert spec.quasar_stats.verify_steps > 0
     assert torch.equal(spec.sequences, plain)
+
+
+def recording_aot_eager(seen: list[str]):
+    """A torch.compile backend that appends every traced call's target to `seen`, then runs the
+    graph through AOTAutograd with eager kernels (so the bits are eager's)."""
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+
+    return backend

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import abc
+
 from torch import nn
 
 
-class PreparedModule(nn.Module):
+class PreparedModule(nn.Module, metaclass=abc.ABCMeta):
     """Calls `prepare()` after `_apply` (`.to()`, `.cpu()`, ...), `load_state_dict`, copies and unpickling.
 
     `derived` names the attributes holding bound kernels (closures over raw pointers): copies and
@@ -14,8 +16,9 @@ class PreparedModule(nn.Module):
 
     derived: tuple[str, ...] = ()
 
+    @abc.abstractmethod
     def prepare(self) -> None:
-        raise NotImplementedError
+        """Validate, pack and bind from the module's current tensors (each subclass says how)."""
 
     def _apply(self, fn, recurse: bool = True):
         module = super()._apply(fn, recurse)

@@ -5,9 +5,10 @@ reaches the logits directly). Replaced by this module, a k-token verify step pro
 bit-identical to k one-token decode steps on CPU (`ops/rowstable_linear.py`), so greedy
 `quasar=True` equals plain greedy decoding even at near-ties. The module holds the very same
 Parameters as the Linear it replaces (ties, state dict keys and checkpoints are unchanged).
-Under `torch.compile` it traces to the opaque op `torch.ops.quasar.rowstable_linear` (the same
-kernel, so compiled rows are row-stable too). Elsewhere (CUDA, float16) it is `F.linear`. With
-autograd on, the forward has the same bits and the backward is the plain linear's.
+Under `torch.compile` (inference) it traces to the opaque op `torch.ops.quasar.rowstable_linear`
+(the same kernel, so compiled rows are row-stable too); compiled with gradients, and elsewhere
+(CUDA, float16), it is `F.linear`. Eager with autograd on, the forward has the same bits and the
+backward is the plain linear's.
 """
 
 from __future__ import annotations
@@ -35,15 +36,21 @@ class RowStableLinear(nn.Linear):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if torch.compiler.is_compiling():  # inference only: the op has no autograd formula
+        if torch.compiler.is_compiling():
+            if _needs_grad(x, self.weight, self.bias):  # the op has no autograd formula: train through F.linear
+                return F.linear(x, self.weight, self.bias)
             if kernel.fits(x, self.weight, self.bias) and kernel.available_when_compiled():
                 return torch.ops.quasar.rowstable_linear(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         if not kernel.supports(x, self.weight, self.bias):
             return F.linear(x, self.weight, self.bias)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias)):
+        if _needs_grad(x, self.weight, self.bias):
             return _RowStableLinearFunction.apply(x, self.weight, self.bias)
         return kernel.rowstable_linear(x, self.weight, self.bias)
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 class _RowStableLinearFunction(torch.autograd.Function):
