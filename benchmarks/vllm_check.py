@@ -94,7 +94,7 @@ def load_checkpoint(args: argparse.Namespace, workdir: str):
         from tests.tiny_models import save_tiny
 
         source = save_tiny(os.path.join(workdir, "tiny"))
-        config = QuasarConfig(num_calibration_samples=2, calibration_seq_len=32, weight_rounding="nearest")
+        config = QuasarConfig(num_calibration_samples=2, calibration_seq_len=32, weight_rounding="nearest", rotate=[])
         model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, dtype=torch.float32)
         return model.to(device).eval(), AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.bfloat16, device_map=device)

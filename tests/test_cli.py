@@ -3,6 +3,7 @@ model, the demo path, and user errors as one line with exit code 2 (runtime fail
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -49,6 +50,8 @@ def quantized(tiny, calibration_file, tmp_path_factory) -> Path:
             str(calibration_file),
             "--dtype",
             "float32",
+            "--rotate",
+            "none",  # the compressed-tensors export below has no rotation
         ]
     )
     assert code == 0
@@ -74,6 +77,7 @@ def test_quantize_writes_a_quasar_checkpoint_with_card(quantized):
     config = json.loads((quantized / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "quasar"
     assert config["quantization_config"]["alpha"] == 0.5
+    assert config["quantization_config"]["rotate"] == [] and config["quantization_config"]["rotated_modules"] == []
     card = (quantized / "README.md").read_text()
     assert "quasar-hf:model-card" in card and "apply_chat_template" in card  # the tokenizer has a chat template
     assert (quantized / "tokenizer.json").is_file()
@@ -307,3 +311,12 @@ def test_eval_with_tasks_goes_to_lm_eval(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--tasks" in out and "--plain-w8a8" in out and "--max-windows" not in out
+
+
+def test_rotate_option_parses_names_and_refuses_others():
+    from quasar_hf.commands.parser import rotate_value
+
+    assert rotate_value("none") == [] and rotate_value("down_proj,o_proj") == ["down_proj", "o_proj"]
+    for bad in ("q_proj", "", "down_proj,gate"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--rotate takes"):
+            rotate_value(bad)

@@ -19,7 +19,7 @@ pytest.importorskip("compressed_tensors", reason="the compressed-tensors library
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
-    return quantize_tiny(make_tiny_checkpoint(tmp_path_factory.mktemp("base")))
+    return quantize_tiny(make_tiny_checkpoint(tmp_path_factory.mktemp("base")), rotate=[])  # the layout has no rotation
 
 
 def w8a8_modules(model):
@@ -109,3 +109,10 @@ def test_refuses_non_quasar_models():
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match="Quasar"):
         export_compressed_tensors(model, "/nonexistent/never-written")
+
+
+def test_refuses_rotated_linears(tmp_path):
+    rotated = quantize_tiny(make_tiny_checkpoint(tmp_path / "base"), rotate=["down_proj"])
+    with pytest.raises(ValueError, match=r"Hadamard-rotated input.*rotate=\[\]"):
+        export_compressed_tensors(rotated, tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors").exists()

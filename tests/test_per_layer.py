@@ -171,7 +171,7 @@ def test_weight_only_error_is_zero_for_representable_weights_without_smoothing(t
             linear.weight.copy_(representable(*linear.weight.shape, 2.0**-9, i)[1])
     model.save_pretrained(tmp_path / "src")
     char_tokenizer().save_pretrained(tmp_path / "src")
-    quantized = quantize(tmp_path / "src", smoothquant_mappings={"layers_path": "model.layers", "mappings": []})
+    quantized = quantize(tmp_path / "src", smoothquant_mappings={"layers_path": "model.layers", "mappings": []}, rotate=[])
     report = evaluate_per_layer(quantized, model, char_tokenizer(), TEXTS, seq_len=48, max_windows=2)["report"]
     assert len(report["rows"]) == 14
     for row in report["rows"]:

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from quasar_hf import QuasarConfig
 from quasar_hf.hf.quantize_on_load import find_quantizable_linears, quantize_model
-from quasar_hf.hf.sequential import quantize_layers_sequentially, smooth_layer, swap_in_w8a8
+from quasar_hf.hf.sequential import quantize_layers_sequentially, rotated_paths, smooth_layer, swap_in_w8a8
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.smoothquant.calibration import CalibrationStats, capture_layer_inputs, collect_linear_input_stats, run_layer
 from quasar_hf.smoothquant.mappings import resolve_mappings
@@ -73,8 +73,9 @@ def _whole_model_reference(model, config: QuasarConfig, blocks: torch.Tensor) ->
         prefix = f"model.layers.{index}."
         local = [n[len(prefix) :] for n in names if n.startswith(prefix)]
         layer_stats = CalibrationStats(by_module={n: stats.by_module[prefix + n] for n in local})
-        float_weights, prescales, _ = smooth_layer(layer, index, local, layer_stats, arch, config)
-        swap_in_w8a8(layer, float_weights, prescales, config.backend)
+        rotated = rotated_paths(local, config.rotate)
+        float_weights, prescales, _ = smooth_layer(layer, index, local, layer_stats, arch, config, rotated=rotated)
+        swap_in_w8a8(layer, float_weights, prescales, config.backend, rotated=rotated)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -118,9 +119,10 @@ def test_quantize_model_swaps_every_linear_and_stays_close_to_float() -> None:
     )
     info = quantize_model(model, config, progress=False)
     assert info["layer_inputs"] == "float"
-    assert len(config.searched_alphas) == 3 * 4
+    assert len(config.searched_alphas) == 3 * 3  # up_proj -> down_proj is not smoothed: down_proj is rotated
     linears = [n for n, m in model.named_modules() if isinstance(m, W8A8Linear)]
     assert linears == config.quantized_modules and len(linears) == 3 * 7
+    assert config.rotated_modules == [f"model.layers.{i}.mlp.down_proj" for i in range(3)]
     with torch.no_grad():
         logits = model(input_ids=blocks).logits
     assert ((logits - reference).norm() / reference.norm()).item() < 0.05

@@ -11,6 +11,8 @@ linear applied to the same input, unsmoothed. The smoothing bookkeeping, per lin
         heads under GQA), read back exactly from its int8 row scales: per-row quantization does
         not depend on r, so r[n] = max_k |W[n, k] c[k]| / (127 * weight_scale[n]);
   c = f / p and r: x_eff = x_s * p = x / c, W_eff = diag(1/r) W diag(c), x_eff @ W_eff.T = x @ W.T / r.
+A RotatedW8A8Linear quantizes x_eff Q against W_eff Q (Q its Hadamard rotation), so its errors are
+measured in the rotated coordinates, which leave the outputs unchanged.
 `quasar_hf.smoothquant.linear_error.add_output_errors` then splits the error into weight-only,
 activation-only and both, in the original output coordinates. A reconstruction check (the int8
 weights must round W_eff to within about half a step) catches a float model that is not the
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quasar_hf.nn import W8A8Linear
+from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
+from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_float64
 from quasar_hf.smoothquant.linear_error import add_output_errors, new_error_sums, summarize
 from quasar_hf.smoothquant.mappings import ArchitectureMappings, decoder_layers
 
@@ -43,6 +46,11 @@ class LinearFrame:
     row: torch.Tensor  # r [N]: original output = effective output * r
     prescale: torch.Tensor | None  # p [K] or None
     step_residual: float  # max |deq(W_q) - W_eff| in int8 steps of each row
+    rotation: HadamardRotation | None = None  # a RotatedW8A8Linear's Q: x_eff and W_eff are rotated
+
+    def rotate(self, t: torch.Tensor) -> torch.Tensor:
+        """Rows of t [..., K] in the coordinates the int8 linear computes in (x Q, or x without rotation)."""
+        return t if self.rotation is None else rotate_rows_float64(t, self.rotation).float()
 
 
 def _norm_factor(float_norm: nn.Module, quantized_norm: nn.Module, width: int) -> torch.Tensor:
@@ -111,7 +119,10 @@ def linear_frames(quantized: nn.Module, reference: nn.Module, arch: Architecture
                 continue
             c = column(path)
             r = rows.get(path, torch.ones(module.out_features))
+            rotation = module.rotation if isinstance(module, RotatedW8A8Linear) else None
             w_eff = layer_f.get_submodule(path).weight.float() * c / r[:, None]
+            if rotation is not None:
+                w_eff = rotate_rows_float64(w_eff, rotation).float()
             scale = module.weight_scale.float()
             residual = (module.dequantized_weight() - w_eff).abs().amax(dim=1) / scale.clamp_min(1e-30)
             residual = float(residual[scale > 0].max()) if bool((scale > 0).any()) else 0.0
@@ -121,7 +132,7 @@ def linear_frames(quantized: nn.Module, reference: nn.Module, arch: Architecture
                     f"{name}: the int8 weights are {residual:.2f} quantization steps from the reconstructed smoothed float "
                     "weight; the float model is not this W8A8 model's original (use the checkpoint it was quantized from)"
                 )
-            frames[name] = LinearFrame(c, r, getattr(module, "act_prescale", None), residual)
+            frames[name] = LinearFrame(c, r, getattr(module, "act_prescale", None), residual, rotation)
     if not frames:
         raise ValueError(f"no W8A8Linear under {arch.layers_path!r}: is this a Quasar W8A8 model?")
     return frames
@@ -140,8 +151,8 @@ def per_layer_errors(
 
         def hook(_module: nn.Module, args: tuple) -> None:
             x_s = args[0].reshape(-1, args[0].shape[-1]).float()  # [M, K]
-            x_eff = x_s if frame.prescale is None else x_s * frame.prescale.float()
-            w_eff = original.weight.float() * frame.column / frame.row[:, None]  # [N, K]
+            x_eff = frame.rotate(x_s if frame.prescale is None else x_s * frame.prescale.float())
+            w_eff = frame.rotate(original.weight.float() * frame.column / frame.row[:, None])  # [N, K]
             b_eff = None if original.bias is None else original.bias.float() / frame.row
             add_output_errors(sums[name], x_eff, w_eff, module.weight, module.weight_scale, b_eff, module.bias, frame.row)
 

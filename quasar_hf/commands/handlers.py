@@ -37,6 +37,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         options["calibration_text_column"] = args.text_column
     if args.draft_layers is not None:
         options["draft_layers"] = args.draft_layers
+    if args.rotate is not None:
+        options["rotate"] = args.rotate
+    if args.weight_rounding is not None:
+        options["weight_rounding"] = args.weight_rounding
     start = time.perf_counter()
     model = quantize_checkpoint(path, options, args.dtype)
     tokenizer = load_tokenizer(path)

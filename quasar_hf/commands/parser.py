@@ -18,6 +18,17 @@ DRAFTERS = ("ngram", "assistant", "self")
 OVERWRITE_HELP = "write into a non-empty --out folder that holds something else (never the input folder)"
 
 
+def rotate_value(text: str) -> list[str]:
+    """--rotate: comma-separated linear names among down_proj, o_proj, or 'none'."""
+    from quasar_hf.hf.config import ROTATABLE
+
+    names = [] if text.strip() == "none" else [n.strip() for n in text.split(",") if n.strip()]
+    wrong = [n for n in names if n not in ROTATABLE]
+    if wrong or not (names or text.strip() == "none"):
+        raise argparse.ArgumentTypeError(f"--rotate takes 'none' or names from {','.join(ROTATABLE)}; got {text!r}")
+    return names
+
+
 def alpha_value(text: str) -> float | str:
     """--alpha: a float in [0, 1] or 'auto'."""
     if text == "auto":
@@ -71,6 +82,15 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     )
     quantize.add_argument(
         "--text-column", help="column holding the text in a .json/.jsonl/.parquet/.csv or Hub calibration dataset"
+    )
+    quantize.add_argument(
+        "--rotate",
+        type=rotate_value,
+        default=None,
+        help="linears whose input is Hadamard-rotated: 'down_proj' (default), 'down_proj,o_proj', or 'none'",
+    )
+    quantize.add_argument(
+        "--weight-rounding", choices=("gptq", "nearest"), default=None, help="int8 weight rounding (default gptq)"
     )
     quantize.add_argument("--num-samples", type=positive_int, default=32, help="calibration blocks (default 32)")
     quantize.add_argument("--seq-len", type=positive_int, default=512, help="tokens per calibration block (default 512)")

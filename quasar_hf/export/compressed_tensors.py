@@ -84,6 +84,12 @@ def _export_w8a8(name: str, module: nn.Module, fold: bool, report: ExportReport)
     extra = {key for key, _ in module.named_buffers(recurse=False)} - W8A8_KEYS
     if extra:
         raise ValueError(f"{name}: unknown W8A8 tensors {sorted(extra)}; this exporter only knows {sorted(W8A8_KEYS)}")
+    if getattr(module, "rotation", None) is not None:
+        raise ValueError(
+            f"{name} quantizes a Hadamard-rotated input (RotatedW8A8Linear): the compressed-tensors W8A8 layout "
+            "has no online rotation, so vLLM would compute wrong outputs. Quantize for export with "
+            "QuasarConfig(rotate=[]) (SmoothQuant alone)."
+        )
     weight_q, weight_scale = module.weight, module.weight_scale.float()
     prescale = getattr(module, "act_prescale", None)
     if prescale is not None:

@@ -14,6 +14,8 @@ _BACKENDS = ("auto", "reference", "torch", "triton", "bitsandbytes", "cpu_fused"
 _DRAFT_DTYPES = ("model", "int8")
 _ALPHA_SEARCHES = ("linear", "layer")
 _WEIGHT_ROUNDINGS = ("nearest", "gptq")
+ROTATABLE = ("down_proj", "o_proj")  # linear inputs no norm produces: where smoothing does least
+DEFAULT_ROTATE = ["down_proj"]  # o_proj: +1.6 dB on SmolLM2 but -2.3 dB on Qwen 0.5B (benchmarks/rotation_sqnr.md)
 # Fields that are run-time inputs only (never written to config.json).
 _RUNTIME_ONLY = ("tokenizer", "calibration_dataset")
 
@@ -52,8 +54,11 @@ class QuasarConfig(QuantizationConfigMixin):
             first, while the bytes they add stay within `keep_float_budget`.
         keep_float_budget: the bytes kept linears may add (float minus int8 bytes), as a fraction of all
             int8 weight bytes.
+        rotate: which decoder linears quantize a Hadamard-rotated input instead of a smoothed one
+            (RotatedW8A8Linear): any of "down_proj", "o_proj"; [] for SmoothQuant alone. The rotation
+            is online, inside the W8A8 verify path only; the draft path and the shared ends are untouched.
     Written by the quantizer (read back on reload): calibration_info, searched_alphas,
-    quantized_modules, prescaled_modules, draft_info, keep_float_info, measured.
+    quantized_modules, prescaled_modules, rotated_modules, rotation_info, draft_info, keep_float_info, measured.
     """
 
     bits: int = 8
@@ -78,12 +83,15 @@ class QuasarConfig(QuantizationConfigMixin):
     seed: int = 0
     keep_float: list[str] | str | None = None
     keep_float_budget: float = 0.05
+    rotate: list[str] = field(default_factory=lambda: list(DEFAULT_ROTATE))
     tokenizer: Any = None
     version: str = QUASAR_FORMAT_VERSION
     calibration_info: dict | None = None
     searched_alphas: dict | None = None
     quantized_modules: list[str] | None = None
     prescaled_modules: list[str] | None = None
+    rotated_modules: list[str] | None = None
+    rotation_info: dict | None = None
     draft_info: dict | None = None
     keep_float_info: dict | None = None
     measured: dict | None = None
@@ -112,11 +120,19 @@ class QuasarConfig(QuantizationConfigMixin):
                 f"{QUASAR_FORMAT_VERSION!r}; a newer format needs a newer quasar_hf (`pip install -U quasar-hf`), "
                 "an older one must be re-quantized from its original model"
             )
-        for name in ("calibration_info", "searched_alphas", "draft_info", "keep_float_info", "measured", "smoothquant_mappings"):
+        for name in (
+            "calibration_info",
+            "searched_alphas",
+            "draft_info",
+            "keep_float_info",
+            "measured",
+            "smoothquant_mappings",
+            "rotation_info",
+        ):
             value = getattr(self, name)
             if value is not None and not isinstance(value, dict):
                 raise ValueError(f"{name} must be a dict (written by quasar_hf) or None; got {value!r}")
-        for name in ("quantized_modules", "prescaled_modules"):
+        for name in ("quantized_modules", "prescaled_modules", "rotated_modules"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value)):
                 raise ValueError(f"{name} must be a list of module names (written by quasar_hf) or None; got {value!r}")
@@ -147,6 +163,16 @@ class QuasarConfig(QuantizationConfigMixin):
             if self.draft_layers is None:
                 raise ValueError("draft_vocab_size needs a draft path: also pass draft_layers=[...] or 'auto'")
         self._validate_keep_float()
+        rotate = self.rotate
+        if not isinstance(rotate, (list, tuple)) or not all(isinstance(r, str) for r in rotate):
+            raise ValueError(f"rotate must be a list drawn from {list(ROTATABLE)} ([] for none); got {rotate!r}")
+        unknown = sorted(set(rotate) - set(ROTATABLE))
+        if unknown:
+            raise ValueError(
+                f"rotate names {unknown}: only the inputs of {list(ROTATABLE)} can be rotated (the others are "
+                "produced by a norm, which SmoothQuant folds into); e.g. rotate=['down_proj']"
+            )
+        self.rotate = [r for r in ROTATABLE if r in rotate]
         if not isinstance(self.modules_to_not_convert, (list, tuple)):
             raise ValueError("modules_to_not_convert must be a list of module-name suffixes")
         self.modules_to_not_convert = list(self.modules_to_not_convert)
@@ -196,4 +222,6 @@ class QuasarConfig(QuantizationConfigMixin):
         config_dict = dict(config_dict)
         if config_dict.get("quantized_modules") and "weight_rounding" not in config_dict:
             config_dict["weight_rounding"] = "nearest"  # saved before the field existed: rounded to nearest
+        if config_dict.get("quantized_modules") and "rotate" not in config_dict:
+            config_dict["rotate"] = []  # saved before rotation existed: nothing was rotated
         return super().from_dict(config_dict, return_unused_kwargs=return_unused_kwargs, **kwargs)

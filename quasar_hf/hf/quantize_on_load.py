@@ -10,8 +10,9 @@ from torch import nn
 from quasar_hf import compat
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially, set_submodule
-from quasar_hf.nn import FoldedRMSNorm, RowStableLinear, W8A8Linear
+from quasar_hf.nn import FoldedRMSNorm, RotatedW8A8Linear, RowStableLinear, W8A8Linear
 from quasar_hf.nn.folded_norm import rmsnorm_epsilon
+from quasar_hf.ops.hadamard import ROTATION_CONSTRUCTION, rotation_layout
 from quasar_hf.self_draft.head import attach_draft_head_skeleton, build_draft_head
 from quasar_hf.self_draft.layer_search import (
     draft_byte_ratio,
@@ -53,6 +54,12 @@ def replace_with_w8a8_skeleton(model: nn.Module, config: QuasarConfig) -> None:
             "quasar_hf's quantizer. Re-quantize the original model with QuasarConfig()."
         )
     prescaled = set(config.prescaled_modules or [])
+    rotated = set(config.rotated_modules or [])
+    if rotated - set(config.quantized_modules) or rotated & prescaled:
+        raise ValueError(
+            "this Quasar checkpoint's quantization_config lists rotated_modules that are not quantized, or also "
+            "prescaled; the config.json was edited or belongs to another save: re-save the model from quasar_hf."
+        )
     for name in config.quantized_modules:
         try:
             linear = model.get_submodule(name)
@@ -60,7 +67,9 @@ def replace_with_w8a8_skeleton(model: nn.Module, config: QuasarConfig) -> None:
             raise ValueError(f"checkpoint lists quantized module {name!r}, which this model does not have") from None
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"checkpoint lists {name!r} as quantized, but it is a {type(linear).__name__}")
-        skeleton = W8A8Linear(
+        if name in rotated:
+            check_rotation(linear.in_features, config.rotation_info)
+        skeleton = (RotatedW8A8Linear if name in rotated else W8A8Linear)(
             linear.in_features,
             linear.out_features,
             bias=linear.bias is not None,
@@ -70,6 +79,22 @@ def replace_with_w8a8_skeleton(model: nn.Module, config: QuasarConfig) -> None:
             device=linear.weight.device,
         )
         set_submodule(model, name, skeleton)
+
+
+def rotation_info(sizes: set[int]) -> dict:
+    """What the quantizer records of the rotations it used, so a reload can check it builds the same Q."""
+    return {"construction": ROTATION_CONSTRUCTION, "sizes": {str(k): rotation_layout(k) for k in sorted(sizes)}}
+
+
+def check_rotation(size: int, info: dict | None) -> None:
+    """Raise unless this quasar_hf builds the very rotation of rows of `size` the checkpoint was made with."""
+    saved = ((info or {}).get("sizes") or {}).get(str(size))
+    if (info or {}).get("construction") != ROTATION_CONSTRUCTION or saved != rotation_layout(size):
+        raise ValueError(
+            f"this Quasar checkpoint rotates inputs of width {size} with {info!r}, but this quasar_hf builds "
+            f"{ROTATION_CONSTRUCTION!r} {rotation_layout(size)}: its int8 weights would meet a different rotation. "
+            "Load it with the quasar_hf version that saved it, or re-quantize the original model."
+        )
 
 
 def fold_norms(model: nn.Module, config: QuasarConfig) -> int:
@@ -91,7 +116,9 @@ def fold_norms(model: nn.Module, config: QuasarConfig) -> int:
                 members = [layer.get_submodule(path) for path in mapping.balance]
             except AttributeError:  # a layer shaped unlike layer 0: left as it is
                 continue
-            foldable = all(isinstance(m, W8A8Linear) and m.act_prescale is None and not m.fed_by for m in members)
+            foldable = all(
+                type(m) is W8A8Linear and m.act_prescale is None and not m.fed_by for m in members
+            )  # a RotatedW8A8Linear quantizes x Q, not the norm's output
             eps = rmsnorm_epsilon(norm)
             if not foldable or eps is None or compat.has_accelerate_hook(norm) or compat.has_accelerate_hook(layer):
                 continue
@@ -178,6 +205,8 @@ def quantize_model(
 
     config.quantized_modules = [n for n in names if n not in kept]
     config.prescaled_modules = sorted(set(result.prescales) - set(kept))
+    config.rotated_modules = sorted(set(result.rotated) - set(kept))
+    config.rotation_info = rotation_info({model.get_submodule(n).in_features for n in config.rotated_modules})
     config.searched_alphas = result.alphas if config.alpha == "auto" else None
     config.calibration_info = {
         "source": source,

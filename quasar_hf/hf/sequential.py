@@ -20,14 +20,15 @@ from tqdm.auto import tqdm
 
 from quasar_hf import compat
 from quasar_hf.hf.config import QuasarConfig
-from quasar_hf.nn import W8A8Linear
+from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear, rotate_weight
+from quasar_hf.ops.hadamard import HadamardRotation
 from quasar_hf.smoothquant.calibration import (
     CalibrationStats,
     capture_layer_inputs,
     recording_linear_inputs,
     run_layer,
 )
-from quasar_hf.smoothquant.gptq import gptq_round, smoothed_hessian
+from quasar_hf.smoothquant.gptq import gptq_round, rotated_hessian, smoothed_hessian
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
 from quasar_hf.smoothquant.layer_search import RunBlocks, search_alphas_on_layer_output
 from quasar_hf.smoothquant.linear_error import column_row_factors
@@ -45,6 +46,7 @@ DEFAULT_LAYER_INPUTS = "float"
 class SequentialResult:
     prescales: dict[str, torch.Tensor] = field(default_factory=dict)  # full name -> 1/s [in]
     alphas: dict[str, float] = field(default_factory=dict)  # "layer.smooth" -> alpha
+    rotated: list[str] = field(default_factory=list)  # full names of the RotatedW8A8Linears
 
 
 def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -75,10 +77,20 @@ def _compute_device(home: torch.device, layer: nn.Module) -> torch.device:
     return home
 
 
-def active_mappings(arch: ArchitectureMappings, quantized: set[str]) -> list[SmoothMapping]:
+def active_mappings(arch: ArchitectureMappings, quantized: set[str], rotated: set[str] = frozenset()) -> list[SmoothMapping]:
     """The mappings that apply when only `quantized` (paths inside a layer) become W8A8: every balance
-    linear quantized, and a smooth linear too (folding 1/s into a high-precision linear changes it)."""
-    return [m for m in arch.mappings if all(b in quantized for b in m.balance) and (m.kind == "norm" or m.smooth in quantized)]
+    linear quantized, and a smooth linear too (folding 1/s into a high-precision linear changes it);
+    none into a `rotated` linear (rotation replaces smoothing on its input)."""
+    return [
+        m
+        for m in arch.mappings
+        if all(b in quantized and b not in rotated for b in m.balance) and (m.kind == "norm" or m.smooth in quantized)
+    ]
+
+
+def rotated_paths(names: list[str], rotate: list[str]) -> set[str]:
+    """The paths among `names` (inside one layer) whose last component `rotate` lists ("down_proj", ...)."""
+    return {name for name in names if name.rsplit(".", 1)[-1] in rotate}
 
 
 def smooth_layer(
@@ -89,6 +101,7 @@ def smooth_layer(
     arch: ArchitectureMappings,
     config: QuasarConfig,
     layer_output: tuple[RunBlocks, list[torch.Tensor]] | None = None,
+    rotated: set[str] = frozenset(),
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
     """Smooth one decoder layer in place; the float function is unchanged.
 
@@ -97,9 +110,11 @@ def smooth_layer(
     Norm weights (and folded biases) are updated in the layer; linear weights are returned in
     fp32 so quantization starts from the exact smoothed values. With alpha="auto" and
     alpha_search="layer", `layer_output` = (run the layer on some blocks, the float outputs).
+    `rotated`: the paths that will become RotatedW8A8Linears (pass the same set to swap_in_w8a8): no
+    mapping smooths into them.
     """
     float_weights = {name: layer.get_submodule(name).weight.detach().float().clone() for name in names}
-    mappings = active_mappings(arch, set(float_weights))
+    mappings = active_mappings(arch, set(float_weights), rotated)
 
     def stats_for(mapping: SmoothMapping) -> tuple[torch.Tensor, torch.Tensor]:
         first = stats.by_module[mapping.balance[0]]
@@ -125,22 +140,35 @@ def smooth_layer(
 
 
 def swap_in_w8a8(
-    root: nn.Module, float_weights: dict, prescales: dict, backend: str, stats: CalibrationStats | None = None
+    root: nn.Module,
+    float_weights: dict,
+    prescales: dict,
+    backend: str,
+    stats: CalibrationStats | None = None,
+    rotated: set[str] = frozenset(),
 ) -> None:
-    """Replace each named nn.Linear under `root` by a W8A8Linear quantized from its (smoothed) fp32 weight:
-    nearest rounding, or GPTQ rounding when `stats` carries input Hessians (weight_rounding="gptq")."""
+    """Replace each named nn.Linear under `root` by a W8A8Linear quantized from its (smoothed) fp32 weight
+    (a RotatedW8A8Linear from W Q for the `rotated` names): nearest rounding, or GPTQ rounding when
+    `stats` carries input Hessians (weight_rounding="gptq"; a rotated input's Hessian is Q^T H Q)."""
     for name in list(float_weights):
         linear = root.get_submodule(name)
         weight = float_weights.pop(name)  # drop the fp32 copy as soon as its int8 copy exists
-        rounded = None
+        rotation = HadamardRotation.for_size(weight.shape[1]) if name in rotated else None
+        rounded, hessian = None, None
         entry = stats.by_module.get(name) if stats is not None else None
         if entry is not None and entry.hessian is not None:
             column, _ = column_row_factors(linear.weight.detach().float(), weight)  # smoothed input = x / column
             hessian = smoothed_hessian(entry.hessian, column)
             entry.hessian = None  # each linear's own copy: free it before the next one's
+            if rotation is not None:
+                hessian = rotated_hessian(hessian, rotation)
+        if rotation is not None:
+            weight = rotate_weight(weight, rotation).float()
+        if hessian is not None:
             rounded = gptq_round(weight, hessian, consume=True)
             del hessian
-        module = W8A8Linear.from_weight(weight, linear.bias, prescales.get(name), backend=backend, rounded=rounded)
+        cls = RotatedW8A8Linear if rotation is not None else W8A8Linear
+        module = cls.from_weight(weight, linear.bias, prescales.get(name), backend=backend, rounded=rounded)
         set_submodule(root, name, module)
         del weight, linear
 
@@ -193,12 +221,22 @@ def quantize_layers_sequentially(
                 return [run_layer(module, h, calls[index], device) for h, calls in few]
 
             layer_output = (run, outputs[: len(few)] if layer_inputs == "float" else run(layer))
-        float_weights, prescales, alphas = smooth_layer(layer, index, local, stats, arch, config, layer_output)
+        rotated = rotated_paths(local, config.rotate)
+        float_weights, prescales, alphas = smooth_layer(layer, index, local, stats, arch, config, layer_output, rotated)
         if keep is not None:
             for name, weight in float_weights.items():
                 module = layer.get_submodule(name)
-                keep.offer(prefix + name, stats.by_module[name].samples, module.weight, weight, module.bias, prescales.get(name))
-        swap_in_w8a8(layer, float_weights, prescales, config.backend, stats if gptq else None)
+                rotation = HadamardRotation.for_size(weight.shape[1]) if name in rotated else None
+                keep.offer(
+                    prefix + name,
+                    stats.by_module[name].samples,
+                    module.weight,
+                    weight,
+                    module.bias,
+                    prescales.get(name),
+                    rotation,
+                )
+        swap_in_w8a8(layer, float_weights, prescales, config.backend, stats if gptq else None, rotated)
         del stats
         if layer_inputs == "quantized":
             outputs = [run_layer(layer, h, calls[index], device) for h, calls in zip(hidden, captured.calls)]
@@ -206,4 +244,5 @@ def quantize_layers_sequentially(
         layer.to(home)
         result.prescales.update({prefix + p: v for p, v in prescales.items()})
         result.alphas.update(alphas)
+        result.rotated.extend(prefix + p for p in sorted(rotated))
     return result

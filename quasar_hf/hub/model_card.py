@@ -151,6 +151,14 @@ def _calibration_text(qconfig: dict) -> str:
     return f"{source}" + (f" ({', '.join(details)})" if details else "")
 
 
+def _rotation_text(qconfig: dict) -> str:
+    rotated = qconfig.get("rotated_modules") or []
+    if not rotated:
+        return "none"
+    kinds = sorted({name.rsplit(".", 1)[-1] for name in rotated})
+    return f"{', '.join(f'`{k}`' for k in kinds)} ({len(rotated)} linears; online, W8A8 verify path only)"
+
+
 def _draft_path_text(qconfig: dict) -> str:
     layers = qconfig.get("draft_layers")
     if layers is None:
@@ -200,6 +208,7 @@ def render_model_card(
         alpha=_format(qconfig.get("alpha")) + (" (searched per layer)" if searched else ""),
         searched_alphas=[(layer, _format(searched[layer])) for layer in sorted(searched, key=_natural_key)],
         calibration=_calibration_text(qconfig),
+        rotation=_rotation_text(qconfig),
         excluded=", ".join(f"`{m}`" for m in (qconfig.get("modules_to_not_convert") or ["lm_head"])),
         draft_path=_draft_path_text(qconfig),
         backend=qconfig.get("backend", "auto"),

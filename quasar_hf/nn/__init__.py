@@ -1,8 +1,17 @@
-"""Quantized modules, the folded RMSNorm that feeds them, and the row-stable float linear of the lm_head."""
+"""Quantized modules (plain and input-rotated), the folded RMSNorm that feeds them, and the row-stable float linear of the lm_head."""
 
 from quasar_hf.nn.folded_norm import FoldedNormOutput, FoldedRMSNorm
 from quasar_hf.nn.prepare import prepare_weights, set_backend
 from quasar_hf.nn.rowstable_linear import RowStableLinear
-from quasar_hf.nn.w8a8_linear import W8A8Linear
+from quasar_hf.nn.w8a8_linear import RotatedW8A8Linear, W8A8Linear, rotate_weight
 
-__all__ = ["FoldedNormOutput", "FoldedRMSNorm", "RowStableLinear", "W8A8Linear", "prepare_weights", "set_backend"]
+__all__ = [
+    "FoldedNormOutput",
+    "FoldedRMSNorm",
+    "RotatedW8A8Linear",
+    "RowStableLinear",
+    "W8A8Linear",
+    "rotate_weight",
+    "prepare_weights",
+    "set_backend",
+]

@@ -1,4 +1,5 @@
-"""W8A8Linear: an nn.Linear replacement holding INT8 weights, quantizing activations per token."""
+"""W8A8Linear: an nn.Linear replacement holding INT8 weights, quantizing activations per token;
+RotatedW8A8Linear: the same after a Hadamard rotation of its input."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from torch import nn
 from quasar_hf.nn.folded_norm import FoldedNormOutput
 from quasar_hf.nn.prepared_module import PreparedModule
 from quasar_hf.ops.dispatch import PreparedW8A8, prepare_w8a8, resolve_backend, w8a8_linear
+from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_float64
+from quasar_hf.ops.hadamard_cpu import bind_rotation, rotate_rows
 from quasar_hf.ops.reference import quantize_weight_per_channel
 
 
@@ -155,3 +158,65 @@ class W8A8Linear(PreparedModule):
             f"weight=int8 per-channel, activations=int8 per-token, backend={self.backend!r}"
             + ("" if self._prepared is None else f" ({self._prepared.backend})")
         )
+
+
+class RotatedW8A8Linear(W8A8Linear):
+    """y = W8A8(x Q) with the int8 weight of W Q: a Hadamard rotation Q spreads outlier channels of x
+    before per-token quantization (ops/hadamard.py); in exact arithmetic (x Q)(W Q)^T = x W^T.
+
+    The same serialized state as W8A8Linear, except that `weight`/`weight_scale` quantize W Q, not W
+    (build with `from_weight(rotate_weight(W, rotation), ..., rotation)`); Q is `rotation`, a function
+    of `in_features` alone. Each row is rotated alone (fp32, a fixed order of operations), then
+    quantized and multiplied as in W8A8Linear, and the output cast back to x's dtype: row-stable.
+    No act_prescale (rotation replaces smoothing on this input) and never fed by a folded norm.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, **kwargs) -> None:
+        if kwargs.get("has_act_prescale"):
+            raise ValueError("a RotatedW8A8Linear takes no act_prescale: rotation replaces smoothing on its input")
+        super().__init__(in_features, out_features, bias=bias, **kwargs)
+        self.rotation = HadamardRotation.for_size(in_features)
+        self._rotate = None  # bound by prepare(): the kernel with its constants looked up once
+
+    derived = ("_prepared", "_rotate")
+
+    def prepare(self) -> None:
+        """Prepare the int8 linear (W8A8Linear.prepare) and bind the rotation kernel."""
+        super().prepare()
+        self._rotate = bind_rotation(self.rotation)
+
+    @classmethod
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        act_prescale: torch.Tensor | None = None,
+        backend: str = "auto",
+        rounded: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> RotatedW8A8Linear:
+        """`weight` is the rotated float weight W Q [out, in] (`rotate_weight`), or `rounded` its int8 rounding."""
+        if act_prescale is not None:
+            raise ValueError("a RotatedW8A8Linear takes no act_prescale: rotation replaces smoothing on its input")
+        return super().from_weight(weight, bias, None, backend, rounded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out] in x.dtype
+        if torch.compiler.is_compiling():
+            rotated = torch.ops.quasar.hadamard_rows(x, self.rotation.blocks, self.rotation.odd_order, self.rotation.pow2)
+        elif self._rotate is not None:
+            rotated = self._rotate(x)  # fp32 [..., in]
+        else:
+            rotated = rotate_rows(x, self.rotation)
+        return super().forward(rotated).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        r = self.rotation
+        return (
+            super().extra_repr()
+            + f", input rotation Hadamard {r.odd_order}x{r.pow2}"
+            + (f" in {r.blocks} blocks" if r.blocks > 1 else "")
+        )
+
+
+def rotate_weight(weight: torch.Tensor, rotation: HadamardRotation) -> torch.Tensor:
+    """W [out, in] -> W Q in float64 (the offline side of the rotation; accurate, not row-stable)."""
+    return rotate_rows_float64(weight, rotation)

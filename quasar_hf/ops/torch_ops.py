@@ -6,6 +6,7 @@ fake implementation gives, and Inductor calls the real kernel at run time.
   quasar::rowstable_attention_cpu(query, key, value, visible?, scale?) -> [B, Q, H, D]
   quasar::rowstable_attention_triton(query, key, value, visible?, scale?) -> [B, Q, H, D]
   quasar::rowstable_linear(x, weight, bias?) -> [..., N]   (the float lm_head, RowStableLinear)
+  quasar::hadamard_rows(x, blocks, odd_order, pow2) -> fp32 [..., K]   (RotatedW8A8Linear's input)
 
 Registered with `torch.library.Library` (define + impl + `register_fake`) rather than the
 `torch.library.custom_op` decorator: both give the same operator, but the decorator's Python
@@ -35,6 +36,7 @@ _LIB.define(
 _LIB.define("rowstable_attention_cpu(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor")
 _LIB.define("rowstable_attention_triton(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor")
 _LIB.define("rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.define("hadamard_rows(Tensor x, int blocks, int odd_order, int pow2) -> Tensor")
 
 
 # ---- quasar::w8a8_linear -------------------------------------------------------------------
@@ -101,3 +103,22 @@ def _rowstable_linear_fake(x, weight, bias) -> torch.Tensor:
 
 _LIB.impl("rowstable_linear", _rowstable_linear_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("quasar::rowstable_linear", _rowstable_linear_fake, lib=_LIB)
+
+
+# ---- Hadamard rotation of activation rows (RotatedW8A8Linear) --------------------------------
+
+
+def _hadamard_rows_impl(x, blocks: int, odd_order: int, pow2: int) -> torch.Tensor:
+    from quasar_hf.ops import hadamard, hadamard_cpu
+
+    return hadamard_cpu.rotate_rows(x, hadamard.HadamardRotation(x.shape[-1], blocks, odd_order, pow2))
+
+
+def _hadamard_rows_fake(x, blocks: int, odd_order: int, pow2: int) -> torch.Tensor:
+    if x.shape[-1] != blocks * odd_order * pow2:
+        raise ValueError(f"hadamard_rows: rows of {x.shape[-1]} do not match {blocks} x {odd_order} x {pow2}")
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+_LIB.impl("hadamard_rows", _hadamard_rows_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("quasar::hadamard_rows", _hadamard_rows_fake, lib=_LIB)

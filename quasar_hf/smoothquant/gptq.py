@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_float64
 from quasar_hf.ops.reference import QMAX
 
 GPTQ_BLOCK = 128
@@ -24,6 +25,12 @@ def smoothed_hessian(hessian: torch.Tensor, column_factor: torch.Tensor) -> torc
     """H [K, K] of the original inputs x -> H of the inputs a smoothed linear sees, x / c (fp32, one new tensor)."""
     inv = 1.0 / column_factor.to(hessian.device, torch.float32)
     return hessian.float().mul(inv[:, None]).mul_(inv[None, :])
+
+
+def rotated_hessian(hessian: torch.Tensor, rotation: HadamardRotation) -> torch.Tensor:
+    """H [K, K] of inputs x -> H of the rotated inputs x Q: Q^T H Q (computed in float64, returned fp32)."""
+    half = rotate_rows_float64(hessian, rotation)  # H Q
+    return rotate_rows_float64(half.transpose(0, 1), rotation).float()  # (H Q)^T Q = Q^T H Q (H symmetric)
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quasar_hf.ops.hadamard import HadamardRotation
 from quasar_hf.smoothquant.linear_error import calibration_error
 
 
@@ -87,15 +88,18 @@ class KeepFloatSelector:
         smoothed_weight: torch.Tensor,
         bias: torch.Tensor | None,
         prescale: torch.Tensor | None,
+        rotation: HadamardRotation | None = None,
     ) -> None:
         """One candidate before its W8A8 swap: samples [S, K] original inputs, weights [N, K], bias [N]
-        (smoothed, as deployed), prescale [K] or None. The float copy is kept in the original dtype."""
+        (smoothed, as deployed), prescale [K] or None, rotation: its input's Hadamard rotation when it
+        becomes a RotatedW8A8Linear (measured as such; a kept float copy computes unrotated). The float
+        copy is kept in the original dtype."""
         if name not in self.candidates:
             return
         dtype = original_weight.dtype
         if self.mode == "list" and name not in self.requested:
             return
-        self.errors[name] = calibration_error(samples, original_weight, smoothed_weight, bias)
+        self.errors[name] = calibration_error(samples, original_weight, smoothed_weight, bias, rotation)
         if self.mode == "list":
             chosen = sorted(self.requested & set(self.errors))
         else:

@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_float64
 from quasar_hf.ops.reference import quantize_per_token, quantize_weight_per_channel
 
 SPLITS = ("weight", "act", "both")
@@ -136,14 +137,19 @@ def calibration_error(
     original_weight: torch.Tensor,
     smoothed_weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    rotation: HadamardRotation | None = None,
 ) -> dict[str, float]:
     """Error split of one linear on sampled calibration rows, as quantization sees them.
 
     samples [S, K]: the linear's original (unsmoothed) inputs; original_weight [N, K]: its float
     weight before smoothing; smoothed_weight [N, K]: the fp32 weight that will be quantized
-    (columns times c, rows divided by r); bias: the deployed (smoothed) bias [N].
+    (columns times c, rows divided by r); bias: the deployed (smoothed) bias [N]; rotation: the
+    Hadamard rotation a RotatedW8A8Linear applies to its input (and to the weight it quantizes).
     """
     c, r = column_row_factors(original_weight, smoothed_weight)
-    w_q, w_scale = quantize_weight_per_channel(smoothed_weight)
-    sums = add_output_errors(new_error_sums(), samples.float() / c, smoothed_weight, w_q, w_scale, bias, bias, r)
+    x, weight = samples.float() / c, smoothed_weight
+    if rotation is not None:
+        x, weight = rotate_rows_float64(x, rotation).float(), rotate_rows_float64(weight, rotation).float()
+    w_q, w_scale = quantize_weight_per_channel(weight)
+    sums = add_output_errors(new_error_sums(), x, weight, w_q, w_scale, bias, bias, r)
     return summarize(sums)

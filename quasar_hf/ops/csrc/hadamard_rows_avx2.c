@@ -1,0 +1,147 @@
+/*
+ * AVX2 build of csrc/hadamard_rows.c: the same rotation with the same bits (each element's fp32
+ * operations and their order are those of hadamard_rows.c and `rotate_rows_reference`):
+ *   - butterflies h = 1, 2, 4 inside each 8-float register by lane permutes (a + b, a - b), then
+ *     h >= 8 on whole registers;
+ *   - the +-1 mix as acc + (z with its sign flipped where s = -1): bitwise the same as acc + s * z;
+ *   - one multiplication by `scale`.
+ * Rows of fewer than 8 floats per Sylvester block take the portable loops.
+ */
+#include <immintrin.h>
+#include "qhf_common.h"
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static void butterflies_scalar(float *z, int64_t n) {
+    for (int64_t h = 1; h < n; h *= 2)
+        for (int64_t i = 0; i < n; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                float a = z[j], b = z[j + h];
+                z[j] = a + b;
+                z[j + h] = a - b;
+            }
+}
+
+/* One butterfly stage of span h < 8 inside a register: lanes with bit h clear get a + b, the others a - b
+ * (a the lane with the bit clear, b its partner). */
+static inline __m256 stage_in_register(__m256 v, __m256 partner, int blend_mask_upper) {
+    __m256 sum = _mm256_add_ps(v, partner);  /* lower lanes: a + b (b + a is the same bits) */
+    __m256 diff = _mm256_sub_ps(partner, v); /* upper lanes: partner = a, v = b: a - b */
+    switch (blend_mask_upper) {
+    case 0xAA: return _mm256_blend_ps(sum, diff, 0xAA);
+    case 0xCC: return _mm256_blend_ps(sum, diff, 0xCC);
+    default: return _mm256_blend_ps(sum, diff, 0xF0);
+    }
+}
+
+static void butterflies_avx2(float *z, int64_t n) {
+    for (int64_t j = 0; j < n; j += 8) {
+        __m256 v = _mm256_loadu_ps(z + j);
+        v = stage_in_register(v, _mm256_permute_ps(v, 0xB1), 0xAA);                 /* h = 1 */
+        v = stage_in_register(v, _mm256_permute_ps(v, 0x4E), 0xCC);                 /* h = 2 */
+        v = stage_in_register(v, _mm256_permute2f128_ps(v, v, 0x01), 0xF0);         /* h = 4 */
+        _mm256_storeu_ps(z + j, v);
+    }
+    for (int64_t h = 8; h < n; h *= 2)
+        for (int64_t i = 0; i < n; i += 2 * h)
+            for (int64_t j = i; j < i + h; j += 8) {
+                __m256 a = _mm256_loadu_ps(z + j), b = _mm256_loadu_ps(z + j + h);
+                _mm256_storeu_ps(z + j, _mm256_add_ps(a, b));
+                _mm256_storeu_ps(z + j + h, _mm256_sub_ps(a, b));
+            }
+}
+
+static inline __m256 sign_of(float s) { return _mm256_set1_ps(s < 0.0f ? -0.0f : 0.0f); } /* xor mask */
+
+/* y = H_m^T z per column for one block, n a multiple of 8, m a multiple of 4: 4 output rows x 16
+ * columns in registers while p' runs. */
+static void mix_block_avx2(const float *zc, float *yc, int64_t m, int64_t n, const float *signs, float scale) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t p = 0; p < m; p += 4)
+        for (int64_t q = 0; q < n; q += 16) {
+            const int two = q + 16 <= n;
+            __m256 acc[4][2];
+            const __m256 z0a = _mm256_loadu_ps(zc + q), z0b = two ? _mm256_loadu_ps(zc + q + 8) : _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                const __m256 s = sign_of(signs[p + i]);
+                acc[i][0] = _mm256_xor_ps(z0a, s);
+                acc[i][1] = _mm256_xor_ps(z0b, s);
+            }
+            for (int64_t pp = 1; pp < m; pp++) {
+                const float *zp = zc + pp * n + q;
+                const __m256 za = _mm256_loadu_ps(zp), zb = two ? _mm256_loadu_ps(zp + 8) : _mm256_setzero_ps();
+                const float *srow = signs + pp * m + p;
+                for (int i = 0; i < 4; i++) {
+                    const __m256 s = sign_of(srow[i]);
+                    acc[i][0] = _mm256_add_ps(acc[i][0], _mm256_xor_ps(za, s));
+                    acc[i][1] = _mm256_add_ps(acc[i][1], _mm256_xor_ps(zb, s));
+                }
+            }
+            for (int i = 0; i < 4; i++) {
+                _mm256_storeu_ps(yc + (p + i) * n + q, _mm256_mul_ps(acc[i][0], vscale));
+                if (two) _mm256_storeu_ps(yc + (p + i) * n + q + 8, _mm256_mul_ps(acc[i][1], vscale));
+            }
+        }
+}
+
+static void mix_block_scalar(const float *zc, float *yc, int64_t m, int64_t n, const float *signs, float scale) {
+    for (int64_t p = 0; p < m; p++) {
+        float *y = yc + p * n;
+        for (int64_t q = 0; q < n; q++) y[q] = signs[p] * zc[q];
+        for (int64_t pp = 1; pp < m; pp++)
+            for (int64_t q = 0; q < n; q++) y[q] = y[q] + signs[pp * m + p] * zc[pp * n + q];
+        for (int64_t q = 0; q < n; q++) y[q] = y[q] * scale;
+    }
+}
+
+static void rotate_row(const void *x, int dtype, float *z, float *out, int64_t blocks, int64_t m, int64_t n,
+                       const float *signs, float scale) {
+    const int64_t K = blocks * m * n;
+    for (int64_t k = 0; k < K; k++)
+        z[k] = dtype == 0 ? ((const float *)x)[k] : bf16_to_f32(((const uint16_t *)x)[k]);
+    const int vector = n % 8 == 0;
+    for (int64_t g = 0; g < blocks * m; g++) {
+        if (vector)
+            butterflies_avx2(z + g * n, n);
+        else
+            butterflies_scalar(z + g * n, n);
+    }
+    if (m == 1) {
+        for (int64_t k = 0; k < K; k++) out[k] = z[k] * scale;
+        return;
+    }
+    for (int64_t c = 0; c < blocks; c++) {
+        if (vector && m % 4 == 0)
+            mix_block_avx2(z + c * m * n, out + c * m * n, m, n, signs, scale);
+        else
+            mix_block_scalar(z + c * m * n, out + c * m * n, m, n, signs, scale);
+    }
+}
+
+int qhf_hadamard_rows(const void *x, int64_t x_stride, int64_t rows, int dtype, float *out, int64_t blocks, int64_t m,
+                      int64_t n, const float *signs, float scale, int threads) {
+    const int64_t K = blocks * m * n;
+    const int64_t elem = dtype == 0 ? 4 : 2;
+    int failed = 0;
+#ifdef _OPENMP
+#pragma omp parallel if (threads > 1) num_threads(threads > 0 ? threads : 1) reduction(| : failed)
+#endif
+    {
+        float *z = (float *)malloc((size_t)K * sizeof(float)); /* each thread's own scratch row */
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t r = 0; r < rows; r++) {
+            if (z)
+                rotate_row((const char *)x + r * x_stride * elem, dtype, z, out + r * K, blocks, m, n, signs, scale);
+            else
+                failed = 1;
+        }
+        free(z);
+    }
+    (void)threads;
+    return failed;
+}

@@ -1,0 +1,163 @@
+"""Hadamard rotations of activation rows: x [..., K] -> x Q with Q orthonormal, in O(K log K) per row.
+
+Per-token INT8 quantization sets each row's scale by its largest entry, so a few outlier channels
+waste most of the 8 bits. An orthonormal Hadamard rotation spreads every channel over all of them
+(QuaRot, Ashkboos et al., 2024); the inverse goes into the weight offline (W Q), so
+(x Q)(W Q)^T = x W^T exactly in real arithmetic.
+
+Construction, for K = 2^e * r (r odd): Q = I_c (x) (H_m (x) H_n) / sqrt(m n) with
+  * H_n the Sylvester matrix of order n (a power of two), applied as a fast Walsh-Hadamard transform;
+  * H_m a Paley matrix of order m = 4d (d the largest divisor of r with a Paley construction: 4d - 1
+    prime, or 2d - 1 prime and 1 mod 4), m = 1 when d = 1;
+  * c = K / (m n) independent blocks (1 for every size the supported models have: 576, 640, 896,
+    1536, 2048, 4864, 8960, 12288, 14336, ...), so the rotation is block-diagonal only where no
+    Hadamard matrix of order K is known here.
+`HadamardRotation.matrix()` builds the dense Q (the test oracle); tests check Q Q^T = I.
+
+`rotate_rows_reference` uses elementwise operations only (butterflies a + b, a - b, then the H_m
+mix as ordered sums of +-z, then one scaling), so each row's bits depend on that row alone:
+row-stable by construction on every device, and bit for bit the C kernel's (ops/hadamard_cpu.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+ROTATION_CONSTRUCTION = "sylvester-paley-v1"  # recorded in checkpoints: a change here must change this name
+
+
+def _is_prime(q: int) -> bool:
+    return q >= 2 and all(q % p for p in range(2, math.isqrt(q) + 1))
+
+
+def _jacobsthal(q: int) -> torch.Tensor:
+    """Q[i, j] = chi(j - i mod q), chi the quadratic character of the prime field F_q (int64 [q, q])."""
+    squares = {(i * i) % q for i in range(1, q)}
+    chi = torch.tensor([0] + [1 if a in squares else -1 for a in range(1, q)], dtype=torch.int64)
+    index = (torch.arange(q)[None, :] - torch.arange(q)[:, None]) % q
+    return chi[index]
+
+
+def paley_matrix(order: int) -> torch.Tensor | None:
+    """A Hadamard matrix (+-1, int64 [order, order]) by Paley's construction I or II over a prime field,
+    or None when neither applies to `order`."""
+    q = order - 1
+    if order % 4 == 0 and _is_prime(q):  # Paley I: q = 3 mod 4
+        jac = _jacobsthal(q)
+        s = torch.zeros(order, order, dtype=torch.int64)
+        s[0, 1:], s[1:, 0], s[1:, 1:] = 1, -1, jac
+        return s + torch.eye(order, dtype=torch.int64)
+    q = order // 2 - 1
+    if order % 4 == 0 and q % 4 == 1 and _is_prime(q):  # Paley II: q = 1 mod 4
+        c = torch.zeros(q + 1, q + 1, dtype=torch.int64)
+        c[0, 1:], c[1:, 0], c[1:, 1:] = 1, 1, _jacobsthal(q)
+        zero = torch.tensor([[1, -1], [-1, -1]])
+        one = torch.tensor([[1, 1], [1, -1]])
+        return torch.cat([torch.cat([zero if v == 0 else v * one for v in row], dim=1) for row in c.tolist()], dim=0)
+    return None
+
+
+def sylvester_matrix(order: int) -> torch.Tensor:
+    """The Sylvester-Hadamard matrix of a power-of-two order (+-1, int64): H_2n = [[H, H], [H, -H]]."""
+    if order < 1 or order & (order - 1):
+        raise ValueError(f"a Sylvester matrix needs a power-of-two order, got {order}")
+    h = torch.ones(1, 1, dtype=torch.int64)
+    while h.shape[0] < order:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+    return h
+
+
+@dataclass(frozen=True)
+class HadamardRotation:
+    """The orthonormal rotation of rows of width `size`: I_blocks (x) (H_odd (x) H_pow2) / sqrt(odd * pow2)."""
+
+    size: int
+    blocks: int
+    odd_order: int  # m: 1, or the order of a Paley matrix
+    pow2: int  # n: a power of two
+
+    @classmethod
+    def for_size(cls, size: int) -> HadamardRotation:
+        """The largest-block rotation this module can build for rows of `size` (any size >= 1)."""
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"a Hadamard rotation needs a positive row width, got {size!r}")
+        return _rotation_for(size)
+
+    @property
+    def block(self) -> int:
+        return self.odd_order * self.pow2
+
+    @functools.cached_property
+    def scale(self) -> float:
+        """1 / sqrt(block) rounded to fp32: the one scaling both implementations apply."""
+        return float(torch.tensor(1.0 / math.sqrt(self.block), dtype=torch.float32))
+
+    def odd_signs(self) -> torch.Tensor:
+        """H_m as fp32 +-1 [m, m] (a 1 x 1 [[1]] when m = 1)."""
+        if self.odd_order == 1:
+            return torch.ones(1, 1)
+        matrix = paley_matrix(self.odd_order)
+        assert matrix is not None  # for_size only picks constructible orders
+        return matrix.float()
+
+    def matrix(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The dense orthonormal Q [size, size] (x Q is the rotation): the oracle for tests."""
+        block = torch.kron(self.odd_signs().double(), sylvester_matrix(self.pow2).double()) / math.sqrt(self.block)
+        return torch.block_diag(*([block] * self.blocks)).to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _rotation_for(size: int) -> HadamardRotation:
+    exponent = (size & -size).bit_length() - 1
+    odd = size >> exponent
+    if exponent >= 2:
+        for d in sorted((d for d in range(1, odd + 1) if odd % d == 0), reverse=True):
+            if d == 1 or paley_matrix(4 * d) is not None:
+                m = 1 if d == 1 else 4 * d
+                n = 2**exponent if d == 1 else 2 ** (exponent - 2)
+                return HadamardRotation(size, size // (m * n), m, n)
+    return HadamardRotation(size, odd, 1, 2**exponent)
+
+
+def rotation_layout(size: int) -> list[int]:
+    """[blocks, odd_order, pow2] of the rotation of rows of `size` (what checkpoints record)."""
+    r = HadamardRotation.for_size(size)
+    return [r.blocks, r.odd_order, r.pow2]
+
+
+def rotate_rows_reference(x: torch.Tensor, rotation: HadamardRotation) -> torch.Tensor:
+    """x [..., K] (any float dtype) -> fp32 [..., K] = x Q, by elementwise operations in a fixed order."""
+    if x.shape[-1] != rotation.size:
+        raise ValueError(f"rotation is for rows of {rotation.size}, got x of shape {tuple(x.shape)}")
+    lead = x.shape[:-1]
+    c, m, n = rotation.blocks, rotation.odd_order, rotation.pow2
+    z = x.reshape(-1, c, m, n).float()
+    h = 1
+    while h < n:  # butterflies on pairs (j, j + h) inside blocks of 2h: x -> x H_n
+        pairs = z.reshape(-1, c, m, n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        z = torch.stack((a + b, a - b), dim=-2).reshape(-1, c, m, n)
+        h *= 2
+    if m > 1:  # y[p] = sum over p' (ascending) of H_m[p', p] z[p']
+        signs = rotation.odd_signs().to(z.device)[:, None, :, None]  # [m, 1, m, 1]
+        acc = signs[0] * z[:, :, 0:1, :]
+        for p in range(1, m):
+            acc = acc + signs[p] * z[:, :, p : p + 1, :]
+        z = acc
+    return (z * rotation.scale).reshape(*lead, rotation.size)
+
+
+def rotate_rows_float64(x: torch.Tensor, rotation: HadamardRotation) -> torch.Tensor:
+    """x [..., K] -> float64 x Q by two small matrix products per block (H_n, then H_m): for weights and
+    Hessians prepared offline, where accuracy matters and row-stability does not."""
+    if x.shape[-1] != rotation.size:
+        raise ValueError(f"rotation is for rows of {rotation.size}, got x of shape {tuple(x.shape)}")
+    c, m, n = rotation.blocks, rotation.odd_order, rotation.pow2
+    z = x.reshape(-1, c, m, n).double()
+    z = z @ sylvester_matrix(n).double().to(z.device)  # x H_n (H_n symmetric)
+    z = torch.einsum("rcpq,ps->rcsq", z, rotation.odd_signs().double().to(z.device))  # H_m^T on the m axis
+    return (z / math.sqrt(rotation.block)).reshape(*x.shape[:-1], rotation.size)
