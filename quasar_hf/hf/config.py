@@ -30,8 +30,9 @@ class QuasarConfig(QuantizationConfigMixin):
         alpha_search: what alpha="auto" minimises: "linear" (each mapping's own linears, on sampled
             rows) or "layer" (the decoder layer's per-token output error on `alpha_search_blocks`
             calibration blocks, mappings chosen in order; slower, see quasar_hf.smoothquant.layer_search).
-        calibration_dataset: None (offline Python docs text), a list of strings, a `datasets.Dataset`,
-            a local .txt/.json/.jsonl/.parquet/.csv file, or a Hub dataset name.
+        calibration_dataset: None (the shipped prose, code and chat text, "builtin:mix-v1"), "builtin:python-docs"
+            (Python's documentation alone), a list of strings, a `datasets.Dataset`, a local
+            .txt/.json/.jsonl/.parquet/.csv file, or a Hub dataset name.
         num_calibration_samples / calibration_seq_len: how many token blocks of which length.
         weight_rounding: "gptq" (second-order rounding of the smoothed weights on the calibration inputs'
             Hessian: same scales and format, closer to the float model, slower to quantize) or "nearest".

@@ -174,7 +174,9 @@ def _load_tokenizer(model: nn.Module, config: QuasarConfig):
 def calibration_blocks(model: nn.Module, config: QuasarConfig) -> tuple[torch.Tensor, str]:
     """(blocks [N, T] of token ids, source description) from the configured calibration text."""
     tokenizer = _load_tokenizer(model, config)
-    texts, source = load_calibration_texts(config.calibration_dataset, config.calibration_text_column, config.calibration_split)
+    texts, source = load_calibration_texts(
+        config.calibration_dataset, config.calibration_text_column, config.calibration_split, tokenizer
+    )
     blocks = build_calibration_blocks(texts, tokenizer, config.num_calibration_samples, config.calibration_seq_len, config.seed)
     return blocks, source
 

@@ -1,20 +1,21 @@
 """Calibration data: turn a dataset, a file, a dataset name or a list of strings into token blocks.
 
-The offline default is the English text of Python's own documentation topics, shipped with
-every CPython in `pydoc_data.topics` (PSF licence). Topics are split in two by a stable hash:
-the "calibration" half calibrates, the "heldout" half is left for evaluation (perplexity).
+The offline default, "builtin:mix-v1", is prose, code and chat shipped with quasar_hf; its other
+half is held out for fidelity measurements (smoothquant/builtin_text.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import warnings
 from collections.abc import Iterable, Iterator
 
 import torch
 
-BUILTIN_NAME = "builtin:python-docs"
+from quasar_hf.smoothquant.builtin_text import BUILTIN_SOURCES, MIX_NAME, python_docs_texts
+from quasar_hf.smoothquant.builtin_text import builtin_texts as builtin_source_texts
+
+BUILTIN_NAME = MIX_NAME  # the default calibration text
 MIN_BLOCK_TOKENS = 16
 CHUNK_CHARS = 16_384  # characters tokenized per call: bounds the memory of one huge text
 MAX_NAME_CHARS = 300  # a longer str is text, not a file path or dataset name
@@ -22,14 +23,8 @@ _TEXT_COLUMNS = ("text", "content", "prompt", "document", "article")
 
 
 def builtin_texts(split: str = "calibration") -> list[str]:
-    """Python documentation topics (offline), split by a stable hash into calibration / heldout."""
-    if split not in ("calibration", "heldout"):
-        raise ValueError(f"split must be 'calibration' or 'heldout', got {split!r}")
-    from pydoc_data.topics import topics
-
-    want = 0 if split == "calibration" else 1
-    keys = sorted(k for k in topics if hashlib.sha256(k.encode()).digest()[0] % 2 == want)
-    return [topics[k] for k in keys]
+    """The previous default text, Python documentation topics, in halves (fidelity reports keep using it)."""
+    return python_docs_texts(split)
 
 
 def _texts_from_dataset(dataset, text_column: str | None) -> list[str]:
@@ -56,13 +51,16 @@ def _could_be_a_name(source: str) -> bool:
     return 0 < len(source) <= MAX_NAME_CHARS and not any(c.isspace() for c in source)
 
 
-def load_calibration_texts(source, text_column: str | None = None, split: str = "train") -> tuple[list[str], str]:
-    """(texts, description) from None | list[str] | datasets.Dataset | local file | hub dataset name.
+def load_calibration_texts(source, text_column: str | None = None, split: str = "train", tokenizer=None) -> tuple[list[str], str]:
+    """(texts, description) from None | a built-in name | list[str] | datasets.Dataset | local file | hub dataset.
 
-    A str names a file or a dataset; texts themselves go in a list (`[text]`).
+    A str names a built-in text, a file or a dataset; texts themselves go in a list (`[text]`).
+    `tokenizer` renders the built-in chat text with the model's chat template.
     """
-    if source is None or source == BUILTIN_NAME:
-        return builtin_texts("calibration"), BUILTIN_NAME
+    if source is None:
+        source = BUILTIN_NAME
+    if source in BUILTIN_SOURCES:
+        return builtin_source_texts(source, "calibration", tokenizer), source
     if isinstance(source, (list, tuple)):
         wrong = next((t for t in source if not isinstance(t, str)), None)
         if wrong is not None:
