@@ -158,3 +158,14 @@ def test_keep_float_measures_a_rotated_linear_as_rotated():
     plain = calibration_error(samples, weight, weight)
     rotated = calibration_error(samples, weight, weight, rotation=HadamardRotation.for_size(1536))
     assert rotated["act_rel_mse"] < plain["act_rel_mse"] / 3
+
+
+def test_rotations_and_the_kernel_are_built_on_the_cpu_inside_a_meta_device_context():
+    """Checkpoints load under a meta-device context: a Paley order (Qwen's 4864 = H_76 x H_64) must still build."""
+    with torch.device("meta"):
+        rotation = HadamardRotation.for_size(4864)
+        signs = rotation.odd_signs()
+        assert rotation_layout(4864) == [1, 76, 64] and signs.device.type == "cpu"
+        assert hadamard_cpu.unavailable_reason() is None or hadamard_cpu.missing_cpu_flags(("avx2",))
+    x = torch.randn(2, 4864, generator=torch.Generator().manual_seed(9)).bfloat16()
+    assert torch.equal(hadamard_cpu.bind_rotation(rotation)(x), rotate_rows_reference(x, rotation))

@@ -70,3 +70,24 @@ def test_a_checkpoint_whose_rotation_this_code_would_not_rebuild_is_refused(rota
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
         AutoModelForCausalLM.from_pretrained(copy)
+
+
+def test_a_paley_width_reloads(tmp_path):
+    """intermediate 152 = 8 x 19: down_proj's rotation is H_76 (Paley II) x H_2, rebuilt at reload under Transformers' meta init."""
+    from transformers import LlamaConfig
+
+    from tests.tiny_models import char_tokenizer
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=152, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=128
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "src")
+    char_tokenizer().save_pretrained(tmp_path / "src")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "src", quantization_config=QuasarConfig(**FAST), dtype=torch.float32)
+    assert model.config.quantization_config.rotation_info["sizes"] == {"152": [1, 76, 2]}
+    model.save_pretrained(tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    ids = torch.tensor([[5, 17, 33, 2, 71, 40]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reloaded(ids).logits)

@@ -30,6 +30,11 @@ import torch
 ROTATION_CONSTRUCTION = "sylvester-paley-v1"  # recorded in checkpoints: a change here must change this name
 
 
+# Every tensor here is built on the CPU explicitly: checkpoints are loaded under a meta-device context
+# (Transformers' empty-weight init), and a rotation must be the same wherever it is first built.
+_CPU = torch.device("cpu")
+
+
 def _is_prime(q: int) -> bool:
     return q >= 2 and all(q % p for p in range(2, math.isqrt(q) + 1))
 
@@ -37,9 +42,16 @@ def _is_prime(q: int) -> bool:
 def _jacobsthal(q: int) -> torch.Tensor:
     """Q[i, j] = chi(j - i mod q), chi the quadratic character of the prime field F_q (int64 [q, q])."""
     squares = {(i * i) % q for i in range(1, q)}
-    chi = torch.tensor([0] + [1 if a in squares else -1 for a in range(1, q)], dtype=torch.int64)
-    index = (torch.arange(q)[None, :] - torch.arange(q)[:, None]) % q
+    chi = torch.tensor([0] + [1 if a in squares else -1 for a in range(1, q)], dtype=torch.int64, device=_CPU)
+    index = (torch.arange(q, device=_CPU)[None, :] - torch.arange(q, device=_CPU)[:, None]) % q
     return chi[index]
+
+
+def has_paley_construction(order: int) -> bool:
+    """True when `paley_matrix(order)` builds a matrix (Paley I: order - 1 prime; II: order / 2 - 1 prime, 1 mod 4)."""
+    if order % 4:
+        return False
+    return _is_prime(order - 1) or ((order // 2 - 1) % 4 == 1 and _is_prime(order // 2 - 1))
 
 
 def paley_matrix(order: int) -> torch.Tensor | None:
@@ -48,15 +60,15 @@ def paley_matrix(order: int) -> torch.Tensor | None:
     q = order - 1
     if order % 4 == 0 and _is_prime(q):  # Paley I: q = 3 mod 4
         jac = _jacobsthal(q)
-        s = torch.zeros(order, order, dtype=torch.int64)
+        s = torch.zeros(order, order, dtype=torch.int64, device=_CPU)
         s[0, 1:], s[1:, 0], s[1:, 1:] = 1, -1, jac
-        return s + torch.eye(order, dtype=torch.int64)
+        return s + torch.eye(order, dtype=torch.int64, device=_CPU)
     q = order // 2 - 1
     if order % 4 == 0 and q % 4 == 1 and _is_prime(q):  # Paley II: q = 1 mod 4
-        c = torch.zeros(q + 1, q + 1, dtype=torch.int64)
+        c = torch.zeros(q + 1, q + 1, dtype=torch.int64, device=_CPU)
         c[0, 1:], c[1:, 0], c[1:, 1:] = 1, 1, _jacobsthal(q)
-        zero = torch.tensor([[1, -1], [-1, -1]])
-        one = torch.tensor([[1, 1], [1, -1]])
+        zero = torch.tensor([[1, -1], [-1, -1]], device=_CPU)
+        one = torch.tensor([[1, 1], [1, -1]], device=_CPU)
         return torch.cat([torch.cat([zero if v == 0 else v * one for v in row], dim=1) for row in c.tolist()], dim=0)
     return None
 
@@ -65,7 +77,7 @@ def sylvester_matrix(order: int) -> torch.Tensor:
     """The Sylvester-Hadamard matrix of a power-of-two order (+-1, int64): H_2n = [[H, H], [H, -H]]."""
     if order < 1 or order & (order - 1):
         raise ValueError(f"a Sylvester matrix needs a power-of-two order, got {order}")
-    h = torch.ones(1, 1, dtype=torch.int64)
+    h = torch.ones(1, 1, dtype=torch.int64, device=_CPU)
     while h.shape[0] < order:
         h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
     return h
@@ -94,19 +106,19 @@ class HadamardRotation:
     @functools.cached_property
     def scale(self) -> float:
         """1 / sqrt(block) rounded to fp32: the one scaling both implementations apply."""
-        return float(torch.tensor(1.0 / math.sqrt(self.block), dtype=torch.float32))
+        return float(torch.tensor(1.0 / math.sqrt(self.block), dtype=torch.float32, device=_CPU))
 
     def odd_signs(self) -> torch.Tensor:
         """H_m as fp32 +-1 [m, m] (a 1 x 1 [[1]] when m = 1)."""
         if self.odd_order == 1:
-            return torch.ones(1, 1)
+            return torch.ones(1, 1, device=_CPU)
         matrix = paley_matrix(self.odd_order)
         assert matrix is not None  # for_size only picks constructible orders
         return matrix.float()
 
     def matrix(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """The dense orthonormal Q [size, size] (x Q is the rotation): the oracle for tests."""
-        block = torch.kron(self.odd_signs().double(), sylvester_matrix(self.pow2).double()) / math.sqrt(self.block)
+        block = torch.kron(self.odd_signs().double(), sylvester_matrix(self.pow2).double()) / math.sqrt(self.block)  # CPU
         return torch.block_diag(*([block] * self.blocks)).to(dtype)
 
 
@@ -116,7 +128,7 @@ def _rotation_for(size: int) -> HadamardRotation:
     odd = size >> exponent
     if exponent >= 2:
         for d in sorted((d for d in range(1, odd + 1) if odd % d == 0), reverse=True):
-            if d == 1 or paley_matrix(4 * d) is not None:
+            if d == 1 or has_paley_construction(4 * d):
                 m = 1 if d == 1 else 4 * d
                 n = 2**exponent if d == 1 else 2 ** (exponent - 2)
                 return HadamardRotation(size, size // (m * n), m, n)

@@ -55,10 +55,10 @@ def load_variant(source: str, flags: tuple[str, ...]) -> tuple[object | None, st
 
 def _smoke_test(fn) -> str | None:
     """A Paley-times-Sylvester width and a block-diagonal one against the reference, bit for bit."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(0)  # explicit CPU: first use may fall inside a meta-device context
     for width in (12 * 16, 20 * 4, 6):  # H_12 (x) H_16 (vector paths), H_20 (x) H_4 and 3 blocks of H_2 (scalar)
         rotation = HadamardRotation.for_size(width)
-        x = torch.randn(3, width, generator=gen).bfloat16()
+        x = torch.randn(3, width, generator=gen, device="cpu").bfloat16()
         if not torch.equal(_run(fn, x, rotation), rotate_rows_reference(x, rotation)):
             return "the built Hadamard kernel disagrees with ops/hadamard.py on a smoke test (compiler problem)"
     return None
@@ -116,7 +116,7 @@ def bind_rotation(rotation: HadamardRotation) -> Callable[[torch.Tensor], torch.
         if not x.is_contiguous():  # the common case passes x as it is: views cost microseconds here
             x = x.contiguous()
         count = x.numel() // k
-        out = torch.empty(x.shape, dtype=torch.float32)
+        out = torch.empty(x.shape, dtype=torch.float32, device="cpu")
         if count:
             threads = 1 if count < 2 * _MIN_ROWS_PER_THREAD else min(torch.get_num_threads(), count // _MIN_ROWS_PER_THREAD)
             if fn(x.data_ptr(), k, count, code, out.data_ptr(), blocks, m, n, signs_ptr, scale, threads):
@@ -132,7 +132,7 @@ def _run(fn, x: torch.Tensor, rotation: HadamardRotation) -> torch.Tensor:
     k = rotation.size
     rows = x.reshape(-1, k)
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    out = torch.empty(rows.shape[0], k, dtype=torch.float32)
+    out = torch.empty(rows.shape[0], k, dtype=torch.float32, device="cpu")
     if out.numel():
         threads = max(1, min(torch.get_num_threads(), rows.shape[0] // _MIN_ROWS_PER_THREAD))
         signs = _signs(rotation)
