@@ -194,7 +194,8 @@ def markdown(report: dict) -> str:
     if report.get("note"):
         lines += ["", report["note"]]
     lines += ["", "Variant overrides (QuasarConfig fields; `{}` is the default config of the code that ran):", ""]
-    lines += [f"- `{r['code']}` / `{r['variant']}`: `{json.dumps(r['overrides'])}`" for r in report["results"]]
+    listed = {(r["code"], r["variant"]): r["overrides"] for r in report["results"]}  # one line per variant, not per domain
+    lines += [f"- `{code}` / `{variant}`: `{json.dumps(overrides)}`" for (code, variant), overrides in listed.items()]
     return "\n".join(lines) + "\n"
 
 
