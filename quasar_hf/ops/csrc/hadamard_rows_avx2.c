@@ -8,22 +8,7 @@
  * Rows of fewer than 8 floats per Sylvester block take the portable loops.
  */
 #include <immintrin.h>
-#include "qhf_common.h"
-#include <stdint.h>
-#include <stdlib.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
-static void butterflies_scalar(float *z, int64_t n) {
-    for (int64_t h = 1; h < n; h *= 2)
-        for (int64_t i = 0; i < n; i += 2 * h)
-            for (int64_t j = i; j < i + h; j++) {
-                float a = z[j], b = z[j + h];
-                z[j] = a + b;
-                z[j + h] = a - b;
-            }
-}
+#include "hadamard_rows.h"
 
 /* One butterfly stage of span h < 8 inside a register: lanes with bit h clear get a + b, the others a - b
  * (a the lane with the bit clear, b its partner). */
@@ -87,21 +72,10 @@ static void mix_block_avx2(const float *zc, float *yc, int64_t m, int64_t n, con
         }
 }
 
-static void mix_block_scalar(const float *zc, float *yc, int64_t m, int64_t n, const float *signs, float scale) {
-    for (int64_t p = 0; p < m; p++) {
-        float *y = yc + p * n;
-        for (int64_t q = 0; q < n; q++) y[q] = signs[p] * zc[q];
-        for (int64_t pp = 1; pp < m; pp++)
-            for (int64_t q = 0; q < n; q++) y[q] = y[q] + signs[pp * m + p] * zc[pp * n + q];
-        for (int64_t q = 0; q < n; q++) y[q] = y[q] * scale;
-    }
-}
-
 static void rotate_row(const void *x, int dtype, float *z, float *out, int64_t blocks, int64_t m, int64_t n,
                        const float *signs, float scale) {
     const int64_t K = blocks * m * n;
-    for (int64_t k = 0; k < K; k++)
-        z[k] = dtype == 0 ? ((const float *)x)[k] : bf16_to_f32(((const uint16_t *)x)[k]);
+    load_row(x, dtype, z, K);
     const int vector = n % 8 == 0;
     for (int64_t g = 0; g < blocks * m; g++) {
         if (vector)
@@ -119,29 +93,4 @@ static void rotate_row(const void *x, int dtype, float *z, float *out, int64_t b
         else
             mix_block_scalar(z + c * m * n, out + c * m * n, m, n, signs, scale);
     }
-}
-
-int qhf_hadamard_rows(const void *x, int64_t x_stride, int64_t rows, int dtype, float *out, int64_t blocks, int64_t m,
-                      int64_t n, const float *signs, float scale, int threads) {
-    const int64_t K = blocks * m * n;
-    const int64_t elem = dtype == 0 ? 4 : 2;
-    int failed = 0;
-#ifdef _OPENMP
-#pragma omp parallel if (threads > 1) num_threads(threads > 0 ? threads : 1) reduction(| : failed)
-#endif
-    {
-        float *z = (float *)malloc((size_t)K * sizeof(float)); /* each thread's own scratch row */
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (int64_t r = 0; r < rows; r++) {
-            if (z)
-                rotate_row((const char *)x + r * x_stride * elem, dtype, z, out + r * K, blocks, m, n, signs, scale);
-            else
-                failed = 1;
-        }
-        free(z);
-    }
-    (void)threads;
-    return failed;
 }
