@@ -39,7 +39,7 @@ def test_cpu_and_disk_map_gives_identical_logits_and_generation(saved, tmp_path)
     ).eval()
     assert spread.hf_device_map == DEVICE_MAP
     assert spread.model.layers[1].input_layernorm.weight.device.type == "meta"  # really offloaded
-    assert type(spread.model.layers[1].mlp.down_proj).__name__ == "W8A8Linear"
+    assert type(spread.model.layers[1].mlp.down_proj).__name__ == "RotatedW8A8Linear"  # the default rotate=["down_proj"]
     assert type(spread.lm_head).__name__ == "RowStableLinear"  # re-hooked by accelerate, same bits as `whole`
     assert any(isinstance(m, FoldedRMSNorm) for m in whole.modules())
     assert not any(isinstance(m, FoldedRMSNorm) for m in spread.modules())  # accelerate owns their forward
