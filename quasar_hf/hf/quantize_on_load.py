@@ -10,8 +10,9 @@ from torch import nn
 from quasar_hf import compat
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially, set_submodule
-from quasar_hf.nn import FoldedRMSNorm, RotatedW8A8Linear, RowStableLinear, W8A8Linear
+from quasar_hf.nn import FoldedRMSNorm, RotatedW8A8Linear, RowStableLinear, RowStableRMSNorm, W8A8Linear
 from quasar_hf.nn.folded_norm import rmsnorm_epsilon
+from quasar_hf.nn.rowstable_norm import rms_norm_formula
 from quasar_hf.ops.hadamard import ROTATION_CONSTRUCTION, rotation_layout
 from quasar_hf.self_draft.head import attach_draft_head_skeleton, build_draft_head
 from quasar_hf.self_draft.layer_search import (
@@ -138,6 +139,19 @@ def unfold_norms(model: nn.Module) -> int:
             set_submodule(model, name, module.unfolded[0])
             restored += 1
     return restored
+
+
+def use_rowstable_norms(model: nn.Module) -> int:
+    """Replace every RMSNorm of a known class left after fold_norms (the final norm, q/k norms, ...)
+    with a RowStableRMSNorm over the same Parameter: compiled, each is one opaque op whose rows are
+    reduced alone (nn/rowstable_norm.py). Norms that Accelerate dispatches stay. Returns how many."""
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is RowStableRMSNorm or rms_norm_formula(module) is None or compat.has_accelerate_hook(module):
+            continue
+        set_submodule(model, name, RowStableRMSNorm(module))
+        replaced += 1
+    return replaced
 
 
 def use_rowstable_lm_head(model: nn.Module) -> bool:

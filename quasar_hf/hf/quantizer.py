@@ -19,6 +19,7 @@ from quasar_hf.hf.quantize_on_load import (
     quantize_model,
     replace_with_w8a8_skeleton,
     use_rowstable_lm_head,
+    use_rowstable_norms,
 )
 from quasar_hf.nn import W8A8Linear, prepare_weights
 from quasar_hf.ops.rowstable_attention import use_rowstable_attention
@@ -65,6 +66,7 @@ class QuasarHfQuantizer(HfQuantizer):
         # generate(quasar=True) equals plain greedy generate of this model in one verify call per layer.
         use_rowstable_attention(model)
         use_rowstable_lm_head(model)  # and logits: verify rows equal decode steps even at near-ties
+        use_rowstable_norms(model)  # the other norms: one opaque op each when compiled
         bind_quasar_methods(model)  # generate(quasar=...), save_pretrained / push_to_hub with the model card
         return model
 

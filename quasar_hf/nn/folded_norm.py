@@ -18,7 +18,8 @@ Nothing is written on a module at forward time: two threads can run one model. T
 bound once (`prepare`): at load, after `.to()` / `_apply`, `load_state_dict`, copies, and after an
 in-place edit of a weight when the user calls `quasar_hf.prepare_weights(model)`. Under
 torch.compile, for float64 inputs, or where the consumers' backend has no folded form, the norm
-computes itself as its Transformers class does and each consumer quantizes its output.
+computes itself as its Transformers class does (compiled: the op `quasar::rms_norm`, see
+nn/rowstable_norm.py) and each consumer quantizes its output.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from quasar_hf.nn.prepared_module import PreparedModule
+from quasar_hf.nn.rowstable_norm import RowStableRMSNorm, compiled_rms_norm, rms_norm_formula
 from quasar_hf.ops.dispatch import bind_folded_group
 
 # RMSNorm classes computing x * rsqrt(mean(x^2) + eps) * (offset + weight), and their eps attribute
@@ -45,6 +47,8 @@ FOLDABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the W8A
 
 def rmsnorm_epsilon(norm: nn.Module) -> float | None:
     """The eps of a foldable RMSNorm module, or None when its class is not known to compute RMSNorm."""
+    if isinstance(norm, RowStableRMSNorm):
+        return norm.formula[0]
     attribute = FOLDABLE_RMSNORMS.get(type(norm).__name__)
     eps = getattr(norm, attribute, None) if attribute else None
     weight = getattr(norm, "weight", None)
@@ -99,6 +103,7 @@ class FoldedRMSNorm(PreparedModule):
         self.consumers = tuple(consumers)  # a tuple: not registered as children
         self.consumer_names = tuple(consumer_names)
         self.unfolded = (norm,)  # the replaced module: computes the norm where the fold cannot run
+        self.formula = rms_norm_formula(norm)  # what a compiled step computes (quasar::rms_norm)
         self._group = None
         for linear in self.consumers:
             linear.fed_by = (self,)
@@ -119,6 +124,8 @@ class FoldedRMSNorm(PreparedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., K]
         group = self._group
+        if torch.compiler.is_compiling() and self.formula is not None:
+            return compiled_rms_norm(x, self.weight, self.formula)  # one opaque op: rows reduced alone
         if group is None or x.dtype not in FOLDABLE_DTYPES or torch.compiler.is_compiling():
             return self.unfolded[0](x)
         normed, *outputs = group(x.detach())

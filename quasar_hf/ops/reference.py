@@ -230,3 +230,21 @@ def rowstable_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torc
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def transformers_rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, scale_in_float: bool
+) -> torch.Tensor:
+    """An RMSNorm as Transformers' classes compute it, op for op (so the bits are theirs).
+
+    scale_in_float=False (Llama, Mistral, Qwen2/3, Phi-3): weight * (x * rsqrt(mean(x^2) + eps)).to(dtype);
+    True (Gemma 3): ((x * rsqrt(...)) * (offset + weight)) in fp32, then .to(dtype). Each row is
+    reduced alone by torch's inner-dimension reduction, whatever the number of rows.
+    """
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if scale_in_float:
+        return (h * (offset + weight.float())).type_as(x)
+    if offset:
+        raise ValueError("an RMSNorm that scales after the cast has no weight offset (only Gemma's (1 + w) norms do)")
+    return weight * h.to(x.dtype)

@@ -7,6 +7,7 @@ fake implementation gives, and Inductor calls the real kernel at run time.
   quasar::rowstable_attention_triton(query, key, value, visible?, scale?) -> [B, Q, H, D]
   quasar::rowstable_linear(x, weight, bias?) -> [..., N]   (the float lm_head, RowStableLinear)
   quasar::hadamard_rows(x, blocks, odd_order, pow2) -> fp32 [..., K]   (RotatedW8A8Linear's input)
+  quasar::rms_norm(x, weight, eps, offset, scale_in_float) -> [..., K]   (every RMSNorm when compiled)
 
 Registered with `torch.library.Library` (define + impl + `register_fake`) rather than the
 `torch.library.custom_op` decorator: both give the same operator, but the decorator's Python
@@ -37,6 +38,7 @@ _LIB.define("rowstable_attention_cpu(Tensor query, Tensor key, Tensor value, Ten
 _LIB.define("rowstable_attention_triton(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor")
 _LIB.define("rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIB.define("hadamard_rows(Tensor x, int blocks, int odd_order, int pow2) -> Tensor")
+_LIB.define("rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_float) -> Tensor")
 
 
 # ---- quasar::w8a8_linear -------------------------------------------------------------------
@@ -122,3 +124,21 @@ def _hadamard_rows_fake(x, blocks: int, odd_order: int, pow2: int) -> torch.Tens
 
 _LIB.impl("hadamard_rows", _hadamard_rows_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("quasar::hadamard_rows", _hadamard_rows_fake, lib=_LIB)
+
+
+# ---- RMSNorm (RowStableRMSNorm, FoldedRMSNorm under compile) ---------------------------------
+
+
+def _rms_norm_impl(x, weight, eps: float, offset: float, scale_in_float: bool) -> torch.Tensor:
+    from quasar_hf.ops.reference import transformers_rms_norm_reference
+
+    return transformers_rms_norm_reference(x, weight, eps, offset, scale_in_float)
+
+
+def _rms_norm_fake(x, weight, eps: float, offset: float, scale_in_float: bool) -> torch.Tensor:
+    dtype = x.dtype if scale_in_float else torch.promote_types(weight.dtype, x.dtype)
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+_LIB.impl("rms_norm", _rms_norm_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("quasar::rms_norm", _rms_norm_fake, lib=_LIB)
