@@ -17,6 +17,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "benchmarks.compiled_rows:main",
         "compiled verify rows vs compiled decode steps over a static cache, per compile mode",
     ),
+    "compiled-steps": (
+        "benchmarks.compiled_steps:main",
+        "eager vs compiled decode / verify steps against the bytes floor, and end to end with exactness",
+    ),
     "scaling": ("benchmarks.scaling:main", "quantize cost and step time at real Llama sizes (random weights)"),
     "drafters": ("benchmarks.drafters:main", "drafters compared on a real checkpoint, grounded and open prompts"),
     "fidelity": ("benchmarks.fidelity:main", "W8A8 vs BF16 perplexity, top-1 and KL of QuasarConfig variants on one model"),

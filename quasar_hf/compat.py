@@ -144,6 +144,44 @@ def _append_in_place_layer_class() -> type:
     return AppendInPlaceLayer
 
 
+def full_attention_static_cache(model: nn.Module, max_cache_len: int) -> Any:
+    """A StaticCache of `max_cache_len` slots for `model`, every layer a full-attention StaticLayer:
+    a sliding layer writes modulo its window, after which rejected drafts could not be rolled back;
+    the model's sliding mask still limits each query to its window."""
+    from transformers import StaticCache, StaticLayer
+
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    if any(layer.is_sliding for layer in cache.layers):
+        cache.layers[:] = [StaticLayer(max_cache_len=max_cache_len) for _ in cache.layers]
+    return cache
+
+
+def set_static_cache_length(cache: Any, length: int) -> None:
+    """Make the next update of every StaticLayer write at slot `length` (5.x layers write at their
+    `cumulative_length` counter, a tensor updated in place so that compiled steps keep its address)."""
+    for layer in cache.layers:
+        counter = layer.cumulative_length
+        if int(counter) != length:
+            counter.fill_(length)
+
+
+def default_compile_config(device: torch.device) -> Any:
+    """What `compile=True` compiles a step with: one full graph per static shape; CUDA graphs on CUDA
+    (mode "reduce-overhead"'s option), Inductor's C++ code elsewhere (the CPU opt-in that generate checks).
+    `emulate_precision_casts` keeps the bf16 rounding after each op that eager has: without it Inductor
+    keeps fused intermediates in fp32, and SmolLM2's compiled verify rows then differ from its compiled
+    decode steps (benchmarks/compiled_rows_smollm2_cpu.md)."""
+    from transformers import CompileConfig
+
+    cuda = torch.device(device).type == "cuda"
+    options = {"emulate_precision_casts": True}
+    if cuda:
+        options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (torch takes a mode or options)
+    config = CompileConfig(fullgraph=True, dynamic=False, mode=None, options=options)
+    config._compile_all_devices = not cuda  # generate compiles CPU steps only when asked to
+    return config
+
+
 # ---------------------------------------------------------------- configs
 def name_or_path(model_or_config: Any) -> str:
     """Where a model was loaded from (Hub id or local folder), "" when unknown."""

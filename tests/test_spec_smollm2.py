@@ -139,3 +139,30 @@ def test_greedy_quasar_equals_plain_w8a8(checkpoint, prompts, dtype, attention):
             near_ties.append((name, index, step, gap))
     print(f"{dtype}/{attention}: near-tie divergences {near_ties}")
 
+
+# Dynamo's graphs of the real model with eager kernels (seconds to compile); set "inductor" to check
+# Inductor's generated code too (minutes per graph on 2 cores; benchmarks/compiled_steps_smollm2_cpu.md).
+COMPILED_BACKEND = os.environ.get("QUASAR_SPEC_COMPILED_BACKEND", "aot_eager")
+
+
+def test_compiled_greedy_quasar_equals_compiled_plain_greedy(checkpoint, prompts):
+    """In compiled mode (static cache, the decode and padded verify steps compiled with one CompileConfig)
+    greedy quasar=True gives the tokens of plain greedy decoding with the same compiled decode step."""
+    import torch._dynamo
+    from transformers import CompileConfig
+
+    from quasar_hf import compat
+
+    model = load(checkpoint, torch.bfloat16, "quasar_rowstable")
+    config = compat.default_compile_config(torch.device("cpu"))
+    if COMPILED_BACKEND != "inductor":
+        config = CompileConfig(fullgraph=True, dynamic=False, backend=COMPILED_BACKEND)
+    torch._dynamo.reset()
+    accepted = 0
+    for index, ids in enumerate(prompts[:2]):
+        plain = model.generate(ids, max_new_tokens=48, do_sample=False, quasar={"compile": config, "num_draft_tokens": 0})
+        out = model.generate(ids, max_new_tokens=48, do_sample=False, quasar={"compile": config}, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, plain), f"prompt {index}"
+        accepted += out.quasar_stats.accepted_tokens
+    torch._dynamo.reset()
+    assert accepted > 0

@@ -79,7 +79,10 @@ class QuasarHfQuantizer(HfQuantizer):
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        """Compiled steps are row-stable: every reduction is an op of ours (W8A8 GEMMs, attention, lm_head)
+        or a per-row norm, so compiled `quasar=True` gives the tokens of compiled plain greedy decoding
+        with the same CompileConfig (tests/test_static_steps.py); compiled need not equal eager."""
+        return True
 
 
 def _check_checkpoint_files(checkpoint_files: list[str] | None, config: QuasarConfig) -> None:

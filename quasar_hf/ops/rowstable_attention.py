@@ -38,10 +38,17 @@ _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
 
 
 def _visible_keys(attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor):
-    """bool [B, Q, N] from SDPA's mask [B, 1, Q, >=N] (None stays None: bottom-right causal); False if unusable."""
-    if attention_mask is None:
-        return None
+    """bool [B, Q, N] from SDPA's mask [B, 1, Q, >=N]; False if unusable.
+
+    None is Transformers' "SDPA can use is_causal" (masking_utils skips the mask): one query row
+    sees every key, Q == N rows are causal (both stay None: the kernel's causal rows), and
+    1 < Q < N, a prefill into an empty static cache, is top-left causal (row i sees keys 0..i)."""
     batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+    if attention_mask is None:
+        if 1 < q_len < kv_len:
+            rows = torch.arange(q_len, device=key.device)[:, None]
+            return (torch.arange(kv_len, device=key.device)[None, :] <= rows).expand(batch, q_len, kv_len)
+        return None
     if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
         return False
     if attention_mask.shape[2] != q_len or attention_mask.shape[3] < kv_len:
@@ -68,27 +75,22 @@ def _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs):
         return None, None
     kernel = rowstable_kernel_for(query, key, value)
     visible = _visible_keys(attention_mask, query, key) if kernel is not None else False
-    if visible is not False:
-        visible = _within_sliding_window(visible, query, key, kwargs.get("sliding_window"))
+    if visible is None:  # Transformers' masks carry the window; a call without one gets it here
+        visible = _within_sliding_window(query, key, kwargs.get("sliding_window"))
     return (None, None) if visible is False else (kernel, visible)
 
 
-def _within_sliding_window(visible, query: torch.Tensor, key: torch.Tensor, window: int | None):
-    """`visible` [B, Q, N] (or None: bottom-right causal) limited to the last `window` keys of each row.
-
-    Transformers' sliding masks already say this (key j visible from row position p iff
-    p - window < j <= p); applying the band again is a no-op for them and keeps a call that
-    arrives without a mask from attending past the window. Rows are bottom-right aligned
-    (row i sits at key index N - Q + i), as in a cache without holes (batches with holes are
-    refused for sliding-window models).
-    """
+def _within_sliding_window(query: torch.Tensor, key: torch.Tensor, window: int | None) -> torch.Tensor | None:
+    """For a call without a mask (one row over its keys, or Q == N causal rows): the causal rows
+    limited to the last `window` keys of each (key j visible from row position p iff
+    p - window < j <= p, as Transformers' sliding masks say); None when the window covers them."""
     batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
     if not window or kv_len <= window:
-        return visible
+        return None
     rows = torch.arange(kv_len - q_len, kv_len, device=key.device)[:, None]  # [Q, 1] key index of each row
     cols = torch.arange(kv_len, device=key.device)[None, :]  # [1, N]
     band = (cols <= rows) & (cols > rows - window)  # [Q, N]
-    return band.expand(batch, q_len, kv_len) if visible is None else visible & band
+    return band.expand(batch, q_len, kv_len)
 
 
 def _sdpa_row_by_row(module, query, key, value, attention_mask, **kwargs):

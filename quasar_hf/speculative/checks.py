@@ -24,7 +24,7 @@ _UNSUPPORTED_OPTIONS = {
     "prefill_chunk_size": (None, "chunked prefill"),
     "token_healing": (False, "token healing"),
 }
-_SUPPORTED_CACHES = (None, "dynamic")
+_SUPPORTED_CACHES = (None, "dynamic", "static")  # "static": the loop's StaticVerifierCache
 
 
 def _check_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -61,8 +61,8 @@ def _refuse_unsupported(config: GenerationConfig, model_kwargs: dict) -> None:
             raise ValueError(f"quasar speculative generation does not support {what} ({name}={value!r}); remove it.")
     if config.cache_implementation not in _SUPPORTED_CACHES:
         raise ValueError(
-            f"quasar speculative generation needs a dynamic KV cache (it crops rejected drafts); "
-            f"cache_implementation={config.cache_implementation!r} is not supported."
+            f"quasar speculative generation keeps a dynamic or a static KV cache of its own (it rolls back rejected "
+            f"drafts); cache_implementation={config.cache_implementation!r} is not supported: use 'dynamic' or 'static'."
         )
     if config.guidance_scale not in (None, 1, 1.0):
         raise ValueError("quasar speculative generation does not support classifier-free guidance (guidance_scale).")

@@ -7,6 +7,7 @@ from typing import Any
 
 DEFAULT_NUM_DRAFT_TOKENS = 5  # the Quasar authors' setting (n-gram drafter, 5 speculative tokens)
 DRAFTER_METHODS = ("start", "propose", "on_accept", "select_rows")  # the Drafter interface (drafters.py)
+CACHE_IMPLEMENTATIONS = ("dynamic", "static")
 RENAMED_OPTIONS = {"shape_stable_attention": "rowstable_attention"}  # old name -> the option to use
 
 
@@ -28,6 +29,14 @@ class QuasarGenerationConfig:
         False runs one batched call per layer whatever the attention: with SDPA that is faster,
         but its rounding then differs from decode steps, which W8A8 rounding can amplify into
         different tokens.
+    cache_implementation: "dynamic" (default: grows with the text, any batch size) or "static"
+        (allocated once for max_length + num_draft_tokens + 1 tokens; rollback moves a length;
+        drafts are padded to num_draft_tokens so every step has one of two shapes; batch size 1).
+    compile: False (default), True, or a transformers.CompileConfig. True compiles the decode and
+        verify steps with `model.get_compiled_call` (fullgraph, static shapes; CUDA graphs on CUDA,
+        Inductor's C++ code on CPU) over a static cache. Greedy output then equals plain greedy
+        decoding with the same compiled step (`num_draft_tokens=0`), token for token; it need not
+        equal eager decoding.
     """
 
     drafter: Any = "ngram"
@@ -37,6 +46,8 @@ class QuasarGenerationConfig:
     assistant_model: Any = None
     drafter_kwargs: dict = field(default_factory=dict)
     rowstable_attention: bool = True
+    cache_implementation: str = "dynamic"
+    compile: Any = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
@@ -46,6 +57,14 @@ class QuasarGenerationConfig:
                 "n-gram sizes must satisfy 1 <= min_ngram_size <= max_ngram_size, got "
                 f"min_ngram_size={self.min_ngram_size}, max_ngram_size={self.max_ngram_size}."
             )
+        if self.cache_implementation not in CACHE_IMPLEMENTATIONS:
+            raise ValueError(
+                f"cache_implementation must be one of {list(CACHE_IMPLEMENTATIONS)}, got {self.cache_implementation!r}."
+            )
+        if not isinstance(self.compile, bool) and type(self.compile).__name__ != "CompileConfig":
+            raise TypeError(f"compile takes True, False or a transformers.CompileConfig, got {self.compile!r}.")
+        if self.compile:
+            self.cache_implementation = "static"  # compiled steps need fixed shapes and cache addresses
         if self.assistant_model is not None and self.drafter == "ngram":
             self.drafter = "assistant"
         _check_drafter(self.drafter)
@@ -72,6 +91,8 @@ class QuasarGenerationConfig:
         data["assistant_model"] = None if self.assistant_model is None else type(self.assistant_model).__name__
         if not isinstance(self.drafter, str):
             data["drafter"] = type(self.drafter).__name__
+        if not isinstance(self.compile, bool):
+            data["compile"] = self.compile.to_dict()
         return data
 
 

@@ -18,6 +18,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .drafters import Drafter, DraftSetup
 from .kv_state import RowAlignedCache
+from .static_cache import StaticVerifierCache
 from .stats import QuasarStats
 from .verify import greedy_accept, speculative_sample_accept
 
@@ -47,8 +48,18 @@ class SpeculativeRun:
     """State of one call: per-row token lists, the verifier cache, pending tokens, stats."""
 
     def __init__(
-        self, model, prepared: PreparedGeneration, drafter: Drafter, streamer, generator, verify_kwargs: dict | None = None
+        self,
+        model,
+        prepared: PreparedGeneration,
+        drafter: Drafter,
+        streamer,
+        generator,
+        verify_kwargs: dict | None = None,
+        verifier: RowAlignedCache | StaticVerifierCache | None = None,
+        draft_width: int | None = None,
     ) -> None:
+        """`verifier` defaults to a RowAlignedCache; `draft_width` pads non-empty drafts to that many
+        tokens (fixed step shapes for a static cache; the padding's logits are never read)."""
         self.model = model
         self.prepared = prepared
         self.drafter = drafter
@@ -60,7 +71,8 @@ class SpeculativeRun:
         self.pad_lengths = (prepared.attention_mask == 0).sum(-1).tolist()
         self.active = list(range(len(self.rows)))  # original indices of unfinished rows
         self.stats = QuasarStats(prefill_tokens=int(prepared.attention_mask.sum()))
-        self.verifier = RowAlignedCache(model, len(self.rows), self.device, verify_kwargs)
+        self.verifier = verifier or RowAlignedCache(model, len(self.rows), self.device, verify_kwargs)
+        self.draft_width = draft_width
 
     def run(self) -> tuple[torch.Tensor, QuasarStats]:
         started = time.perf_counter()  # the prompt was streamed by generate
@@ -94,14 +106,16 @@ class SpeculativeRun:
         drafted = time.perf_counter()
         k = draft.tokens.shape[1]
         chunk = torch.cat([pending[:, None], draft.tokens], dim=1)  # [B, k+1]
-        logits = self.verifier.forward(chunk)  # [B, k+1, V] fp32
+        if self.draft_width is not None and 0 < k < self.draft_width:  # [B, width+1]: one verify shape
+            chunk = torch.cat([chunk, pending[:, None].expand(-1, self.draft_width - k)], dim=1)
+        logits = self.verifier.forward(chunk)[:, : k + 1]  # [B, k+1, V] fp32
         scores = self._position_scores(draft.tokens, logits)  # [B, k+1, V]
         if self.do_sample:
             probs = torch.softmax(scores, dim=-1)
             num_accepted, next_token = speculative_sample_accept(draft.tokens, draft.probs, probs, self.generator, draft.lengths)
         else:
             num_accepted, next_token = greedy_accept(draft.tokens, scores, draft.lengths)
-        self.verifier.keep_accepted(num_accepted + 1, k + 1)  # pending token + accepted drafts
+        self.verifier.keep_accepted(num_accepted + 1, chunk.shape[1])  # pending token + accepted drafts
         self.drafter.on_accept(num_accepted)
         accepted_list = num_accepted.tolist()
         emitted, finished = [], []

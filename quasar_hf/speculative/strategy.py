@@ -16,6 +16,7 @@ through it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from .checks import _check_inputs, _refuse_unsupported
 from .config import QuasarGenerationConfig
 from .drafters import make_drafter
 from .loop import PreparedGeneration, QuasarGenerateOutput, SpeculativeRun
+from .static_cache import StaticVerifierCache, static_cache_slots
 
 # model_kwargs that Transformers' generate prepares itself; anything else is a model input we refuse.
 _PREPARED_MODEL_KWARGS = ("attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache", "past_key_values")
@@ -81,6 +83,9 @@ def run_prepared(
     attention_mask = model_kwargs.get("attention_mask")
     _check_inputs(model, input_ids, attention_mask)
     _refuse_unsupported(generation_config, {k: v for k, v in model_kwargs.items() if k not in _PREPARED_MODEL_KWARGS})
+    if generation_config.cache_implementation == "static":  # generate's own (empty) StaticCache: the loop sizes its own
+        quasar_config = dataclasses.replace(quasar_config, cache_implementation="static")
+        model_kwargs = {k: v for k, v in model_kwargs.items() if k not in ("cache", "past_key_values")}
     _refuse_filled_cache(model_kwargs)
     batch_size = input_ids.shape[0]
     if streamer is not None and batch_size > 1:
@@ -99,10 +104,34 @@ def run_prepared(
     )
     drafter = make_drafter(model, quasar_config)
     with verification_attention(model, quasar_config.rowstable_attention) as verify_kwargs:
-        sequences, stats = SpeculativeRun(model, prepared, drafter, streamer, generator, verify_kwargs).run()
+        verifier, draft_width = verifier_cache(model, prepared, quasar_config, verify_kwargs)
+        run = SpeculativeRun(model, prepared, drafter, streamer, generator, verify_kwargs, verifier, draft_width)
+        sequences, stats = run.run()
     if generation_config.return_dict_in_generate:
         return QuasarGenerateOutput(sequences=sequences, quasar_stats=stats)
     return sequences
+
+
+def verifier_cache(
+    model: torch.nn.Module, prepared: PreparedGeneration, config: QuasarGenerationConfig, verify_kwargs: dict
+) -> tuple[StaticVerifierCache | None, int | None]:
+    """The static verifier cache and the padded draft width when the config asks for one, else (None, None):
+    the loop then keeps a RowAlignedCache. With compile, steps run `model.get_compiled_call` with the
+    CompileConfig given (quasar's, else generate's `compile_config`, else `compat.default_compile_config`):
+    the callable plain compiled `generate` runs too, kept on the model, so calls with the same settings
+    share its graphs."""
+    if config.cache_implementation != "static":
+        return None, None
+    width = max(config.num_draft_tokens, 1)
+    step = None
+    if config.compile:
+        compile_config = config.compile if not isinstance(config.compile, bool) else None
+        compile_config = compile_config or prepared.generation_config.compile_config  # generate(compile_config=...)
+        step = model.get_compiled_call(compile_config or compat.default_compile_config(prepared.input_ids.device))
+    batch_size, device = prepared.input_ids.shape[0], prepared.input_ids.device
+    slots = static_cache_slots(prepared.max_length + width + 1)
+    cache = StaticVerifierCache(model, batch_size, device, slots, step, verify_kwargs)
+    return cache, width
 
 
 def row_processors(processors: LogitsProcessorList, batch_size: int) -> list[LogitsProcessorList]:
@@ -135,7 +164,8 @@ def _refuse_filled_cache(model_kwargs: dict) -> None:
         if cache is not None and not isinstance(cache, DynamicCache):
             raise ValueError(
                 f"Quasar generation keeps its own dynamic KV cache and cannot use the {type(cache).__name__} passed as "
-                f"{name}=...; drop that argument (a static cache for the speculative loop is not supported yet)."
+                f"{name}=...; drop that argument (for a static cache pass cache_implementation='static' or "
+                f"quasar={{'cache_implementation': 'static'}}: the loop sizes one with room for its drafts)."
             )
         if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
             raise ValueError(

@@ -1,0 +1,220 @@
+"""Eager vs compiled decode and verify steps of a saved Quasar checkpoint, against the bytes floor;
+then end to end: plain greedy and `quasar=True`, eager and compiled, with exactness beside speed.
+
+Steps: one forward of 1 token (decode) and of 6 (a 5-draft verification) over a 300-token cache,
+for three verifiers of the same weights: the dynamic cache the loop uses by default
+(RowAlignedCache), the static cache eager, and the static cache with the step compiled by
+`quasar={"compile": True}`'s settings. Modes alternate round by round in one process (the
+machine is shared), at all torch threads and at one. The floor is the int8 weights + lm_head
+bytes over the read bandwidth measured in the same process. The first compiled call of each
+shape is timed apart (compile time; Inductor's on-disk cache makes a second process faster).
+
+End to end: `--prompts` grounded prompts, `--new-tokens` each: plain greedy eager (generate),
+quasar eager, compiled plain (the loop with num_draft_tokens=0: every step the compiled decode)
+and compiled quasar; tokens/s, and whether compiled quasar equals compiled plain token for token.
+The loop's own time per verify step (total minus prefill, draft and verify forwards) is reported.
+
+    python -m benchmarks compiled-steps --quantized DIR --name compiled_steps_smollm2_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
+
+import quasar_hf  # noqa: F401
+from quasar_hf import compat
+from quasar_hf.nn import W8A8Linear
+from quasar_hf.speculative.kv_state import RowAlignedCache
+from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
+
+CACHE_TOKENS = 300
+STEP_TOKENS = (1, 6)
+
+
+def floor_bytes(model) -> int:
+    """Bytes a step must read: int8 weights of every W8A8 linear + the float lm_head."""
+    int8 = sum(m.weight.numel() for m in model.modules() if isinstance(m, W8A8Linear))
+    return int8 + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+
+
+def verifiers(model, compiled_step) -> dict:
+    """name -> a prefilled verifier over the same CACHE_TOKENS random tokens."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, CACHE_TOKENS), generator=torch.Generator().manual_seed(0))
+    slots = static_cache_slots(CACHE_TOKENS + max(STEP_TOKENS) + 1)
+    states = {
+        "dynamic_eager": RowAlignedCache(model, 1, torch.device("cpu")),
+        "static_eager": StaticVerifierCache(model, 1, torch.device("cpu"), slots),
+        "static_compiled": StaticVerifierCache(model, 1, torch.device("cpu"), slots, step=compiled_step),
+    }
+    for state in states.values():
+        state.forward(prompt, last_only=True)
+    return states
+
+
+def run_steps(state, tokens: int, steps: int) -> float:
+    """Mean ms of `steps` forwards of `tokens` tokens, each rolled back to the same cache."""
+    vocab = state.model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+    start = time.perf_counter()
+    for _ in range(steps):
+        state.forward(ids)
+        state.keep_accepted(torch.tensor([0]), tokens)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def time_steps(model, compiled_step, steps: int, rounds: int, floor_ms: float) -> tuple[dict, dict]:
+    """(rows "threads x tokens" -> ms per mode and x floor, compile seconds per step shape)."""
+    states = verifiers(model, compiled_step)
+    compile_s = {}
+    for tokens in STEP_TOKENS:
+        began = time.perf_counter()
+        run_steps(states["static_compiled"], tokens, 1)
+        compile_s[f"{tokens}_tokens"] = time.perf_counter() - began
+    threads = torch.get_num_threads()
+    rows = {}
+    for count in sorted({threads, 1}, reverse=True):
+        torch.set_num_threads(count)
+        for tokens in STEP_TOKENS:
+            totals = dict.fromkeys(states, 0.0)
+            for _ in range(rounds):
+                for name, state in states.items():
+                    run_steps(state, tokens, 1)  # warm
+                    totals[name] += run_steps(state, tokens, steps)
+            row = {"threads": count, "tokens": tokens}
+            for name, total in totals.items():
+                row[f"{name}_ms"] = total / rounds
+                row[f"{name}_x_floor"] = total / rounds / floor_ms
+            rows[f"{count}x{tokens}"] = row
+            print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    torch.set_num_threads(threads)
+    return rows, compile_s
+
+
+def end_to_end(model, tokenizer, prompts: int, new_tokens: int, compile_config) -> dict:
+    """Tokens/s of four ways to decode the same grounded prompts, and compiled exactness."""
+    from quasar_hf.bench.suites import load_suite, render_prompt
+
+    items = load_suite("grounded")[:prompts]
+    ids_list = [torch.tensor([render_prompt(item, tokenizer)]) for item in items]
+    compiled = {"compile": compile_config}
+    modes = {
+        "plain_eager": None,
+        "quasar_eager": True,
+        "plain_compiled": {**compiled, "num_draft_tokens": 0},
+        "quasar_compiled": compiled,
+    }
+    model.generate(ids_list[0], max_new_tokens=8, do_sample=False, quasar=modes["quasar_compiled"])  # compile first
+    model.generate(ids_list[0], max_new_tokens=8, do_sample=False, quasar=modes["plain_compiled"])
+    results = {name: {"seconds": 0.0, "new_tokens": 0, "loop_s": 0.0, "verify_steps": 0} for name in modes}
+    outputs = {name: [] for name in modes}
+    for ids in ids_list:
+        for name, quasar in modes.items():
+            began = time.perf_counter()
+            if quasar is None:
+                out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+                stats = None
+            else:
+                gen = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, quasar=quasar, return_dict_in_generate=True)
+                out, stats = gen.sequences, gen.quasar_stats
+            results[name]["seconds"] += time.perf_counter() - began
+            results[name]["new_tokens"] += out.shape[1] - ids.shape[1]
+            outputs[name].append(out)
+            if stats is not None:
+                forwards = stats.prefill_time_s + stats.draft_time_s + stats.verify_time_s
+                results[name]["loop_s"] += stats.total_time_s - forwards
+                results[name]["verify_steps"] += stats.verify_steps
+    for row in results.values():
+        row["tokens_per_s"] = row["new_tokens"] / row["seconds"]
+        row["loop_ms_per_step"] = row["loop_s"] / row["verify_steps"] * 1e3 if row["verify_steps"] else None
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(outputs[a], outputs[b]))  # noqa: E731
+    exact = {
+        "quasar_compiled_equals_plain_compiled": same("quasar_compiled", "plain_compiled"),
+        "quasar_eager_equals_plain_eager": same("quasar_eager", "plain_eager"),
+        "compiled_equals_eager": same("plain_compiled", "plain_eager"),
+    }
+    return {"prompts": len(ids_list), "max_new_tokens": new_tokens, "modes": results, "exact": exact}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Eager vs compiled steps: {result['model']} ({result['dtype']})", "", f"Command: `{result['command']}`", ""]
+    lines += [
+        f"Floor {result['floor_ms']:.2f} ms ({result['floor_bytes'] / 1e6:.1f} MB at {result['read_gbps']:.1f} GB/s read). "
+        f"Cache {CACHE_TOKENS} tokens. First compiled call (compile): "
+        + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in result["compile_s"].items()),
+        "",
+        "| threads | tokens | dynamic eager ms | static eager ms | static compiled ms | compiled x floor | eager / compiled |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in result["steps"].values():
+        ratio = row["dynamic_eager_ms"] / row["static_compiled_ms"]
+        lines.append(
+            f"| {row['threads']} | {row['tokens']} | {row['dynamic_eager_ms']:.2f} | {row['static_eager_ms']:.2f} | "
+            f"{row['static_compiled_ms']:.2f} | {row['static_compiled_x_floor']:.2f} | {ratio:.2f} |"
+        )
+    e2e = result.get("end_to_end")
+    if e2e:
+        lines += ["", f"End to end: {e2e['prompts']} grounded prompts x {e2e['max_new_tokens']} new tokens.", ""]
+        lines += ["| mode | tokens/s | loop's own ms per verify step |", "|---|---|---|"]
+        for name, row in e2e["modes"].items():
+            loop = "-" if row["loop_ms_per_step"] is None else f"{row['loop_ms_per_step']:.2f}"
+            lines.append(f"| {name} | {row['tokens_per_s']:.2f} | {loop} |")
+        lines += ["", "Exactness: " + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in e2e["exact"].items())]
+    lines += ["", f"Environment: {json.dumps(result['environment'])}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quantized", required=True, help="a saved Quasar checkpoint")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per mode and round")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds alternating the modes")
+    parser.add_argument("--prompts", type=int, default=4, help="grounded prompts end to end (0: steps only)")
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend ('aot_eager': a quick mechanics check)")
+    parser.add_argument("--out", default="benchmarks")
+    parser.add_argument("--name", required=True)
+    args = parser.parse_args(argv)
+    from benchmarks.kernels import measure_read_bandwidth
+    from quasar_hf.bench.report import environment
+
+    model = AutoModelForCausalLM.from_pretrained(args.quantized).eval()
+    read_gbps = measure_read_bandwidth(torch.device("cpu"))
+    floor_ms = floor_bytes(model) / (read_gbps * 1e9) * 1e3
+    compile_config = compat.default_compile_config(torch.device("cpu"))
+    if args.backend != "inductor":
+        compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=args.backend)
+    compiled_step = model.get_compiled_call(compile_config)
+    with torch.no_grad():
+        steps, compile_s = time_steps(model, compiled_step, args.steps, args.rounds, floor_ms)
+        e2e = None
+        if args.prompts:
+            tokenizer = AutoTokenizer.from_pretrained(args.quantized)
+            e2e = end_to_end(model, tokenizer, args.prompts, args.new_tokens, compile_config)
+    result = {
+        "command": "python -m benchmarks compiled-steps " + " ".join(sys.argv[2:] if argv is None else argv),
+        "model": os.path.basename(os.path.normpath(args.quantized)),
+        "dtype": str(model.dtype).replace("torch.", ""),
+        "environment": environment(),
+        "load_average_end": os.getloadavg(),
+        "read_gbps": read_gbps,
+        "floor_bytes": floor_bytes(model),
+        "floor_ms": floor_ms,
+        "compile": compile_config.to_dict(),
+        "compile_s": compile_s,
+        "steps": steps,
+        "end_to_end": e2e,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    paths = [os.path.join(args.out, f"{args.name}.{ext}") for ext in ("json", "md")]
+    with open(paths[0], "w") as fh:
+        json.dump(result, fh, indent=1)
+    with open(paths[1], "w") as fh:
+        fh.write(markdown(result))
+    return paths

@@ -1,0 +1,212 @@
+"""The static KV cache and compiled steps of the speculative loop (speculative/static_cache.py).
+
+* Eager over the static cache: rollback moves a length, stale slots are masked, so greedy and
+  seeded sampling give exactly the tokens of plain (dynamic-cache) decoding.
+* Compiled (`quasar={"compile": ...}`): greedy `quasar=True` equals plain greedy decoding with the
+  same compiled step (`num_draft_tokens=0`), token for token; two graphs (decode, padded verify),
+  and no recompiles once warm, for other prompts and lengths within one cache size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from transformers import AutoModelForCausalLM, CompileConfig
+
+from quasar_hf import QuasarConfig, speculative_generate
+from quasar_hf.ops import attention_cpu, rowstable_linear
+from quasar_hf.ops.rowstable_attention import _visible_keys
+from quasar_hf.speculative import static_cache
+from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
+from tests.test_arch_gemma_phi import save_tiny_arch
+from tests.tiny_models import save_tiny, tiny_model
+
+needs_kernels = pytest.mark.skipif(
+    not (rowstable_linear.is_available() and attention_cpu.is_available()), reason="the row-stable CPU kernels did not build"
+)
+AOT_EAGER = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")  # Dynamo's graphs, eager kernels: seconds
+
+
+def repeating_prompt(seed: int, length: int = 30) -> torch.Tensor:
+    """A prompt that repeats itself, so n-gram drafts are proposed and partly accepted: [1, length]."""
+    base = torch.randint(0, 96, (length // 2 + 2,), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([base, base])[None, :length]
+
+
+def quasar_model(tmp_path, arch: str, dtype: torch.dtype, with_source: bool = False):
+    """A tiny W8A8 model of `arch` (and, with_source, its float original: an assistant that agrees often)."""
+    src = save_tiny_arch(tmp_path / arch, arch) if arch in ("gemma3", "phi3") else save_tiny(tmp_path / arch, arch)
+    config = QuasarConfig(num_calibration_samples=4, calibration_seq_len=64, weight_rounding="nearest", alpha=0.5)
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=dtype).eval()
+    if not with_source:
+        return model
+    return model, AutoModelForCausalLM.from_pretrained(src, dtype=dtype).eval()
+
+
+def greedy(model, prompt, quasar=None, new_tokens: int = 24) -> torch.Tensor:
+    if quasar is None:
+        return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, quasar=quasar, return_dict_in_generate=True)
+    return out.sequences, out.quasar_stats
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen3", torch.bfloat16), ("gemma3", torch.bfloat16)])
+def test_eager_static_cache_gives_the_tokens_of_plain_greedy(tmp_path, arch, dtype):
+    """Gemma 3's sliding layers become full static layers (its window mask still applies)."""
+    model, assistant = quasar_model(tmp_path, arch, dtype, with_source=True)
+    accepted = {"ngram": 0, "assistant": 0}
+    for seed in range(2):
+        prompt = repeating_prompt(seed)
+        plain = greedy(model, prompt)
+        for name, extra in (("ngram", {}), ("assistant", {"assistant_model": assistant})):
+            tokens, stats = greedy(model, prompt, {"cache_implementation": "static", **extra})
+            assert torch.equal(tokens, plain), f"{arch} seed {seed} {name}"
+            accepted[name] += stats.accepted_tokens
+    assert min(accepted.values()) > 0, f"rollback and acceptance both exercised: {accepted}"
+
+
+@needs_kernels
+def test_generate_cache_implementation_static_runs_the_static_cache(tmp_path, monkeypatch):
+    model = quasar_model(tmp_path, "llama", torch.float32)
+    calls = []
+    forward = StaticVerifierCache.forward
+    monkeypatch.setattr(StaticVerifierCache, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    prompt = repeating_prompt(0)
+    out = model.generate(prompt, max_new_tokens=12, do_sample=False, quasar=True, cache_implementation="static")
+    assert calls and torch.equal(out, greedy(model, prompt, new_tokens=12))
+
+
+@needs_kernels
+def test_seeded_sampling_over_the_static_cache_equals_the_dynamic_cache(tmp_path):
+    """Same bits in the cache and logits, same generator: the same sampled tokens, draft for draft."""
+    model = quasar_model(tmp_path, "llama", torch.float32)
+    prompt = repeating_prompt(1)
+    runs = []
+    for cache in ("dynamic", "static"):
+        out = model.generate(
+            prompt,
+            max_new_tokens=20,
+            do_sample=True,
+            top_k=8,
+            quasar={"cache_implementation": cache},
+            quasar_generator=torch.Generator().manual_seed(5),
+        )
+        runs.append(out)
+    assert torch.equal(*runs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen3", torch.bfloat16), ("gemma3", torch.bfloat16)])
+def test_compiled_quasar_equals_compiled_plain_greedy(tmp_path, arch, dtype):
+    model = quasar_model(tmp_path, arch, dtype)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        accepted = 0
+        for seed in range(2):
+            prompt = repeating_prompt(seed)
+            plain, _ = greedy(model, prompt, {"compile": AOT_EAGER, "num_draft_tokens": 0})
+            tokens, stats = greedy(model, prompt, {"compile": AOT_EAGER})
+            assert torch.equal(tokens, plain), f"{arch} seed {seed}"
+            accepted += stats.accepted_tokens
+    torch._dynamo.reset()
+    assert accepted > 0
+
+
+@needs_kernels
+def test_inductor_steps_are_exact_two_graphs_and_never_recompile_once_warm(tmp_path):
+    """Inductor's C++ code (bf16, q/k norms): exactness, two graphs, then other prompts and lengths
+    of the same cache size under error_on_recompile."""
+    model = quasar_model(tmp_path, "qwen3", torch.bfloat16)
+    compiled = {"compile": True}
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    prompt = repeating_prompt(0)
+    plain, _ = greedy(model, prompt, {**compiled, "num_draft_tokens": 0})
+    tokens, stats = greedy(model, prompt, compiled)
+    assert stats.accepted_tokens > 0 and torch.equal(tokens, plain)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == 2, "one graph per step shape: decode [1, 1] and verify [1, k+1]"
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed, length, new in ((1, 22, 30), (2, 40, 16)):
+            prompt = repeating_prompt(seed, length)
+            tokens, _ = greedy(model, prompt, compiled, new)
+            assert torch.equal(tokens, greedy(model, prompt, {**compiled, "num_draft_tokens": 0}, new)[0])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()
+
+
+def test_rollback_moves_the_length_and_sizes_round_up():
+    model = tiny_model().eval()
+    cache = StaticVerifierCache(model, 1, torch.device("cpu"), static_cache_slots(40))
+    assert cache.max_cache_len == static_cache.CACHE_SLOTS_STEP
+    with torch.no_grad():
+        cache.forward(repeating_prompt(0, 10), last_only=True)
+        cache.forward(torch.tensor([[1, 2, 3, 4]]))
+        cache.keep_accepted(torch.tensor([2]), 4)  # pending token + 1 accepted draft kept
+        assert cache.length == 12 and int(cache.valid_len) == 12
+        cache.drop_last_tokens(torch.tensor([1]))
+        assert cache.length == 11
+        with pytest.raises(RuntimeError, match="cannot take"):
+            cache.forward(torch.zeros(1, cache.max_cache_len, dtype=torch.long))
+
+
+def test_static_cache_refuses_batches_and_bad_options():
+    model = tiny_model().eval()
+    with pytest.raises(ValueError, match="one prompt at a time"):
+        StaticVerifierCache(model, 2, torch.device("cpu"), 64)
+    prompt = repeating_prompt(0)
+    two = torch.cat([prompt, prompt])
+    with pytest.raises(ValueError, match="one prompt at a time"):
+        speculative_generate(model, two, max_new_tokens=4, quasar_config={"cache_implementation": "static"})
+    with pytest.raises(ValueError, match="cache_implementation must be one of"):
+        speculative_generate(model, prompt, max_new_tokens=4, quasar_config={"cache_implementation": "paged"})
+    with pytest.raises(TypeError, match="CompileConfig"):
+        speculative_generate(model, prompt, max_new_tokens=4, quasar_config={"compile": "max-autotune"})
+
+
+def test_a_missing_mask_follows_transformers_sdpa_convention():
+    """None with 1 < Q < N (Transformers skips the mask for a prefill into an empty static cache):
+    row i sees keys 0..i (SDPA's is_causal, top-left); one row sees every key; Q == N is causal."""
+    q, k = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 8, 4)
+    visible = _visible_keys(None, q, k)
+    assert visible.shape == (1, 3, 8) and visible[0].sum(-1).tolist() == [1, 2, 3]
+    assert _visible_keys(None, q[:, :, :1], k) is None and _visible_keys(None, q, k[:, :, :3]) is None
+
+
+@needs_kernels
+def test_compiled_steps_measurement_reports_a_checkpoint(tmp_path):
+    """`python -m benchmarks compiled-steps` on a saved tiny checkpoint (aot_eager, steps only)."""
+    import json
+
+    from benchmarks import compiled_steps
+
+    quasar_model(tmp_path, "llama", torch.bfloat16).save_pretrained(tmp_path / "saved")
+    argv = ["--quantized", str(tmp_path / "saved"), "--steps", "1", "--rounds", "1", "--prompts", "0"]
+    paths = compiled_steps.main([*argv, "--backend", "aot_eager", "--out", str(tmp_path), "--name", "steps"])
+    torch._dynamo.reset()
+    report = json.loads(open(paths[0]).read())
+    assert {row["tokens"] for row in report["steps"].values()} == {1, 6} and report["environment"]
+    assert all(row["static_compiled_ms"] > 0 for row in report["steps"].values())
+    assert "| static compiled ms |" in open(paths[1]).read()
+
+
+@needs_kernels
+def test_compiled_quasar_equals_transformers_compiled_static_generate(tmp_path):
+    """Plain compiled decoding as Transformers runs it (`cache_implementation="static"` + `compile_config`,
+    which the quantizer allows: is_compileable) gives the tokens of compiled `quasar=True` with that config."""
+    model = quasar_model(tmp_path, "qwen3", torch.bfloat16)
+    assert model.hf_quantizer.is_compileable
+    config = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")
+    config._compile_all_devices = True  # generate compiles CPU steps only when asked to
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad():
+        for seed in range(2):
+            prompt = repeating_prompt(seed)
+            kwargs = {"max_new_tokens": 24, "do_sample": False, "compile_config": config}
+            plain = model.generate(prompt, cache_implementation="static", **kwargs)
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "generate compiled its decode step"
+            assert torch.equal(model.generate(prompt, quasar={"compile": True}, **kwargs), plain), f"seed {seed}"
+    torch._dynamo.reset()
