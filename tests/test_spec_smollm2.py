@@ -158,11 +158,9 @@ def test_compiled_greedy_quasar_equals_compiled_plain_greedy(checkpoint, prompts
     if COMPILED_BACKEND != "inductor":
         config = CompileConfig(fullgraph=True, dynamic=False, backend=COMPILED_BACKEND)
     torch._dynamo.reset()
-    accepted = 0
-    for index, ids in enumerate(prompts[:2]):
-        plain = model.generate(ids, max_new_tokens=48, do_sample=False, quasar={"compile": config, "num_draft_tokens": 0})
-        out = model.generate(ids, max_new_tokens=48, do_sample=False, quasar={"compile": config}, return_dict_in_generate=True)
-        assert torch.equal(out.sequences, plain), f"prompt {index}"
-        accepted += out.quasar_stats.accepted_tokens
+    ids = prompts[0]  # one prompt: the compiled graphs of a 30-layer model dominate this test's time
+    plain = model.generate(ids, max_new_tokens=32, do_sample=False, quasar={"compile": config, "num_draft_tokens": 0})
+    out = model.generate(ids, max_new_tokens=32, do_sample=False, quasar={"compile": config}, return_dict_in_generate=True)
     torch._dynamo.reset()
-    assert accepted > 0
+    assert torch.equal(out.sequences, plain)
+    assert out.quasar_stats.accepted_tokens > 0
