@@ -20,14 +20,14 @@ from quasar_hf.ops import rowstable_linear
 
 pytestmark = pytest.mark.slow
 
-# The acceptance size (10 prompts x 128 tokens); overridable for a quick look on a loaded machine.
-NUM_PROMPTS = int(os.environ.get("QUASAR_SPEC_SLOW_PROMPTS", "10"))
+# 6 prompts x 128 tokens in the suite (its time budget); QUASAR_SPEC_SLOW_PROMPTS=10 is the earlier acceptance size.
+NUM_PROMPTS = int(os.environ.get("QUASAR_SPEC_SLOW_PROMPTS", "6"))
 NEW_TOKENS = int(os.environ.get("QUASAR_SPEC_SLOW_TOKENS", "128"))
 # The assistant (a second full model) and self drafters (15 layers per draft token, L ~ 1.4 here)
 # cost most per token, so by default they check fewer prompts; set these to 10 for the full set.
 ASSISTANT_PROMPTS = int(os.environ.get("QUASAR_SPEC_ASSISTANT_PROMPTS", "4"))
 SELF_PROMPTS = int(os.environ.get("QUASAR_SPEC_SELF_PROMPTS", "3"))
-# bfloat16 (what users run, where near-ties can occur) checks the acceptance size; float32 with the same
+# bfloat16 (what users run, where near-ties can occur) checks every prompt; float32 with the same
 # kernels, where equality is exact, and SDPA with row-by-row verification (the fallback path) check a
 # smaller sample of the same prompts, to keep the suite within its time budget.
 FLOAT32_PROMPTS = int(os.environ.get("QUASAR_SPEC_FLOAT32_PROMPTS", "5"))
