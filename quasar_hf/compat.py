@@ -160,9 +160,7 @@ def set_static_cache_length(cache: Any, length: int) -> None:
     """Make the next update of every StaticLayer write at slot `length` (5.x layers write at their
     `cumulative_length` counter, a tensor updated in place so that compiled steps keep its address)."""
     for layer in cache.layers:
-        counter = layer.cumulative_length
-        if int(counter) != length:
-            counter.fill_(length)
+        layer.cumulative_length.fill_(length)
 
 
 def default_compile_config(device: torch.device) -> Any:

@@ -51,6 +51,8 @@ class StaticVerifierCache:
         self.cache = compat.full_attention_static_cache(model, max_cache_len)
         self.valid_len = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.length = 0  # tokens in the cache (the write position of the next step)
+        self._counter = 0  # where the cache layers will write next
+        self._slots = torch.arange(max_cache_len, device=device)[None]  # [1, slots]
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_kwarg = compat.cache_argument_name(model)
 
@@ -72,9 +74,9 @@ class StaticVerifierCache:
         positions = torch.arange(self.length, self.length + n, device=tokens.device)[None]  # [1, n]
         # [1, max_cache_len]: the written slots. Explicit, because without a mask the slots past the
         # length (stale drafts, never-written zeros) would count as keys.
-        slots = torch.arange(self.max_cache_len, device=tokens.device)[None]
-        attention_mask = (slots < self.length + n).long()
-        compat.set_static_cache_length(self.cache, self.length)
+        attention_mask = (self._slots < self.length + n).long()
+        if self._counter != self.length:  # after a rollback: no read of the device counters (a sync)
+            compat.set_static_cache_length(self.cache, self.length)
         kwargs = {"logits_to_keep": 1} if (last_only and self._takes_logits_to_keep) else {}
         if n > 1 and not prefill:  # several tokens over a cache: verification
             kwargs.update(self.verify_kwargs)
@@ -89,6 +91,7 @@ class StaticVerifierCache:
             **kwargs,
         )
         self.length += n
+        self._counter = self.length  # the layers advanced their write counters by n
         self.valid_len = self.valid_len + n
         logits = outputs.logits
         return (logits[:, -1:] if last_only else logits).float()
