@@ -144,16 +144,18 @@ def _append_in_place_layer_class() -> type:
     return AppendInPlaceLayer
 
 
-def full_attention_static_cache(model: nn.Module, max_cache_len: int) -> Any:
-    """A StaticCache of `max_cache_len` slots for `model`, every layer a full-attention StaticLayer:
-    a sliding layer writes modulo its window, after which rejected drafts could not be rolled back;
-    the model's sliding mask still limits each query to its window."""
+def full_attention_static_cache(model: nn.Module, max_cache_len: int) -> tuple[Any, bool]:
+    """A StaticCache of `max_cache_len` slots for `model`, every layer a full-attention StaticLayer,
+    and whether the model has sliding layers: a sliding layer writes modulo its window, after which
+    rejected drafts could not be rolled back; the model's sliding mask still limits each query to
+    its window (it counts slots, so it is exact only while a row's kept slots have no holes)."""
     from transformers import StaticCache, StaticLayer
 
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-    if any(layer.is_sliding for layer in cache.layers):
+    sliding = any(layer.is_sliding for layer in cache.layers)
+    if sliding:
         cache.layers[:] = [StaticLayer(max_cache_len=max_cache_len) for _ in cache.layers]
-    return cache
+    return cache, sliding
 
 
 def set_static_cache_length(cache: Any, length: int) -> None:

@@ -145,21 +145,81 @@ def test_rollback_moves_the_length_and_sizes_round_up():
         cache.forward(repeating_prompt(0, 10), last_only=True)
         cache.forward(torch.tensor([[1, 2, 3, 4]]))
         cache.keep_accepted(torch.tensor([2]), 4)  # pending token + 1 accepted draft kept
-        assert cache.length == 12 and int(cache.valid_len) == 12
+        assert cache.length == 12 and int(cache.valid_len) == 12 and int(cache.slot_mask.sum()) == 12
         cache.drop_last_tokens(torch.tensor([1]))
-        assert cache.length == 11
+        assert cache.length == 11 and int(cache.valid_len) == 11
         with pytest.raises(RuntimeError, match="cannot take"):
             cache.forward(torch.zeros(1, cache.max_cache_len, dtype=torch.long))
 
 
-def test_static_cache_refuses_batches_and_bad_options():
+def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts [1, T_i] -> ids, mask [B, max T] (left padding with token 0)."""
+    width = max(p.shape[1] for p in prompts)
+    ids, mask = torch.zeros(len(prompts), width, dtype=torch.long), torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - p.shape[1] :], mask[row, width - p.shape[1] :] = p[0], 1
+    return ids, mask
+
+
+@needs_kernels
+def test_a_batch_over_the_static_cache_equals_plain_batched_greedy(tmp_path):
+    """Rows accept different counts (masked slots), one stops early at eos (it idles in the batch)."""
+    model, assistant = quasar_model(tmp_path, "llama", torch.float32, with_source=True)
+    ids, mask = left_padded([repeating_prompt(0, 30), repeating_prompt(1, 12), repeating_prompt(2, 20)])
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    eos = int(free[1, ids.shape[1] + 4])  # row 1's 5th new token
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    for extra in ({}, {"assistant_model": assistant}):
+        quasar = {"cache_implementation": "static", **extra}
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+            quasar=quasar,
+            return_dict_in_generate=True,
+        )
+        assert torch.equal(out.sequences, plain), extra.keys()
+        assert out.quasar_stats.accepted_tokens > 0
+
+
+@needs_kernels
+def test_a_compiled_batch_keeps_its_graphs_when_rows_finish(tmp_path):
+    """Finished rows idle in the batch: [B, 1] and [B, k+1] graphs only, no recompiles; tokens = compiled plain."""
+    model = quasar_model(tmp_path, "llama", torch.bfloat16)
+    ids, mask = left_padded([repeating_prompt(3, 26), repeating_prompt(4, 14)])
+    compiled = {"compile": AOT_EAGER, "num_draft_tokens": 4}
+    options = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    free = model.generate(ids, quasar={**compiled, "num_draft_tokens": 0}, eos_token_id=None, **options)
+    eos = int(free[1, ids.shape[1] + 3])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model.generate(ids, quasar=compiled, eos_token_id=None, **options)  # warm: both graphs
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        plain = model.generate(ids, quasar={**compiled, "num_draft_tokens": 0}, eos_token_id=eos, **options)
+        spec = model.generate(ids, quasar=compiled, eos_token_id=eos, **options)
+    assert torch.equal(spec, plain)
+    new_tokens = spec[:, ids.shape[1] :]
+    stop = int((new_tokens[1] == eos).nonzero()[0])
+    assert stop < new_tokens.shape[1] - 1 and not (new_tokens[0, : stop + 1] == eos).any(), "row 1 stops first"
+    assert bool((new_tokens[1, stop + 1 :] == 0).all()), "and idles, padded, while row 0 goes on"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
+
+
+@needs_kernels
+def test_a_sliding_window_batch_is_refused_over_the_static_cache(tmp_path):
+    model = quasar_model(tmp_path, "gemma3", torch.float32)
+    ids, mask = left_padded([repeating_prompt(0, 12), repeating_prompt(1, 8)])
+    with pytest.raises(ValueError, match="batch size 1"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, quasar={"cache_implementation": "static"})
+
+
+def test_static_cache_refuses_bad_options():
     model = tiny_model().eval()
-    with pytest.raises(ValueError, match="one prompt at a time"):
-        StaticVerifierCache(model, 2, torch.device("cpu"), 64)
     prompt = repeating_prompt(0)
-    two = torch.cat([prompt, prompt])
-    with pytest.raises(ValueError, match="one prompt at a time"):
-        speculative_generate(model, two, max_new_tokens=4, quasar_config={"cache_implementation": "static"})
     with pytest.raises(ValueError, match="cache_implementation must be one of"):
         speculative_generate(model, prompt, max_new_tokens=4, quasar_config={"cache_implementation": "paged"})
     with pytest.raises(TypeError, match="CompileConfig"):

@@ -31,7 +31,8 @@ class QuasarGenerationConfig:
         different tokens.
     cache_implementation: "dynamic" (default: grows with the text, any batch size) or "static"
         (allocated once for max_length + num_draft_tokens + 1 tokens; rollback moves a length;
-        drafts are padded to num_draft_tokens so every step has one of two shapes; batch size 1).
+        drafts are padded to num_draft_tokens so every step has one of two shapes; finished rows of a
+        batch idle in it, so its size never changes).
     compile: False (default), True, or a transformers.CompileConfig. True compiles the decode and
         verify steps with `model.get_compiled_call` (fullgraph, static shapes; CUDA graphs on CUDA,
         Inductor's C++ code on CPU) over a static cache. Greedy output then equals plain greedy

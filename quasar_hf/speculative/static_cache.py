@@ -1,13 +1,16 @@
 """StaticVerifierCache: the verifier's KV cache allocated once, for fixed-shape (compilable) steps.
 
-A Transformers StaticCache with room for the whole generation plus one padded verify step. Each
-forward writes its tokens at the current length; rejecting drafts moves that length back. The
-stale slots past it are masked by the causal mask (key position <= query position) and
-overwritten by the next step: no cropping, no reallocation, no concatenation. After the eager
-prefill every step has one of two shapes, [1, 1] (decode) or [1, k + 1] (verify, drafts padded
-to k), so a compiled step runs two graphs and never recompiles once warm.
+A Transformers StaticCache with room for the whole generation plus one padded verify step. Every
+forward writes each row's tokens at the same slots, from a shared write position; a slot mask
+[B, slots] says which slots each row keeps. Rejecting drafts masks that row's slots, and the
+write position moves back past the slots no row keeps: no cropping, no reallocation, no
+concatenation. Positions count each row's kept tokens, so a row sees the positions and keys it
+would see alone (masked keys do not change a row-stable step's bits).
 
-Batch size 1 (rows of a batch advance by different counts; `RowAlignedCache` handles that).
+After the eager prefill every step has one of two shapes, [B, 1] (decode) or [B, k + 1] (verify,
+drafts padded to k), so a compiled step runs two graphs and never recompiles once warm. Finished
+rows stay in the batch as idle rows (each sees only its own new token, and its outputs are
+dropped), so the batch size, and with it the graphs, never changes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def static_cache_slots(tokens: int) -> int:
 
 
 class StaticVerifierCache:
-    """Preallocated KV cache + length for one row; `forward` runs `step` (compiled or not) after an eager prefill."""
+    """Preallocated KV cache + slot mask for B rows; `forward` runs `step` (compiled or not) after an eager prefill."""
 
     def __init__(
         self,
@@ -39,42 +42,41 @@ class StaticVerifierCache:
         step: Callable | None = None,
         verify_kwargs: dict | None = None,
     ) -> None:
-        if batch_size != 1:
-            raise ValueError(
-                f"A static KV cache (quasar={{'cache_implementation': 'static'}} or compile) runs one prompt at a time, "
-                f"got a batch of {batch_size}; generate each prompt alone, or drop the static cache for batched generation."
-            )
         self.model = model
         self.max_cache_len = max_cache_len
         self.step = step if step is not None else model
         self.verify_kwargs = verify_kwargs or {}
-        self.cache = compat.full_attention_static_cache(model, max_cache_len)
-        self.valid_len = torch.zeros(1, dtype=torch.long, device=device)  # [1]
-        self.length = 0  # tokens in the cache (the write position of the next step)
+        self.cache, self.has_sliding_layers = compat.full_attention_static_cache(model, max_cache_len)
+        self.slot_mask = torch.zeros(batch_size, max_cache_len, dtype=torch.long, device=device)  # [B_all, slots]
+        self.valid_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B_all] kept tokens per row
+        self.rows = torch.arange(batch_size, device=device)  # [B]: the unfinished rows among the B_all allocated
+        self.length = 0  # slots in use (where the next step writes)
         self._counter = 0  # where the cache layers will write next
-        self._slots = torch.arange(max_cache_len, device=device)[None]  # [1, slots]
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_kwarg = compat.cache_argument_name(model)
 
     @property
     def batch_size(self) -> int:
-        return 1
+        return self.rows.shape[0]
 
     def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
-        """Write tokens [1, n] at positions length..length+n-1; fp32 logits [1, n or 1, V].
+        """Write tokens [B, n] of the unfinished rows at slots length..length+n-1; fp32 logits [B, n or 1, V].
 
-        The first call is the prompt (eager, any length; left padding is dropped: masked keys do
-        not change a row-stable step's bits). Later calls go through `step`."""
+        token_mask [B, n] (1 = real token) marks padding. The first call is the prompt (eager, any
+        length; with one row its left padding is dropped). Later calls go through `step`."""
         prefill = self.length == 0
-        if token_mask is not None and not bool(token_mask.all()):
-            tokens = tokens[:, token_mask[0].bool()]
+        everyone = self.slot_mask.shape[0]
+        if token_mask is not None and everyone == 1 and not bool(token_mask.all()):
+            tokens, token_mask = tokens[:, token_mask[0].bool()], None
         n = tokens.shape[1]
         if self.length + n > self.max_cache_len:
             raise RuntimeError(f"static KV cache of {self.max_cache_len} slots cannot take {n} more after {self.length}")
-        positions = torch.arange(self.length, self.length + n, device=tokens.device)[None]  # [1, n]
-        # [1, max_cache_len]: the written slots. Explicit, because without a mask the slots past the
-        # length (stale drafts, never-written zeros) would count as keys.
-        attention_mask = (self._slots < self.length + n).long()
+        new_mask = torch.ones_like(tokens) if token_mask is None else token_mask.long()  # [B, n]
+        if self.batch_size < everyone:  # idle rows feed token 0, seen only by itself
+            tokens = tokens.new_zeros(everyone, n).index_copy_(0, self.rows, tokens)
+            new_mask = new_mask.new_ones(everyone, n).index_copy_(0, self.rows, new_mask)
+        positions = (self.valid_len[:, None] + new_mask.cumsum(-1) - 1).clamp_min(0)  # [B_all, n]
+        self.slot_mask[:, self.length : self.length + n] = new_mask
         if self._counter != self.length:  # after a rollback: no read of the device counters (a sync)
             compat.set_static_cache_length(self.cache, self.length)
         kwargs = {"logits_to_keep": 1} if (last_only and self._takes_logits_to_keep) else {}
@@ -83,34 +85,62 @@ class StaticVerifierCache:
         forward = self.model if prefill else self.step
         outputs = forward(
             input_ids=tokens,
-            attention_mask=attention_mask,
+            attention_mask=self.slot_mask,  # [B_all, slots]: explicit, or unwritten slots would count as keys
             position_ids=positions,
-            cache_position=positions[0],
+            cache_position=torch.arange(self.length, self.length + n, device=tokens.device),
             use_cache=True,
             **{self._cache_kwarg: self.cache},
             **kwargs,
         )
         self.length += n
         self._counter = self.length  # the layers advanced their write counters by n
-        self.valid_len = self.valid_len + n
-        logits = outputs.logits
+        self.valid_len = self.valid_len + new_mask.sum(-1)
+        if self.batch_size < everyone:
+            self.slot_mask[:, self.length - n : self.length].index_fill_(0, self._idle_rows(), 0)
+            self.valid_len.index_fill_(0, self._idle_rows(), 0)
+        logits = outputs.logits if self.batch_size == everyone else outputs.logits.index_select(0, self.rows)
         return (logits[:, -1:] if last_only else logits).float()
 
     def keep_accepted(self, num_keep: torch.Tensor, num_appended: int) -> None:
-        """Of the last `num_appended` slots keep the first num_keep[0]: the length moves back."""
-        self.forget(num_appended - int(num_keep[0]))
+        """Of the last `num_appended` slots keep the first num_keep[b] per unfinished row."""
+        start = self.length - num_appended
+        keep = torch.zeros_like(self.valid_len).index_copy_(0, self.rows, num_keep.long())  # [B_all]
+        drop = torch.arange(num_appended, device=keep.device)[None] >= keep[:, None]  # [B_all, n]
+        appended = self.slot_mask[:, start : self.length]
+        self.valid_len = self.valid_len - (appended * drop).sum(-1)
+        appended.masked_fill_(drop, 0)
+        self._move_back_to(start + int(keep.max()))
 
     def drop_last_tokens(self, counts: torch.Tensor) -> None:
-        """Forget the last counts[0] tokens (roll back a drafter's own tokens)."""
-        self.forget(int(counts[0]))
-
-    def forget(self, count: int) -> None:
-        count = min(count, self.length)
-        self.length -= count
-        self.valid_len = self.valid_len - count
+        """Forget the last counts[b] kept tokens of each unfinished row (roll back a drafter's own tokens)."""
+        counts = torch.zeros_like(self.valid_len).index_copy_(0, self.rows, counts.long())  # [B_all]
+        kept_from_right = self.slot_mask.flip(-1).cumsum(-1).flip(-1)  # [B_all, slots]: kept slots at or after
+        self.slot_mask.masked_fill_((self.slot_mask == 1) & (kept_from_right <= counts[:, None]), 0)
+        self.valid_len = self.valid_len - counts.clamp(max=self.valid_len)
+        used = self.slot_mask.any(dim=0).nonzero()
+        self._move_back_to(int(used.max()) + 1 if used.numel() else 0)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """One row: it either stays (nothing to do) or the run ends."""
+        """Keep only `rows` of the unfinished rows; the others stay allocated, idle, with no keys."""
+        self.rows = self.rows[rows]
+        idle = self._idle_rows()
+        self.slot_mask.index_fill_(0, idle, 0)
+        self.valid_len.index_fill_(0, idle, 0)
+        used = self.slot_mask.any(dim=0).nonzero()
+        self._move_back_to(int(used.max()) + 1 if used.numel() else 0)
 
     def check_holes_supported(self) -> None:
-        """One row never has holes."""
+        """Masked slots among kept ones need full attention: a sliding window counts slots, not tokens."""
+        if self.has_sliding_layers:
+            raise ValueError(
+                "Speculative generation with batch size > 1 needs full-attention layers, but this model uses "
+                "sliding-window attention. Run one prompt at a time (batch size 1) for this model."
+            )
+
+    def _move_back_to(self, length: int) -> None:
+        self.slot_mask[:, length : self.length] = 0
+        self.length = length
+
+    def _idle_rows(self) -> torch.Tensor:
+        idle = torch.ones(self.slot_mask.shape[0], dtype=torch.bool, device=self.rows.device)
+        return idle.index_fill_(0, self.rows, False).nonzero()[:, 0]
