@@ -1,7 +1,7 @@
 """One-shot GPU check (H200): kernels, verify-step latency and end-to-end speed, within a time budget.
 
-    python -m benchmarks gpu-check --out DIR            # on the GPU, < 8 minutes
-    python -m benchmarks gpu-check --out DIR --tiny     # same code paths, tiny shapes, CPU, < 2 minutes
+    python -m benchmarks gpu-check --out DIR            # on the GPU, < 10 minutes
+    python -m benchmarks gpu-check --out DIR --tiny     # same code paths, tiny shapes, CPU, < 3 minutes
 
 Sections (each in its own try/except: a failure is recorded and the next section still runs;
 results are rewritten to DIR/gpu_check.json and .md after every section):
@@ -12,6 +12,8 @@ results are rewritten to DIR/gpu_check.json and .md after every section):
                 (`benchmarks.kernels.run_kernel_benchmark`, the ops helper's micro-benchmark)
   verify        verify-step latency of a random Qwen3-8B-shaped model, BF16 vs W8A8, 1..8 draft tokens
   end_to_end    tokens/s with n-gram drafts: BF16 generate, BF16-verify loop, Quasar (W8A8) loop
+  compiled_*    static-cache decode/verify steps eager vs compiled (CUDA graphs) against the floor,
+                and compiled quasar=True vs compiled plain greedy, BF16 and W8A8 (gpu_compiled.py)
   targets       the H200 acceptance targets, checked against the numbers above (report, not assert)
 Optional packages (bitsandbytes, datasets, gguf, optimum) are never required here.
 """
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import gpu_compiled
 from quasar_hf.bench.timing import median_time, sync
 
 TINY_SHAPES = [("tiny.up 128x256", 128, 256), ("tiny.down 256x128", 256, 128)]  # (label, K, N) as benchmarks.kernels
@@ -145,9 +148,12 @@ def build_model(device: str, tiny: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    from quasar_hf.hf.quantize_on_load import use_rowstable_lm_head, use_rowstable_norms
     from quasar_hf.ops.rowstable_attention import use_rowstable_attention
 
     use_rowstable_attention(model)  # what Quasar models run: exact verification without row-by-row calls
+    use_rowstable_norms(model)  # and, compiled, every norm and the lm_head as ops of ours
+    use_rowstable_lm_head(model)
     return model.eval()
 
 
@@ -275,6 +281,7 @@ def check_targets(result: dict) -> dict:
     if "bf16_verify_ngram" in e2e and "quasar_ngram" in e2e:
         e2e_ratio = e2e["quasar_ngram"]["tokens_per_s_median"] / e2e["bf16_verify_ngram"]["tokens_per_s_median"]
     return {
+        **gpu_compiled.compiled_targets(result),
         "triton_min_speedup_m_le_16 (target >= 1.7)": min((r["speedup_vs_bf16"] for r in kernels), default=None),
         "triton_min_fraction_of_copy_bw_m_le_16 (target >= 0.75)": min((r["fraction_of_copy_bw"] for r in kernels), default=None),
         "verify_step_min_speedup (target >= 1.6)": min(ratios, default=None),
@@ -339,6 +346,7 @@ def to_markdown(result: dict) -> str:
                 for n, s in result["end_to_end"].items()
             ],
         ) + [""]
+    lines += gpu_compiled.markdown(result)
     if result.get("targets"):
         lines += ["## Targets", ""] + _table(["target", "measured"], [[k, v] for k, v in result["targets"].items()]) + [""]
     if result.get("errors"):
@@ -370,7 +378,17 @@ def _section(result: dict, out_dir: str, name: str, fn: Callable[[], Any], budge
     return result.get(name)
 
 
-def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 450.0, backend: str = "auto", command: str = "") -> dict:
+def compiled_sections(result: dict, out_dir: str, model, label: str, device: str, tiny: bool, copy_gbps: float, budget) -> None:
+    """compiled_steps_<label> and compiled_end_to_end_<label> (one compile of two graphs), then a reset."""
+    prompt = ngram_prompt(model.config.vocab_size, device, tiny)
+    steps = lambda: gpu_compiled.compiled_steps(model, device, tiny, weight_bytes(model), copy_gbps)  # noqa: E731
+    _section(result, out_dir, f"compiled_steps_{label}", steps, budget, 60)
+    e2e = lambda: gpu_compiled.compiled_end_to_end(model, prompt, device, tiny)  # noqa: E731
+    _section(result, out_dir, f"compiled_end_to_end_{label}", e2e, budget, 30)
+    gpu_compiled.reset_compiled(model)
+
+
+def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 540.0, backend: str = "auto", command: str = "") -> dict:
     """Run every section within `budget_s` seconds; write DIR/gpu_check.{json,md}; return the result."""
     from benchmarks.attention_check import attention_check
     from quasar_hf.bench.report import environment
@@ -405,6 +423,7 @@ def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 450.0, bac
             budget,
             60,
         )
+        compiled_sections(result, out_dir, model, "bf16", device, tiny, copy_gbps, budget)
         if _section(result, out_dir, "quantized_linears", lambda: quantize_in_place(model, backend), budget, 20):
             result["model"]["bytes_read_per_step_w8a8"] = weight_bytes(model)
             _section(result, out_dir, "verify_w8a8", lambda: verify_latency(model, device, tiny, copy_gbps, budget), budget, 30)
@@ -414,6 +433,7 @@ def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 450.0, bac
             if e2e is not None and quasar is not None:
                 result["end_to_end"] = {**e2e, **quasar}
                 del result["end_to_end_w8a8"]
+            compiled_sections(result, out_dir, model, "w8a8", device, tiny, copy_gbps, budget)
         del model
     result["targets"] = check_targets(result)
     result["wall_s"] = time.monotonic() - started
@@ -422,7 +442,7 @@ def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 450.0, bac
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI: python -m benchmarks gpu-check --out DIR [--tiny] [--budget-s 450] [--backend auto]."""
+    """CLI: python -m benchmarks gpu-check --out DIR [--tiny] [--budget-s 540] [--backend auto]."""
     import shlex
     import sys
 
@@ -431,10 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.md")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (a test of the code paths)")
-    parser.add_argument("--budget-s", type=float, default=None, help="global time budget (default 450, tiny 100)")
+    parser.add_argument("--budget-s", type=float, default=None, help="global time budget (default 540, tiny 180)")
     parser.add_argument("--backend", default="auto", help="W8A8 backend of the quantized model (default auto)")
     args = parser.parse_args(argv)
-    budget = args.budget_s if args.budget_s is not None else (100.0 if args.tiny else 450.0)
+    budget = args.budget_s if args.budget_s is not None else (180.0 if args.tiny else 540.0)
     command = "python -m benchmarks gpu-check " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     result = run_gpu_check(args.out, tiny=args.tiny, budget_s=budget, backend=args.backend, command=command)
     print(to_markdown(result))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-call GPU check of quasar_hf (H200: torch 2.11, triton 3.6, transformers 5.17), < 8 minutes.
+# One-call GPU check of quasar_hf (H200: torch 2.11, triton 3.6, transformers 5.17), < 10 minutes.
 #   benchmarks/gpu_check.sh [OUT_DIR] [extra args for python -m benchmarks gpu-check]
 # Runs from the source tree (no `pip install`: the GPU image has no network, and the package's
 # datasets/optimum requirements are not needed here). bitsandbytes is used when importable; to
@@ -12,7 +12,7 @@ shift || true
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 python="${PYTHON:-python}"
 "$python" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
-timeout 470 "$python" -m benchmarks gpu-check --out "$out" "$@"
+timeout 570 "$python" -m benchmarks gpu-check --out "$out" "$@"
 status=$?
 # Optional: where vLLM imports (CUDA image with vLLM), serve the compressed-tensors export and
 # compare greedy output with Transformers'. QUASAR_CHECKPOINT=DIR uses a real Quasar checkpoint;

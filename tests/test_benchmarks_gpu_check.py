@@ -39,8 +39,13 @@ def test_tiny_check_runs_every_section_without_optional_packages(tmp_path):
     assert set(result["end_to_end"]) == {"bf16_generate", "bf16_verify_ngram", "quasar_ngram"}
     assert result["model"]["bytes_read_per_step_w8a8"] < result["model"]["bytes_read_per_step_bf16"]
     assert result["quantized_linears"] == 2 * 7  # q, k, v, o, gate, up, down per layer
+    for label in ("bf16", "w8a8"):  # compiled (Inductor on CPU): both step shapes, quasar = plain token for token
+        assert [r["tokens"] for r in result[f"compiled_steps_{label}"]] == [1, 6]
+        assert all(r["compiled_ms"] > 0 and r["floor_ms"] > 0 for r in result[f"compiled_steps_{label}"])
+        assert result[f"compiled_end_to_end_{label}"]["quasar_equals_plain"] is True, label
     md = (tmp_path / "gpu_check.md").read_text()
     assert "## Verify step (W8A8)" in md and "## Targets" in md
+    assert "## Static-cache steps, eager vs compiled (W8A8)" in md
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
