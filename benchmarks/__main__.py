@@ -34,6 +34,7 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
     ),
     "kernels": ("benchmarks.kernels:main", "W8A8 linear vs BF16 micro-benchmark at real model shapes"),
     "per-layer": ("benchmarks.per_layer:main", "W8A8 error per decoder linear: weight-only, activation-only"),
+    "per-layer-compare": ("benchmarks.per_layer_compare:main", "two per-layer reports of one model side by side (dB change)"),
     "humaneval": ("quasar_hf.eval.humaneval:main", "HumanEval pass@1: unquantized vs W8A8 vs W8A8 with Quasar decoding"),
     "gpu-check": ("benchmarks.gpu_check:main", "one-call GPU check: kernels, verify step, end to end (--tiny on CPU)"),
     "vllm-check": ("benchmarks.vllm_check:main", "serve the compressed-tensors export in vLLM and compare its greedy output"),

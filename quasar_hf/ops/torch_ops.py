@@ -24,6 +24,8 @@ per call. Inference only: no autograd formulas.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from quasar_hf.ops import dispatch
@@ -110,10 +112,16 @@ torch.library.register_fake("quasar::rowstable_linear", _rowstable_linear_fake, 
 # ---- Hadamard rotation of activation rows (RotatedW8A8Linear) --------------------------------
 
 
-def _hadamard_rows_impl(x, blocks: int, odd_order: int, pow2: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=64)
+def _bound_rotation(size: int, blocks: int, odd_order: int, pow2: int):
+    """The rotation's kernel call with its signs and sizes looked up once (a memo of a pure function)."""
     from quasar_hf.ops import hadamard, hadamard_cpu
 
-    return hadamard_cpu.rotate_rows(x, hadamard.HadamardRotation(x.shape[-1], blocks, odd_order, pow2))
+    return hadamard_cpu.bind_rotation(hadamard.HadamardRotation(size, blocks, odd_order, pow2))
+
+
+def _hadamard_rows_impl(x, blocks: int, odd_order: int, pow2: int) -> torch.Tensor:
+    return _bound_rotation(x.shape[-1], blocks, odd_order, pow2)(x)
 
 
 def _hadamard_rows_fake(x, blocks: int, odd_order: int, pow2: int) -> torch.Tensor:
