@@ -111,7 +111,7 @@ def end_to_end(model, tokenizer, prompts: int, new_tokens: int, compile_config) 
     }
     model.generate(ids_list[0], max_new_tokens=8, do_sample=False, quasar=modes["quasar_compiled"])  # compile first
     model.generate(ids_list[0], max_new_tokens=8, do_sample=False, quasar=modes["plain_compiled"])
-    results = {name: {"seconds": 0.0, "new_tokens": 0, "verify_steps": 0} for name in modes}
+    results = {name: {"seconds": 0.0, "new_tokens": 0, "verify_steps": 0, "forward_s": 0.0, "loop_s": 0.0} for name in modes}
     outputs = {name: [] for name in modes}
     for ids in ids_list:
         for name, quasar in modes.items():
@@ -127,8 +127,13 @@ def end_to_end(model, tokenizer, prompts: int, new_tokens: int, compile_config) 
             outputs[name].append(out)
             if stats is not None:
                 results[name]["verify_steps"] += stats.verify_steps
+                results[name]["forward_s"] += stats.forward_time_s
+                results[name]["loop_s"] += stats.loop_time_per_step_s * stats.verifier_forwards
     for row in results.values():
         row["tokens_per_s"] = row["new_tokens"] / row["seconds"]
+        if row["verify_steps"]:  # batch 1: one verifier forward per verify step
+            row["forward_ms_per_step"] = row["forward_s"] / row["verify_steps"] * 1e3
+            row["loop_ms_per_step"] = row["loop_s"] / row["verify_steps"] * 1e3
     same = lambda a, b: all(torch.equal(x, y) for x, y in zip(outputs[a], outputs[b]))  # noqa: E731
     exact = {
         "quasar_compiled_equals_plain_compiled": same("quasar_compiled", "plain_compiled"),
@@ -157,10 +162,14 @@ def markdown(result: dict) -> str:
     e2e = result.get("end_to_end")
     if e2e:
         lines += ["", f"End to end: {e2e['prompts']} grounded prompts x {e2e['max_new_tokens']} new tokens.", ""]
-        lines += ["| mode | tokens/s | forwards (verify steps + prefill) |", "|---|---|---|"]
+        lines += [
+            "| mode | tokens/s | forwards (verify steps + prefill) | forward ms / step | loop ms / step (draft, accept, rollback) |",
+            "|---|---|---|---|---|",
+        ]
         for name, row in e2e["modes"].items():
             steps = row["verify_steps"] + e2e["prompts"] if row["verify_steps"] else "one per token"
-            lines.append(f"| {name} | {row['tokens_per_s']:.2f} | {steps} |")
+            forward, loop = (f"{row[k]:.2f}" if k in row else "-" for k in ("forward_ms_per_step", "loop_ms_per_step"))
+            lines.append(f"| {name} | {row['tokens_per_s']:.2f} | {steps} | {forward} | {loop} |")
         lines += ["", "Exactness: " + ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in e2e["exact"].items())]
     lines += ["", f"Environment: {json.dumps(result['environment'])}", ""]
     return "\n".join(lines)

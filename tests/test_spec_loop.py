@@ -187,6 +187,10 @@ def test_return_dict_and_stats_are_consistent():
     assert stats.mean_acceptance_length == pytest.approx(stats.new_tokens / stats.verify_steps)
     assert len(stats.acceptance_per_position) <= 5 and all(0 <= r <= 1 for r in stats.acceptance_per_position)
     assert stats.verify_time_s > 0 and stats.draft_time_s >= 0
+    assert stats.verifier_forwards == stats.verify_steps and 0 < stats.forward_time_s < stats.verify_time_s
+    assert stats.loop_time_per_step_s == pytest.approx(
+        (stats.draft_time_s + stats.verify_time_s - stats.forward_time_s) / stats.verifier_forwards
+    )
 
 
 class CountingDrafter(NgramDrafter):

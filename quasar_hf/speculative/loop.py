@@ -109,6 +109,8 @@ class SpeculativeRun:
         if self.draft_width is not None and 0 < k < self.draft_width:  # [B, width+1]: one verify shape
             chunk = torch.cat([chunk, pending[:, None].expand(-1, self.draft_width - k)], dim=1)
         logits = self.verifier.forward(chunk)[:, : k + 1]  # [B, k+1, V] fp32
+        self.stats.forward_time_s += time.perf_counter() - drafted
+        self.stats.verifier_forwards += 1
         scores = self._position_scores(draft.tokens, logits)  # [B, k+1, V]
         if self.do_sample:
             probs = torch.softmax(scores, dim=-1)

@@ -12,6 +12,8 @@ _SUMMED = (
     "prefill_tokens",
     "draft_time_s",
     "verify_time_s",
+    "forward_time_s",
+    "verifier_forwards",
     "prefill_time_s",
     "total_time_s",
 )
@@ -34,7 +36,9 @@ class QuasarStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
+    verify_time_s: float = 0.0  # each step's verifier forward, acceptance, emission and rollback
+    forward_time_s: float = 0.0  # of which the verifier forwards (on CUDA: until the launches return)
+    verifier_forwards: int = 0  # verifier forwards after the prefill (one per step for the whole batch)
     prefill_time_s: float = 0.0
     total_time_s: float = 0.0
 
@@ -60,6 +64,11 @@ class QuasarStats:
     def mean_acceptance_length(self) -> float:
         """L = tokens emitted by verify steps / verify steps (1.0 = no draft ever accepted)."""
         return self.new_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def loop_time_per_step_s(self) -> float:
+        """The loop's own time per step: drafting, acceptance, emission and rollback, without the forward."""
+        return (self.draft_time_s + self.verify_time_s - self.forward_time_s) / max(1, self.verifier_forwards)
 
     @property
     def acceptance_rate(self) -> float:
@@ -104,6 +113,8 @@ class QuasarStats:
             "acceptance_per_position": self.acceptance_per_position,
             "time_per_verify_step_s": self.verify_time_s / steps,
             "time_per_draft_token_s": self.draft_time_s / max(1, self.drafted_tokens),
+            "forward_time_per_step_s": self.forward_time_s / max(1, self.verifier_forwards),
+            "loop_time_per_step_s": self.loop_time_per_step_s,
         }
 
     def to_dict(self) -> dict:
@@ -121,6 +132,9 @@ class QuasarStats:
             "acceptance_per_position": self.acceptance_per_position,
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
+            "forward_time_s": self.forward_time_s,
+            "verifier_forwards": self.verifier_forwards,
+            "loop_time_per_step_s": self.loop_time_per_step_s,
             "prefill_time_s": self.prefill_time_s,
             "total_time_s": self.total_time_s,
         }
