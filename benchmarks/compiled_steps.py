@@ -28,6 +28,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
 
 import quasar_hf  # noqa: F401
+from benchmarks.op_overhead import markdown as op_overhead_markdown
+from benchmarks.op_overhead import op_overhead
 from quasar_hf import compat
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.speculative.kv_state import RowAlignedCache
@@ -159,6 +161,8 @@ def markdown(result: dict) -> str:
             f"| {row['threads']} | {row['tokens']} | {row['dynamic_eager_ms']:.2f} | {row['static_eager_ms']:.2f} | "
             f"{row['static_compiled_ms']:.2f} | {row['static_compiled_x_floor']:.2f} | {ratio:.2f} |"
         )
+    if result.get("op_overhead"):
+        lines += ["", *op_overhead_markdown(result["op_overhead"])]
     e2e = result.get("end_to_end")
     if e2e:
         lines += ["", f"End to end: {e2e['prompts']} grounded prompts x {e2e['max_new_tokens']} new tokens.", ""]
@@ -198,6 +202,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     compiled_step = model.get_compiled_call(compile_config)
     with torch.no_grad():
         steps, compile_s = time_steps(model, compiled_step, args.steps, args.rounds, floor_ms)
+        overhead = op_overhead(model, CACHE_TOKENS)
         e2e = None
         if args.prompts:
             tokenizer = AutoTokenizer.from_pretrained(args.quantized)
@@ -214,6 +219,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         "compile": compile_config.to_dict(),
         "compile_s": compile_s,
         "steps": steps,
+        "op_overhead": overhead,
         "end_to_end": e2e,
     }
     os.makedirs(args.out, exist_ok=True)

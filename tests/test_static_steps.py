@@ -249,6 +249,8 @@ def test_compiled_steps_measurement_reports_a_checkpoint(tmp_path):
     report = json.loads(open(paths[0]).read())
     assert {row["tokens"] for row in report["steps"].values()} == {1, 6} and report["environment"]
     assert all(row["static_compiled_ms"] > 0 for row in report["steps"].values())
+    linears = report["op_overhead"]["6"]["kinds"]["w8a8_linear"]  # tiny llama: 2 layers x 7 linears
+    assert linears["calls"] == 14 and linears["op_us"] > 0 and linears["direct_us"] > 0
     assert "| static compiled ms |" in open(paths[1]).read()
 
 

@@ -1,0 +1,126 @@
+"""Where a compiled CPU step's time goes: the per-call cost of each `torch.ops.quasar.*` op that the
+compiled graph calls, against the same kernel called directly, times its calls per step.
+
+A compiled step is Inductor's generated code calling our ops as extern kernels; each call goes
+through the dispatcher into a Python implementation, then into C. The difference between the op
+call and the direct (eager, bound) call of the same kernel is that Python and dispatch per call.
+Shapes are the model's own, at M = 1 (decode) and M = 6 (a 5-draft verification).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+import quasar_hf.ops.torch_ops  # noqa: F401  (registers torch.ops.quasar.*)
+from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
+from quasar_hf.nn.folded_norm import FoldedRMSNorm
+from quasar_hf.nn.rowstable_norm import RowStableRMSNorm
+
+
+def _us(fn: Callable[[], object], calls: int = 300) -> float:
+    """Median over 5 batches of `calls` calls, in microseconds per call."""
+    for _ in range(20):
+        fn()
+    batches = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        batches.append((time.perf_counter() - start) / calls * 1e6)
+    return sorted(batches)[2]
+
+
+def _linear_costs(model: torch.nn.Module, rows: int) -> dict:
+    """Every W8A8 linear's op call and direct call at `rows` rows: summed microseconds per step."""
+    op, direct, calls = 0.0, 0.0, 0
+    measured: dict[tuple, tuple[float, float]] = {}
+    for module in model.modules():
+        if not isinstance(module, W8A8Linear) or module.prepared is None:
+            continue
+        prepared = module.prepared
+        key = (module.in_features, module.out_features, module.act_prescale is not None)
+        if key not in measured:
+            x = torch.randn(1, rows, module.in_features, dtype=model.dtype)
+            packed = list(prepared.packed_tensors)
+            args = (x, module.weight, module.weight_scale, module.bias, module.act_prescale, packed, prepared.backend)
+            measured[key] = (_us(lambda: torch.ops.quasar.w8a8_linear.default(*args)), _us(lambda: prepared.linear(x)))
+        op, direct, calls = op + measured[key][0], direct + measured[key][1], calls + 1
+    return {"calls": calls, "op_us": op, "direct_us": direct}
+
+
+def _rotation_costs(model: torch.nn.Module, rows: int) -> dict:
+    rotated = [m for m in model.modules() if isinstance(m, RotatedW8A8Linear) and m._rotate is not None]
+    if not rotated:
+        return {"calls": 0, "op_us": 0.0, "direct_us": 0.0}
+    module = rotated[0]
+    x = torch.randn(1, rows, module.in_features, dtype=model.dtype)
+    r = module.rotation
+    op = _us(lambda: torch.ops.quasar.hadamard_rows.default(x, r.blocks, r.odd_order, r.pow2))
+    direct = _us(lambda: module._rotate(x))
+    return {"calls": len(rotated), "op_us": op * len(rotated), "direct_us": direct * len(rotated)}
+
+
+def _norm_costs(model: torch.nn.Module, rows: int) -> dict:
+    """Compiled, every norm is one `quasar::rms_norm` call (a Python formula of torch ops)."""
+    norms = [m for m in model.modules() if isinstance(m, (RowStableRMSNorm, FoldedRMSNorm)) and m.formula is not None]
+    if not norms:
+        return {"calls": 0, "op_us": 0.0, "direct_us": None}
+    norm = norms[0]
+    x = torch.randn(1, rows, norm.weight.shape[0], dtype=model.dtype)
+    op = _us(lambda: torch.ops.quasar.rms_norm.default(x, norm.weight, *norm.formula))
+    return {"calls": len(norms), "op_us": op * len(norms), "direct_us": None}
+
+
+def _attention_costs(model: torch.nn.Module, rows: int, context: int) -> dict:
+    from quasar_hf.ops import attention_cpu
+
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q = torch.randn(1, c.num_attention_heads, rows, head_dim, dtype=model.dtype)
+    k = torch.randn(1, c.num_key_value_heads, context, head_dim, dtype=model.dtype)
+    visible = torch.ones(1, rows, context, dtype=torch.bool)
+    scale = head_dim**-0.5
+    op = _us(lambda: torch.ops.quasar.rowstable_attention_cpu.default(q, k, k, visible, scale), 100)
+    direct = _us(lambda: attention_cpu._rowstable_attention(q, k, k, visible, scale), 100)
+    layers = c.num_hidden_layers
+    return {"calls": layers, "op_us": op * layers, "direct_us": direct * layers}
+
+
+def op_overhead(model: torch.nn.Module, context: int, rows_list: tuple[int, ...] = (1, 6)) -> dict:
+    """Per step shape: calls, op microseconds and direct-kernel microseconds per op kind, and totals."""
+    out = {}
+    with torch.no_grad():
+        for rows in rows_list:
+            kinds = {
+                "w8a8_linear": _linear_costs(model, rows),
+                "hadamard_rows": _rotation_costs(model, rows),
+                "rms_norm": _norm_costs(model, rows),
+                "rowstable_attention_cpu": _attention_costs(model, rows, context),
+            }
+            extra = sum(k["op_us"] - k["direct_us"] for k in kinds.values() if k["direct_us"] is not None)
+            out[str(rows)] = {
+                "kinds": kinds,
+                "ops_ms": sum(k["op_us"] for k in kinds.values()) / 1e3,
+                "dispatch_and_python_ms": extra / 1e3,
+            }
+    return out
+
+
+def markdown(result: dict) -> list[str]:
+    lines = [
+        "Our ops' share of the compiled step (`benchmarks/op_overhead.py`: each op called through",
+        "`torch.ops.quasar` vs its kernel called directly, the model's shapes, one thread count):",
+        "",
+        "| tokens | op | calls / step | op ms / step | direct ms / step | dispatch + Python ms / step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for rows, entry in result.items():
+        for name, k in entry["kinds"].items():
+            direct = "-" if k["direct_us"] is None else f"{k['direct_us'] / 1e3:.2f}"
+            extra = "-" if k["direct_us"] is None else f"{(k['op_us'] - k['direct_us']) / 1e3:.2f}"
+            lines.append(f"| {rows} | {name} | {k['calls']} | {k['op_us'] / 1e3:.2f} | {direct} | {extra} |")
+        lines.append(f"| {rows} | all ops | | {entry['ops_ms']:.2f} | | {entry['dispatch_and_python_ms']:.2f} |")
+    return lines
