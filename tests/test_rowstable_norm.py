@@ -1,5 +1,6 @@
-"""RowStableRMSNorm and quasar::rms_norm: the bits of each Transformers RMSNorm class, rows reduced
-alone (eager and compiled), and every unfolded norm of a Quasar model replaced at load."""
+"""RowStableRMSNorm and quasar::rms_norm: eager, the bits of each Transformers RMSNorm class; compiled,
+the op's row-stable C kernel (its reference's bits, each row reduced alone, within one rounding of
+the class); and every unfolded norm of a Quasar model replaced at load."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch._dynamo
 
 from quasar_hf.nn import FoldedRMSNorm, RowStableRMSNorm
 from quasar_hf.nn.rowstable_norm import RMSNORM_FORMULAS, compiled_rms_norm
+from quasar_hf.ops import rms_norm_cpu
+from quasar_hf.ops.reference import rowstable_rms_norm_reference
 from tests.tiny_models import tiny_model
 
 MODULES = {
@@ -46,8 +49,36 @@ def test_the_module_and_the_op_give_the_class_bits(name, dtype):
     with torch.no_grad():
         expected = norm(x)
         assert torch.equal(ours(x), expected)
-        assert torch.equal(compiled_rms_norm(x, norm.weight, ours.formula), expected)
         assert expected.dtype == ours(x).dtype
+        # Compiled steps run the op: the row-stable kernel's own bits, within a rounding of the class's
+        op = compiled_rms_norm(x, norm.weight, ours.formula)
+        assert torch.equal(op, rowstable_rms_norm_reference(x, norm.weight, *ours.formula)) and op.dtype == expected.dtype
+        step = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20  # one rounding of the output, relative
+        assert bool(((op.float() - expected.float()).abs() <= step * expected.float().abs() + 1e-30).all())
+
+
+@pytest.mark.skipif(not rms_norm_cpu.is_available(), reason="the row-stable RMSNorm C kernel did not build")
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 64, 576, 1001])
+@pytest.mark.parametrize("formula", [(1e-6, 0.0, False), (1e-6, 1.0, True)])
+def test_the_kernel_equals_its_reference_and_a_row_alone(width, formula):
+    generator = torch.Generator().manual_seed(width)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(6, width, generator=generator) * 5).to(dtype)
+        w = torch.randn(width, generator=generator).to(dtype)
+        out = rms_norm_cpu.rms_norm_rows(x, w, *formula)
+        assert torch.equal(out, rowstable_rms_norm_reference(x, w, *formula)), (dtype, width)
+        assert torch.equal(torch.cat([rms_norm_cpu.rms_norm_rows(x[i : i + 1], w, *formula) for i in range(6)]), out)
+
+
+def test_the_op_takes_transposed_views_and_matches_its_fake():
+    """Gemma's q/k norms read [B, H, T, D] views of [B, T, H, D]: the output is contiguous, as the fake says."""
+    x = torch.randn(1, 6, 4, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).transpose(1, 2)
+    w = torch.randn(32).to(torch.bfloat16)
+    out = torch.ops.quasar.rms_norm(x, w, 1e-6, 1.0, True)
+    assert out.is_contiguous() and torch.equal(out, torch.ops.quasar.rms_norm(x.contiguous(), w, 1e-6, 1.0, True))
+    torch.library.opcheck(
+        torch.ops.quasar.rms_norm.default, (x, w, 1e-6, 1.0, True), test_utils=("test_schema", "test_faketensor")
+    )
 
 
 @pytest.mark.parametrize("name", ["LlamaRMSNorm", "Gemma3RMSNorm"])

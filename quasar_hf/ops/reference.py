@@ -21,6 +21,8 @@ Edge cases, identical in every backend:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 QMAX = 127.0
@@ -247,4 +249,32 @@ def transformers_rms_norm_reference(
         return (h * (offset + weight.float())).type_as(x)
     if offset:
         raise ValueError("an RMSNorm that scales after the cast has no weight offset (only Gemma's (1 + w) norms do)")
+    return weight * h.to(x.dtype)
+
+
+def rowstable_rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, scale_in_float: bool
+) -> torch.Tensor:
+    """The row-stable RMSNorm (csrc/rms_norm_rows.c's oracle, bit for bit): the formulas of
+    `transformers_rms_norm_reference`, with each row's sum of squares taken in a fixed order: 8
+    lanes (lane j adds x[8i + j]^2, i ascending), combined ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+    """
+    if offset and not scale_in_float:
+        raise ValueError("an RMSNorm that scales after the cast has no weight offset (only Gemma's (1 + w) norms do)")
+    h = x.to(torch.float32)
+    k = h.shape[-1]
+    squares = torch.nn.functional.pad(h * h, (0, -k % 8)).reshape(*h.shape[:-1], -1, 8)  # [..., ceil(K/8), 8]
+    lanes = torch.zeros(*h.shape[:-1], 8, dtype=torch.float32, device=h.device)
+    for i in range(squares.shape[-2]):  # + 0.0 for the padding leaves a lane unchanged
+        lanes = lanes + squares[..., i, :]
+    l = lanes.unbind(-1)  # noqa: E741
+    total = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+    variance = total / torch.tensor(float(k)) + torch.tensor(eps, dtype=torch.float32)
+    # IEEE sqrt and division: torch.sqrt on CPU may be a vectorized approximation (1 ulp off), and
+    # `1.0 / t` a reciprocal op; an fp32 sqrt taken in float64 and rounded once is the exact one.
+    roots = torch.tensor([math.sqrt(v) for v in variance.flatten().tolist()], dtype=torch.float64)
+    scale = torch.div(torch.ones_like(variance), roots.to(torch.float32).reshape(variance.shape))
+    h = h * scale[..., None]
+    if scale_in_float:
+        return (h * (offset + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)

@@ -7,7 +7,8 @@ fake implementation gives, and Inductor calls the real kernel at run time.
   quasar::rowstable_attention_triton(query, key, value, visible?, scale?) -> [B, Q, H, D]
   quasar::rowstable_linear(x, weight, bias?) -> [..., N]   (the float lm_head, RowStableLinear)
   quasar::hadamard_rows(x, blocks, odd_order, pow2) -> fp32 [..., K]   (RotatedW8A8Linear's input)
-  quasar::rms_norm(x, weight, eps, offset, scale_in_float) -> [..., K]   (every RMSNorm when compiled)
+  quasar::rms_norm(x, weight, eps, offset, scale_in_float) -> [..., K]   (every RMSNorm when compiled;
+      on CPU the row-stable C kernel of rms_norm_cpu.py, not the Transformers formula's bits)
 
 Registered with `torch.library.Library` (define + impl + `register_fake`) rather than the
 `torch.library.custom_op` decorator: both give the same operator, but the decorator's Python
@@ -138,9 +139,14 @@ torch.library.register_fake("quasar::hadamard_rows", _hadamard_rows_fake, lib=_L
 
 
 def _rms_norm_impl(x, weight, eps: float, offset: float, scale_in_float: bool) -> torch.Tensor:
+    """CPU: the row-stable C kernel (rms_norm_cpu.py); elsewhere the Transformers formula. Contiguous,
+    as the fake says (Gemma's q/k norms read transposed views)."""
+    from quasar_hf.ops import rms_norm_cpu
     from quasar_hf.ops.reference import transformers_rms_norm_reference
 
-    return transformers_rms_norm_reference(x, weight, eps, offset, scale_in_float)
+    if x.device.type == "cpu":
+        return rms_norm_cpu.rms_norm_rows(x, weight, eps, offset, scale_in_float)
+    return transformers_rms_norm_reference(x, weight, eps, offset, scale_in_float).contiguous()
 
 
 def _rms_norm_fake(x, weight, eps: float, offset: float, scale_in_float: bool) -> torch.Tensor:
