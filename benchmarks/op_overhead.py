@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 import quasar_hf.ops.torch_ops  # noqa: F401  (registers torch.ops.quasar.*)
+from quasar_hf.bench.report import _table
 from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
 from quasar_hf.nn.folded_norm import FoldedRMSNorm
 from quasar_hf.nn.rowstable_norm import RowStableRMSNorm
@@ -130,13 +131,14 @@ def markdown(result: dict) -> list[str]:
         "`torch.ops.quasar` vs its kernel called directly, the model's shapes, the same weight each call,",
         "so a small weight stays in cache and its times are below a step's, which streams every weight):",
         "",
-        "| tokens | op | calls / step | op ms / step | direct ms / step | dispatch + Python ms / step |",
-        "|---|---|---|---|---|---|",
     ]
-    for rows, entry in result.items():
+    rows = []
+    for tokens, entry in result.items():
         for name, k in entry["kinds"].items():
-            direct = "-" if k["direct_us"] is None else f"{k['direct_us'] / 1e3:.2f}"
-            extra = "-" if k["direct_us"] is None else f"{(k['op_us'] - k['direct_us']) / 1e3:.2f}"
-            lines.append(f"| {rows} | {name} | {k['calls']} | {k['op_us'] / 1e3:.2f} | {direct} | {extra} |")
-        lines.append(f"| {rows} | all ops | | {entry['ops_ms']:.2f} | | {entry['dispatch_and_python_ms']:.2f} |")
+            direct = None if k["direct_us"] is None else k["direct_us"] / 1e3
+            extra = None if k["direct_us"] is None else (k["op_us"] - k["direct_us"]) / 1e3
+            rows.append([tokens, name, k["calls"], k["op_us"] / 1e3, direct, extra])
+        rows.append([tokens, "all ops", "", entry["ops_ms"], None, entry["dispatch_and_python_ms"]])
+    header = ["tokens", "op", "calls / step", "op ms / step", "direct ms / step", "dispatch + Python ms / step"]
+    lines += _table(header, rows)
     return lines

@@ -50,6 +50,7 @@ class StaticVerifierCache:
         self.slot_mask = torch.zeros(batch_size, max_cache_len, dtype=torch.long, device=device)  # [B_all, slots]
         self.valid_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B_all] kept tokens per row
         self.rows = torch.arange(batch_size, device=device)  # [B]: the unfinished rows among the B_all allocated
+        self.idle_rows = self.rows[:0]  # [B_all - B]: the finished ones (found once per select_rows, not per step)
         self.length = 0  # slots in use (where the next step writes)
         self._counter = 0  # where the cache layers will write next
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -96,8 +97,8 @@ class StaticVerifierCache:
         self._counter = self.length  # the layers advanced their write counters by n
         self.valid_len = self.valid_len + new_mask.sum(-1)
         if self.batch_size < everyone:
-            self.slot_mask[:, self.length - n : self.length].index_fill_(0, self._idle_rows(), 0)
-            self.valid_len.index_fill_(0, self._idle_rows(), 0)
+            self.slot_mask[:, self.length - n : self.length].index_fill_(0, self.idle_rows, 0)
+            self.valid_len.index_fill_(0, self.idle_rows, 0)
         logits = outputs.logits if self.batch_size == everyone else outputs.logits.index_select(0, self.rows)
         return (logits[:, -1:] if last_only else logits).float()
 
@@ -123,9 +124,10 @@ class StaticVerifierCache:
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only `rows` of the unfinished rows; the others stay allocated, idle, with no keys."""
         self.rows = self.rows[rows]
-        idle = self._idle_rows()
-        self.slot_mask.index_fill_(0, idle, 0)
-        self.valid_len.index_fill_(0, idle, 0)
+        idle = torch.ones(self.slot_mask.shape[0], dtype=torch.bool, device=self.rows.device)
+        self.idle_rows = idle.index_fill_(0, self.rows, False).nonzero()[:, 0]
+        self.slot_mask.index_fill_(0, self.idle_rows, 0)
+        self.valid_len.index_fill_(0, self.idle_rows, 0)
         used = self.slot_mask.any(dim=0).nonzero()
         self._move_back_to(int(used.max()) + 1 if used.numel() else 0)
 
@@ -140,7 +142,3 @@ class StaticVerifierCache:
     def _move_back_to(self, length: int) -> None:
         self.slot_mask[:, length : self.length] = 0
         self.length = length
-
-    def _idle_rows(self) -> torch.Tensor:
-        idle = torch.ones(self.slot_mask.shape[0], dtype=torch.bool, device=self.rows.device)
-        return idle.index_fill_(0, self.rows, False).nonzero()[:, 0]
