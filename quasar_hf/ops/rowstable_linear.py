@@ -28,7 +28,7 @@ from .reference import rowstable_linear_reference
 # Variants, best first: (source, extra compiler flags, CPU flags it needs). Both compute the same bits.
 VARIANTS = (
     ("rowstable_linear.c", ("-mavx512f", "-mavx512bw", "-mavx512vl"), ("avx512f", "avx512bw", "avx512vl")),
-    ("rowstable_linear_avx2.c", ("-mavx2",), ("avx2",)),
+    ("rowstable_linear_avx2.c", ("-mavx2", "-mfma"), ("avx2", "fma")),
 )
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _MIN_BYTES_PER_THREAD = 256 * 1024  # below this a second thread costs more than it saves
@@ -42,7 +42,7 @@ def _library() -> tuple[object | None, str | None]:
     for source, flags, required in VARIANTS:
         if not missing_cpu_flags(required):
             return load_variant(source, flags)
-    return None, f"this CPU lacks {', '.join(missing_cpu_flags(VARIANTS[-1][2]))} (needs x86-64 with AVX2 or AVX-512)"
+    return None, f"this CPU lacks {', '.join(missing_cpu_flags(VARIANTS[-1][2]))} (needs x86-64 with AVX2 and FMA, or AVX-512)"
 
 
 def load_variant(source: str, flags: tuple[str, ...]) -> tuple[object | None, str | None]:

@@ -1,0 +1,140 @@
+"""The row-stable lm_head kernel's builds vs BF16 `F.linear`, at real vocabulary shapes, M = 1 and 6.
+
+Every build this CPU runs is timed (on an AVX-512 CPU both the AVX-512 and the AVX2 build), side by
+side and interleaved, cycling weight copies that together exceed the last-level cache, so every
+call reads its weight from memory as a decode or verify step does. Each build is checked bit for
+bit against `rowstable_linear_reference` first. The floor is the weight's bytes at the measured
+read bandwidth.
+
+    python -m benchmarks lm-head --name lm_head_kernels_xeon --baseline BEFORE.c --name lm_head_kernels_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.kernels import interleaved_medians, measure_read_bandwidth
+from quasar_hf.bench.report import _table, environment
+from quasar_hf.ops.c_build import CSRC, missing_cpu_flags
+from quasar_hf.ops.reference import rowstable_linear_reference
+from quasar_hf.ops.rowstable_linear import VARIANTS, _run, load_variant
+
+# (label, vocabulary N, hidden K): the lm_heads of the checkpoints the project runs end to end.
+SHAPES = [
+    ("SmolLM2-135M", 49152, 576),
+    ("Gemma 3 270M", 262144, 640),
+    ("Qwen2.5-Coder-0.5B", 151936, 896),
+    ("Llama-3.2-1B", 128256, 2048),
+]
+WORKING_SET = 768 * 2**20  # bytes of weight copies cycled: above the 300 MiB L3 seen on this project's Xeons
+
+
+def _builds(baseline: str | None) -> dict[str, object]:
+    """name -> entry point of every build this CPU runs (and of `baseline`, an AVX2 source file of
+    the same entry point, say the kernel before a change), each checked against the oracle."""
+    builds = {}
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(7, 100, generator=gen).bfloat16(), torch.randn(37, 100, generator=gen).bfloat16()
+    sources = [(source, flags) for source, flags, required in VARIANTS if not missing_cpu_flags(required)]
+    if baseline:
+        sources.append((os.path.abspath(baseline), ("-mavx2", "-mfma", f"-I{CSRC}")))
+    for source, flags in sources:
+        fn, error = load_variant(source, flags)
+        if fn is None:
+            raise RuntimeError(f"{source}: {error}")
+        if not torch.equal(_run(fn, x, w, None), rowstable_linear_reference(x, w)):
+            raise AssertionError(f"{source} disagrees with the reference")
+        builds[os.path.basename(source).removesuffix(".c") + (" (baseline)" if os.path.isabs(source) else "")] = fn
+    return builds
+
+
+def measure(
+    shapes: list[tuple[str, int, int]],
+    rows: tuple[int, ...],
+    samples: int,
+    baseline: str | None = None,
+    working_set: int = WORKING_SET,
+) -> dict:
+    """Median ms per call of each build and of F.linear, per shape and row count."""
+    builds = _builds(baseline)
+    bandwidth, results = 0.0, []
+    for label, n, k in shapes:
+        bandwidth = max(bandwidth, measure_read_bandwidth(torch.device("cpu")))  # the best seen: a shared machine drifts
+        copies = max(2, math.ceil(working_set / (n * k * 2)))
+        weights = [torch.randn(n, k).bfloat16() for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k).bfloat16()
+            variants = {
+                name: (lambda i, fn=fn, x=x, ws=weights: _run(fn, x, ws[i % len(ws)], None)) for name, fn in builds.items()
+            }
+            variants["F.linear (torch)"] = lambda i, x=x, ws=weights: F.linear(x, ws[i % len(ws)])
+            medians = interleaved_medians(variants, torch.device("cpu"), samples, batch=copies)
+            for name, seconds in medians.items():
+                results.append(
+                    {
+                        "shape": label,
+                        "N": n,
+                        "K": k,
+                        "rows": m,
+                        "kernel": name,
+                        "ms": seconds * 1e3,
+                        "gb_s": n * k * 2 / seconds / 1e9,
+                    }
+                )
+        del weights
+    for r in results:  # the floor at the best bandwidth of the run
+        r["x_floor"] = r["ms"] / (r["N"] * r["K"] * 2 / (bandwidth * 1e9) * 1e3)
+    return {"read_bandwidth_gb_s": bandwidth, "torch_threads": torch.get_num_threads(), "results": results}
+
+
+def to_markdown(result: dict, command: str) -> str:
+    lines = ["# Row-stable lm_head kernel builds vs F.linear (bf16)", "", f"Command: `{command}`", ""]
+    lines += [
+        f"Read bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s (the best of one reading per shape); "
+        f"{result['torch_threads']} threads. "
+        "Floor = the weight's bytes at that bandwidth. F.linear's rounding depends on the row count "
+        "(it is not row-stable); it is here as the speed a user gets without our kernel.",
+        "",
+    ]
+    rows = [
+        [r["shape"], r["rows"], r["kernel"], f"{r['ms']:.2f}", f"{r['x_floor']:.2f}", f"{r['gb_s']:.1f}"]
+        for r in result["results"]
+    ]
+    lines += _table(["shape", "rows", "kernel", "ms", "x floor", "GB/s"], rows)
+    lines += ["", f"Environment: {result['environment']}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks lm-head", description=__doc__.split("\n")[0])
+    parser.add_argument("--name", default="lm_head_kernels_cpu", help="report name (benchmarks/NAME.md/.json)")
+    parser.add_argument("--out", default=os.path.dirname(__file__), help="folder for the reports")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 6], help="query rows per call")
+    parser.add_argument("--samples", type=int, default=5, help="interleaved samples per variant")
+    parser.add_argument("--shapes", nargs="+", default=None, help="labels of SHAPES to run (default all)")
+    parser.add_argument("--baseline", default=None, help="an AVX2 C source of the same entry point to time beside them")
+    args = parser.parse_args(argv)
+    shapes = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes]
+    if not shapes:
+        parser.error(f"--shapes: choose among {[s[0] for s in SHAPES]}")
+    if args.baseline and not os.path.isfile(args.baseline):
+        parser.error(f"--baseline: no such file {args.baseline!r}")
+    result = measure(shapes, tuple(args.rows), args.samples, args.baseline)
+    result["environment"] = environment()
+    command = "python -m benchmarks lm-head " + shlex.join(argv if argv is not None else sys.argv[1:])
+    result["command"] = command.strip()
+    os.makedirs(args.out, exist_ok=True)
+    json_path, md_path = (os.path.join(args.out, f"{args.name}.{ext}") for ext in ("json", "md"))
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(md_path, "w") as f:
+        f.write(to_markdown(result, result["command"]))
+    return [json_path, md_path]
