@@ -58,7 +58,7 @@ def test_the_module_and_the_op_give_the_class_bits(name, dtype):
 
 
 @pytest.mark.skipif(not rms_norm_cpu.is_available(), reason="the row-stable RMSNorm C kernel did not build")
-@pytest.mark.parametrize("width", [1, 7, 8, 9, 64, 576, 1001])
+@pytest.mark.parametrize("width", [1, 7, 8, 9, 64, 576, 1001, 1027])  # 1001, 1027: past one 512-wide chunk, ragged tails
 @pytest.mark.parametrize("formula", [(1e-6, 0.0, False), (1e-6, 1.0, True)])
 def test_the_kernel_equals_its_reference_and_a_row_alone(width, formula):
     generator = torch.Generator().manual_seed(width)
