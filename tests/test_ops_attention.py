@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quasar_hf.ops import attention_cpu
-from quasar_hf.ops.c_build import PORTABLE_CFLAGS
+from quasar_hf.ops.c_build import PORTABLE_CFLAGS, missing_cpu_flags
 from quasar_hf.ops.reference import attention_reference
 
 pytestmark = pytest.mark.skipif(
@@ -13,7 +13,10 @@ pytestmark = pytest.mark.skipif(
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (batch, heads, kv_heads, q_len, kv_len, head_dim): decode, verification, GQA, MHA, ragged head dims
-SHAPES = [(1, 9, 3, 1, 40, 64), (1, 9, 3, 6, 300, 64), (2, 4, 2, 5, 37, 20), (1, 2, 2, 3, 3, 72), (3, 6, 1, 17, 50, 16)]
+SHAPES = [
+    (1, 9, 3, 1, 40, 64), (1, 9, 3, 6, 300, 64), (2, 4, 2, 5, 37, 20), (1, 2, 2, 3, 3, 72), (3, 6, 1, 17, 50, 16),
+    (1, 4, 1, 3, 33, 128), (1, 4, 1, 2, 20, 256),  # Qwen3 and Gemma 3 head sizes
+]  # fmt: skip
 
 
 def qkv(shape, dtype, seed=0):
@@ -93,16 +96,22 @@ def test_thread_count_does_not_change_bits():
     assert torch.equal(one, many)
 
 
-def test_portable_build_computes_the_same_bits():
-    """The AVX-512 paths compute exactly the scalar code's lanes and tree (csrc/rowstable_attention.c)."""
+BUILDS = [("portable", (), ()), ("avx2", ("-mavx2",), ("avx2",)), ("avx512", ("-mavx512f",), ("avx512f",))]
+
+
+@pytest.mark.parametrize("build", [pytest.param(b, id=b[0]) for b in BUILDS if not missing_cpu_flags(b[2])])
+def test_every_build_computes_the_same_bits(build):
+    """The AVX2 and AVX-512 paths compute exactly the scalar code's lanes and tree (csrc/rowstable_attention.c)."""
+    kernel, error = attention_cpu.load_variant((*PORTABLE_CFLAGS, *build[1]))
+    assert kernel is not None, error
     portable, error = attention_cpu.load_variant(PORTABLE_CFLAGS)
     assert portable is not None, error
     for shape in SHAPES:
         for dtype in DTYPES:
             q, k, v = qkv(shape, dtype, seed=5)
             visible = random_visible(shape[0], shape[3], shape[4], seed=6)
-            fast = attention_cpu.rowstable_attention(q, k, v, visible)
-            assert torch.equal(attention_cpu.rowstable_attention(q, k, v, visible, kernel=portable), fast)
+            fast = attention_cpu.rowstable_attention(q, k, v, visible, kernel=kernel)
+            assert torch.equal(attention_cpu.rowstable_attention(q, k, v, visible, kernel=portable), fast), (shape, dtype)
 
 
 def test_edge_rows_zero_keys_nan_and_noncontiguous_inputs():

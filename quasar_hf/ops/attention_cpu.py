@@ -35,8 +35,10 @@ _ARGTYPES = [_P, _I64, _I64, _I64] * 3 + [_P, _I64, _I64, _P] + [_I64] * 6 + [_F
 
 
 def _flags() -> tuple[str, ...]:
-    """AVX-512 code generation where the CPU has it (the summation order is fixed either way)."""
-    return PORTABLE_CFLAGS + (("-mavx512f",) if not missing_cpu_flags(("avx512f",)) else ())
+    """AVX-512 code generation where the CPU has it, else AVX2 (the summation order is fixed either way)."""
+    if not missing_cpu_flags(("avx512f",)):
+        return (*PORTABLE_CFLAGS, "-mavx512f")
+    return (*PORTABLE_CFLAGS, "-mavx2") if not missing_cpu_flags(("avx2",)) else PORTABLE_CFLAGS
 
 
 def load_variant(flags: tuple[str, ...]) -> tuple[object | None, str | None]:

@@ -29,7 +29,7 @@
 
 #include "qhf_common.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -44,7 +44,12 @@ static inline __m512 load16(const void *base, int64_t offset, int dtype) {
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-
+#elif defined(__AVX2__)
+static inline __m256 load8(const void *base, int64_t offset, int dtype) {
+    if (dtype == 0) return _mm256_loadu_ps((const float *)base + offset);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + offset));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 #endif
 
 /* dot(q, row): element d goes to lane d % LANES (multiply then add, never fused), then the fixed
@@ -56,6 +61,15 @@ static inline float dot_row(const float *q, const void *base, int64_t offset, in
         for (int64_t d = 0; d < D; d += LANES)
             acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + d), load16(base, offset + d, dtype)));
         return tree_sum16(acc);
+    }
+#elif defined(__AVX2__)
+    if (D % LANES == 0) { /* lanes 0..7 in lo, 8..15 in hi */
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += LANES) {
+            lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(q + d), load8(base, offset + d, dtype)));
+            hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(q + d + 8), load8(base, offset + d + 8, dtype)));
+        }
+        return tree_sum_halves(lo, hi);
     }
 #endif
     float acc[LANES] = {0};
@@ -72,6 +86,10 @@ static inline void axpy_row(float *acc, float p, const void *base, int64_t offse
     const __m512 vp = _mm512_set1_ps(p);
     for (; d + LANES <= D; d += LANES)
         _mm512_storeu_ps(acc + d, _mm512_add_ps(_mm512_loadu_ps(acc + d), _mm512_mul_ps(vp, load16(base, offset + d, dtype))));
+#elif defined(__AVX2__)
+    const __m256 vp = _mm256_set1_ps(p);
+    for (; d + 8 <= D; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_loadu_ps(acc + d), _mm256_mul_ps(vp, load8(base, offset + d, dtype))));
 #endif
     for (; d < D; ++d) acc[d] += p * element(base, offset, d, dtype);
 }
@@ -147,11 +165,30 @@ typedef struct {
     }
 DEFINE_WEIGHTED_SUM(64)
 DEFINE_WEIGHTED_SUM(128)
+#elif defined(__AVX2__)
+/* 64 elements in 8 registers; a head of 128 takes two such passes (each element's sum is its own). */
+static void weighted_sum_64(float *out, const float *p, const int32_t *keys, int64_t count, const void *v,
+                            int64_t v_base, int64_t v_sn, int dtype) {
+    __m256 acc[8];
+    for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < count; ++t) {
+        const __m256 vp = _mm256_set1_ps(p[t]);
+        const int64_t off = v_base + keys[t] * v_sn;
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(vp, load8(v, off + c * 8, dtype)));
+    }
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + c * 8, acc[c]);
+}
+
+static void weighted_sum_128(float *out, const float *p, const int32_t *keys, int64_t count, const void *v,
+                             int64_t v_base, int64_t v_sn, int dtype) {
+    weighted_sum_64(out, p, keys, count, v, v_base, v_sn, dtype);
+    weighted_sum_64(out + 64, p, keys, count, v, v_base + 64, v_sn, dtype);
+}
 #endif
 
 static void weighted_sum(float *out, const float *p, const int32_t *keys, int64_t count, const void *v,
                          int64_t v_base, int64_t v_sn, int64_t D, int dtype) {
-#ifdef __AVX512F__
+#if defined(__AVX2__) || defined(__AVX512F__)
     if (D == 64) {
         weighted_sum_64(out, p, keys, count, v, v_base, v_sn, dtype);
         return;

@@ -58,15 +58,6 @@ static inline void store(const Problem *P, int64_t m, int64_t n, float s) {
         ((uint16_t *)P->out)[m * P->out_stride + n] = f32_to_bf16(s);
 }
 
-/* The tree over lanes held as lo = 0..7, hi = 8..15 (fp32 layout). */
-static inline float tree_sum_halves(__m256 lo, __m256 hi) {
-    __m256 s8 = _mm256_add_ps(lo, hi);
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-    return _mm_cvtss_f32(s1);
-}
-
 /* The tree over lanes held as E (lane 2p at p) and O (lane 2p + 1 at p), bf16 layout:
  * (r, r + 8) is (p, p + 4) in each; (r, r + 4) is (q, q + 2); (r, r + 2) is (0, 1); (0, 1) is E + O. */
 static inline float tree_sum_parity(__m256 e, __m256 o) {
