@@ -3,6 +3,7 @@ rows of `ops/dispatch.py`'s table (backend modules are imported lazily, on first
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -17,8 +18,10 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+@functools.cache
 def cpu_fused_module():
-    """The fused CPU kernel module if it can be imported (it is optional), else None."""
+    """The fused CPU kernel module if it can be imported (it is optional), else None (looked up once:
+    the compiled linear op asks on every call)."""
     try:
         return importlib.import_module("quasar_hf.ops.cpu_fused")
     except ImportError:
