@@ -29,8 +29,9 @@ ASSISTANT_PROMPTS = int(os.environ.get("QUASAR_SPEC_ASSISTANT_PROMPTS", "4"))
 SELF_PROMPTS = int(os.environ.get("QUASAR_SPEC_SELF_PROMPTS", "3"))
 # bfloat16 (what users run, where near-ties can occur) checks every prompt; float32 with the same
 # kernels, where equality is exact, and SDPA with row-by-row verification (the fallback path) check a
-# smaller sample of the same prompts, to keep the suite within its time budget.
-FLOAT32_PROMPTS = int(os.environ.get("QUASAR_SPEC_FLOAT32_PROMPTS", "5"))
+# smaller sample of the same prompts, to keep the suite within its time budget (the float32 case took
+# 152 s with 5 prompts on a 2-core Xeon reading 16 GB/s, a sixth of the whole suite).
+FLOAT32_PROMPTS = int(os.environ.get("QUASAR_SPEC_FLOAT32_PROMPTS", "3"))
 SDPA_PROMPTS = int(os.environ.get("QUASAR_SPEC_SDPA_PROMPTS", "2"))
 
 
