@@ -112,6 +112,13 @@ def test_every_build_computes_the_same_bits(build):
             visible = random_visible(shape[0], shape[3], shape[4], seed=6)
             fast = attention_cpu.rowstable_attention(q, k, v, visible, kernel=kernel)
             assert torch.equal(attention_cpu.rowstable_attention(q, k, v, visible, kernel=portable), fast), (shape, dtype)
+    # a peaked softmax (most exponents below -87, flushed to 0) and a NaN score row, over 40 keys
+    q, k, v = qkv((1, 2, 1, 2, 40, 64), torch.float32, seed=9)
+    q[0, 1, 0, 5] = float("nan")
+    for scale in (None, 60.0):
+        fast = attention_cpu.rowstable_attention(q, k, v, scale=scale, kernel=kernel)
+        slow = attention_cpu.rowstable_attention(q, k, v, scale=scale, kernel=portable)
+        assert torch.equal(fast.nan_to_num(7.0), slow.nan_to_num(7.0)) and bool(fast[0, 0, 1].isnan().all())
 
 
 def test_edge_rows_zero_keys_nan_and_noncontiguous_inputs():

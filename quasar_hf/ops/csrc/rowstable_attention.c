@@ -116,6 +116,30 @@ static inline float exp_nonpositive(float x) {
     return p * two_n;
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* exp_nonpositive on 8 lanes, operation for operation (multiply then add, no FMA): the polynomial runs
+ * on x clamped to -87 (NaN to -87: max returns its second operand), then the two early returns
+ * of the scalar code become selects. */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    const __m256 floor87 = _mm256_set1_ps(-87.0f), round_magic = _mm256_set1_ps(12582912.0f);
+    const __m256 xc = _mm256_max_ps(x, floor87);
+    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)), round_magic), round_magic);
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(xc, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                                   _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(0.5f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, floor87, _CMP_LT_OQ));
+    return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+#endif
+
 /* p_j = e^(s_j - max) in place; returns sum_j p_j in LANES partial sums (lane = j % LANES) and a
  * fixed tree: depends only on the (compacted) visible scores, never on other rows. */
 static float softmax_numerators(float *s, int64_t count) {
@@ -123,6 +147,22 @@ static float softmax_numerators(float *s, int64_t count) {
     for (int64_t j = 1; j < count; ++j) m = s[j] > m ? s[j] : m;
     float acc[LANES] = {0};
     int64_t j = 0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    { /* GCC does not vectorize exp_nonpositive's branches for AVX2: the same operations, 8 lanes at a time */
+        __m256 acc_lo = _mm256_setzero_ps(), acc_hi = _mm256_setzero_ps();
+        const __m256 vm = _mm256_set1_ps(m);
+        for (; j + LANES <= count; j += LANES) {
+            const __m256 e_lo = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+            const __m256 e_hi = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), vm));
+            _mm256_storeu_ps(s + j, e_lo);
+            _mm256_storeu_ps(s + j + 8, e_hi);
+            acc_lo = _mm256_add_ps(acc_lo, e_lo);
+            acc_hi = _mm256_add_ps(acc_hi, e_hi);
+        }
+        _mm256_storeu_ps(acc, acc_lo);
+        _mm256_storeu_ps(acc + 8, acc_hi);
+    }
+#endif
     for (; j + LANES <= count; j += LANES)
         for (int l = 0; l < LANES; ++l) {
             s[j + l] = exp_nonpositive(s[j + l] - m);
