@@ -12,13 +12,13 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-/* fp32 -> bf16, round to nearest even; NaN stays a quiet NaN (as c10::BFloat16). */
+/* fp32 -> bf16, round to nearest even; NaN stays a quiet NaN (as c10::BFloat16). A select, not a
+ * branch, so loops over it vectorize. */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded); /* quiet NaN */
 }
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -38,13 +38,7 @@ static inline float tree_sum_halves(__m256 lo, __m256 hi) {
 
 /* acc[0] + ... + acc[15] by the fixed tree (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1). */
 static inline float tree_sum16(__m512 v) {
-    __m256 lo = _mm512_castps512_ps256(v);
-    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    __m256 s8 = _mm256_add_ps(lo, hi);
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-    return _mm_cvtss_f32(s1);
+    return tree_sum_halves(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 #endif
 

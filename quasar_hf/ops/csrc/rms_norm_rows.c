@@ -32,20 +32,7 @@ static void to_f32(const void *p, int dtype, int64_t start, int64_t n, float *ds
     }
 }
 
-/* fp32 -> bf16 as f32_to_bf16 (nearest even, NaN stays quiet), branch-free so loops vectorize. */
-static inline uint32_t bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded;
-}
-
-static inline float bf16_round(float v) {
-    const uint32_t u = bf16_bits(v) << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+static inline float bf16_round(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
 /* sum(x^2) of one row in the fixed order above: lane j adds elements 8i + j in ascending i. */
 static float sum_squares(const void *row, int dtype, int64_t k) {
@@ -86,7 +73,7 @@ int qhf_rms_norm_rows(const void *x, int x_dtype, int64_t rows, int64_t k, int64
             scale_chunk(hx, hw, n, scale, offset, scale_in_float, x_dtype, y);
             if (out_dtype) {
                 uint16_t *dst = (uint16_t *)out + r * k + start;
-                for (int64_t i = 0; i < n; i++) dst[i] = (uint16_t)bf16_bits(y[i]);
+                for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(y[i]);
             } else {
                 memcpy((float *)out + r * k + start, y, (size_t)n * sizeof(float));
             }
