@@ -173,11 +173,14 @@ def default_compile_config(device: torch.device) -> Any:
     decode steps (benchmarks/compiled_rows_smollm2_cpu.md). `size_asserts` off drops the size and
     stride check Inductor runs on every graph input and op output at every call (~1,300 per SmolLM2
     step): Dynamo's guards already check the inputs, and our ops' fake implementations are tested
-    against the real ones (opcheck in tests/test_ops_torch_ops.py)."""
+    against the real ones (opcheck in tests/test_ops_torch_ops.py). The post-grad pass folds each RMSNorm
+    into the W8A8 linears it feeds, as eager does (ops/graph_passes.py)."""
     from transformers import CompileConfig
 
     cuda = torch.device(device).type == "cuda"
-    options = {"emulate_precision_casts": True, "size_asserts": False}
+    from quasar_hf.ops.graph_passes import FoldNormsIntoW8A8Linears
+
+    options = {"emulate_precision_casts": True, "size_asserts": False, "post_grad_custom_post_pass": FoldNormsIntoW8A8Linears()}
     if cuda:
         options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (torch takes a mode or options)
     config = CompileConfig(fullgraph=True, dynamic=False, mode=None, options=options)

@@ -16,10 +16,11 @@ anything else (a copy, `x * 1.0`, an edited tensor) it quantizes the values it i
 
 Nothing is written on a module at forward time: two threads can run one model. The group is
 bound once (`prepare`): at load, after `.to()` / `_apply`, `load_state_dict`, copies, and after an
-in-place edit of a weight when the user calls `quasar_hf.prepare_weights(model)`. Under
-torch.compile, for float64 inputs, or where the consumers' backend has no folded form, the norm
-computes itself as its Transformers class does (compiled: the op `quasar::rms_norm`, see
-nn/rowstable_norm.py) and each consumer quantizes its output.
+in-place edit of a weight when the user calls `quasar_hf.prepare_weights(model)`. For float64
+inputs, or where the consumers' backend has no folded form, the norm computes itself as its
+Transformers class does and each consumer quantizes its output. Under torch.compile it traces to
+the op `quasar::rms_norm` (nn/rowstable_norm.py) and each consumer to its own op; the post-grad
+pass of compiled steps (ops/graph_passes.py) folds them back into one op on "cpu_fused".
 """
 
 from __future__ import annotations

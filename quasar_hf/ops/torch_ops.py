@@ -9,6 +9,9 @@ fake implementation gives, and Inductor calls the real kernel at run time.
   quasar::hadamard_rows(x, blocks, odd_order, pow2) -> fp32 [..., K]   (RotatedW8A8Linear's input)
   quasar::rms_norm(x, weight, eps, offset, scale_in_float) -> [..., K]   (every RMSNorm when compiled;
       on CPU the row-stable C kernel of rms_norm_cpu.py, not the Transformers formula's bits)
+  quasar::w8a8_folded_norm_linears(x, norm_weight, eps, offset, weight_q[], weight_scale[], bias?[],
+      packed[], backend) -> [y_0, y_1, ...]   (what a compiled FoldedRMSNorm and its consumers become:
+      written by ops/graph_passes.py, never by model code; "cpu_fused" only)
 
 Registered with `torch.library.Library` (define + impl + `register_fake`) rather than the
 `torch.library.custom_op` decorator: both give the same operator, but the decorator's Python
@@ -42,6 +45,10 @@ _LIB.define("rowstable_attention_triton(Tensor query, Tensor key, Tensor value, 
 _LIB.define("rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIB.define("hadamard_rows(Tensor x, int blocks, int odd_order, int pow2) -> Tensor")
 _LIB.define("rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_float) -> Tensor")
+_LIB.define(
+    "w8a8_folded_norm_linears(Tensor x, Tensor norm_weight, float eps, float offset, Tensor[] weight_q, "
+    "Tensor[] weight_scale, Tensor?[] bias, Tensor[] packed, str backend) -> Tensor[]"
+)
 
 
 # ---- quasar::w8a8_linear -------------------------------------------------------------------
@@ -156,3 +163,49 @@ def _rms_norm_fake(x, weight, eps: float, offset: float, scale_in_float: bool) -
 
 _LIB.impl("rms_norm", _rms_norm_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("quasar::rms_norm", _rms_norm_fake, lib=_LIB)
+
+
+# ---- an RMSNorm folded into the W8A8 linears it feeds (written by ops/graph_passes.py) -------
+
+
+def _split_packed(weight_q: list, packed: list) -> list[list]:
+    """The flat `packed` list as one list per weight (each weight packs into the same number of tensors)."""
+    per = len(packed) // len(weight_q) if weight_q else 0
+    if per == 0 or per * len(weight_q) != len(packed):
+        raise ValueError(f"w8a8_folded_norm_linears: {len(packed)} packed tensors do not split over {len(weight_q)} weights")
+    return [packed[i * per : (i + 1) * per] for i in range(len(weight_q))]
+
+
+def _folded_norm_linears_checked(x, norm_weight, weight_q, weight_scale, bias, packed, backend: str) -> None:
+    """The errors eager would raise (at trace time, through the fake), plus this op's own limits."""
+    from quasar_hf.ops.cpu_fused_multi import MULTI_MAX
+
+    if backend != "cpu_fused":
+        raise ValueError(f"w8a8_folded_norm_linears runs on the 'cpu_fused' backend only, got {backend!r}")
+    if not 1 <= len(weight_q) <= MULTI_MAX or not len(weight_q) == len(weight_scale) == len(bias):
+        raise ValueError(f"w8a8_folded_norm_linears takes 1 to {MULTI_MAX} weights with one scale and bias (or None) each")
+    for w, s, b in zip(weight_q, weight_scale, bias):
+        validate_w8a8_inputs(x, w, s, b, None)
+    if tuple(norm_weight.shape) != (x.shape[-1],):
+        raise ValueError(f"w8a8_folded_norm_linears: norm weight {tuple(norm_weight.shape)} does not match rows of {x.shape[-1]}")
+    _split_packed(weight_q, packed)
+
+
+def _folded_norm_linears_impl(x, norm_weight, eps: float, offset: float, weight_q, weight_scale, bias, packed, backend: str):
+    from quasar_hf.ops.cpu_fused_multi import folded_linears_prepacked
+
+    if not is_bound_linear_input(x, weight_q[0].shape[1] if weight_q else -1, norm_weight.device) or backend != "cpu_fused":
+        _folded_norm_linears_checked(x, norm_weight, weight_q, weight_scale, bias, packed, backend)
+    entry = dispatch.backend_entry(backend)
+    packs = [entry.unpack(w, p) for w, p in zip(weight_q, _split_packed(weight_q, packed))]
+    norm_scale = (offset + norm_weight.float()).contiguous()  # what FoldedRMSNorm.prepare binds: offset + weight
+    return list(folded_linears_prepacked(x, list(zip(weight_q, weight_scale, bias)), packs, norm_scale, eps))
+
+
+def _folded_norm_linears_fake(x, norm_weight, eps: float, offset: float, weight_q, weight_scale, bias, packed, backend: str):
+    _folded_norm_linears_checked(x, norm_weight, weight_q, weight_scale, bias, packed, backend)
+    return [x.new_empty(*x.shape[:-1], w.shape[0]) for w in weight_q]
+
+
+_LIB.impl("w8a8_folded_norm_linears", _folded_norm_linears_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("quasar::w8a8_folded_norm_linears", _folded_norm_linears_fake, lib=_LIB)

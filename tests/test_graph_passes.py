@@ -1,0 +1,151 @@
+"""The post-grad pass of compiled steps (ops/graph_passes.py).
+
+- `quasar::w8a8_folded_norm_linears` gives each consumer the bits of eager's folded group (the
+  reference oracle), and passes opcheck.
+- The pass folds exactly the groups it may (a synthetic FX graph: an act_prescale, another backend or
+  another reader of the norm's output leaves a linear alone).
+- A tiny W8A8 Llama compiled by Inductor with the pass: one folded op per group, verify rows equal
+  decode steps.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.fx
+
+from quasar_hf import compat
+from quasar_hf.ops import cpu_fused, dispatch
+from quasar_hf.ops.graph_passes import FoldNormsIntoW8A8Linears, fold_group
+from quasar_hf.ops.reference import quantize_weight_per_channel, w8a8_folded_group_reference
+
+needs_cpu_fused = pytest.mark.skipif(not cpu_fused.is_available(), reason="the fused CPU W8A8 kernel is unavailable here")
+ops = torch.ops.quasar
+
+
+def _weights(sizes=(24, 17, 9), k=40, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    weights = []
+    for i, n in enumerate(sizes):
+        w_q, w_scale = quantize_weight_per_channel(torch.randn(n, k, generator=gen))
+        weights.append((w_q, w_scale, torch.randn(n, generator=gen).bfloat16() if i == 1 else None))
+    return weights
+
+
+def _flat_packed(weights):
+    packs = [cpu_fused.pack_weight(w) for w, _, _ in weights]
+    return packs, [t for p in packs for t in (p.data, p.wsum128)]
+
+
+@needs_cpu_fused
+@pytest.mark.parametrize("rows", [1, 6])
+def test_folded_op_gives_the_eager_groups_bits(rows):
+    weights = _weights()
+    _, flat = _flat_packed(weights)
+    x = torch.randn(1, rows, 40).bfloat16()
+    norm_weight = torch.randn(40).bfloat16()
+    args = (
+        x,
+        norm_weight,
+        1e-5,
+        1.0,
+        [w for w, _, _ in weights],
+        [s for _, s, _ in weights],
+        [b for _, _, b in weights],
+        flat,
+        "cpu_fused",
+    )
+    torch.library.opcheck(ops.w8a8_folded_norm_linears.default, args, test_utils=("test_schema", "test_faketensor"))
+    outputs = ops.w8a8_folded_norm_linears(*args)
+    expected = w8a8_folded_group_reference(x, weights, 1.0 + norm_weight.float(), 1e-5)[1:]
+    assert all(torch.equal(y, e) for y, e in zip(outputs, expected, strict=True))
+
+
+@needs_cpu_fused
+def test_folded_op_names_a_backend_it_does_not_run():
+    weights = _weights(sizes=(8,))
+    _, flat = _flat_packed(weights)
+    with pytest.raises(ValueError, match="'cpu_fused' backend only"):
+        ops.w8a8_folded_norm_linears(
+            torch.randn(2, 40), torch.ones(40), 1e-5, 0.0, [weights[0][0]], [weights[0][1]], [None], flat, "torch"
+        )
+
+
+def _group_graph(prescale: bool = False, backend: str = "cpu_fused", other_reader: bool = False):
+    """x -> quasar::rms_norm -> two quasar::w8a8_linear (q, k), as a compiled Llama layer traces."""
+    graph = torch.fx.Graph()
+    x, weight = graph.placeholder("x"), graph.placeholder("norm_weight")
+    linear_args = []  # placeholders first, as Dynamo lays out graphs
+    for name in ("q", "k"):
+        w_q, w_scale, data, sums = (graph.placeholder(f"{name}_{part}") for part in ("weight", "scale", "data", "sums"))
+        pre = graph.placeholder(f"{name}_prescale") if prescale else None
+        linear_args.append((w_q, w_scale, None, pre, [data, sums], backend))
+    norm = graph.call_function(ops.rms_norm.default, (x, weight, 1e-5, 0.0, False))
+    outputs = [graph.call_function(ops.w8a8_linear.default, (norm, *args)) for args in linear_args]
+    if other_reader:
+        outputs.append(graph.call_function(torch.ops.aten.neg.default, (norm,)))
+    graph.output(tuple(outputs))
+    return graph
+
+
+def _targets(graph) -> collections.Counter:
+    return collections.Counter(str(node.target) for node in graph.nodes if node.op == "call_function")
+
+
+def test_the_pass_folds_a_norm_and_its_linears_into_one_op():
+    graph = _group_graph()
+    norm = next(n for n in graph.nodes if n.target is ops.rms_norm.default)
+    assert fold_group(graph, norm) == 2
+    graph.lint()
+    assert _targets(graph) == {"quasar.w8a8_folded_norm_linears.default": 1, "<built-in function getitem>": 2}
+
+
+@pytest.mark.parametrize("case", ["prescale", "backend", "other_reader"])
+def test_the_pass_leaves_what_it_cannot_fold(case):
+    graph = _group_graph(
+        prescale=case == "prescale", backend="torch" if case == "backend" else "cpu_fused", other_reader=case == "other_reader"
+    )
+    norm = next(n for n in graph.nodes if n.target is ops.rms_norm.default)
+    folded = fold_group(graph, norm)
+    targets = _targets(graph)
+    if case == "other_reader":  # the linears fold; the other reader keeps reading the norm's own output
+        assert folded == 2 and targets["quasar.rms_norm.default"] == 1 and targets["aten.neg.default"] == 1
+    else:
+        assert folded == 0 and targets["quasar.w8a8_linear.default"] == 2 and targets["quasar.rms_norm.default"] == 1
+
+
+class _Recording(FoldNormsIntoW8A8Linears):
+    """The pass, noting which quasar ops each graph holds after it ran."""
+
+    def __init__(self) -> None:
+        self.after: list[collections.Counter] = []
+
+    def __call__(self, graph) -> None:
+        super().__call__(graph)
+        self.after.append(collections.Counter({t: c for t, c in _targets(graph).items() if t.startswith("quasar.")}))
+
+
+@needs_cpu_fused
+def test_inductor_with_the_pass_folds_every_group_and_stays_row_stable(tmp_path):
+    from tests.test_compiled_rows import quasar_model, verify_and_decode_rows
+
+    model = quasar_model(tmp_path, "llama", torch.bfloat16)
+    recording = _Recording()
+    options = dict(compat.default_compile_config(torch.device("cpu")).options, post_grad_custom_post_pass=recording)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
+    with torch.no_grad():
+        verify, decode = verify_and_decode_rows(model, compiled)
+    assert torch.equal(verify, decode)
+    assert len(recording.after) == 2  # the decode and the verify graph
+    for counts in recording.after:  # 2 layers: 2 folded groups each, o/down linears alone, the final norm
+        assert counts["quasar.w8a8_folded_norm_linears.default"] == 4
+        assert counts["quasar.w8a8_linear.default"] == 4 and counts["quasar.rms_norm.default"] == 1
+
+
+def test_default_compile_config_installs_the_pass():
+    options = compat.default_compile_config(torch.device("cpu")).options
+    assert isinstance(options["post_grad_custom_post_pass"], FoldNormsIntoW8A8Linears)
+    assert dispatch.resolve_backend("auto", "cpu") in dispatch.available_backends("cpu")
