@@ -173,16 +173,19 @@ def default_compile_config(device: torch.device) -> Any:
     decode steps (benchmarks/compiled_rows_smollm2_cpu.md). `size_asserts` off drops the size and
     stride check Inductor runs on every graph input and op output at every call (~1,300 per SmolLM2
     step): Dynamo's guards already check the inputs, and our ops' fake implementations are tested
-    against the real ones (opcheck in tests/test_ops_torch_ops.py). The post-grad pass folds each RMSNorm
-    into the W8A8 linears it feeds, as eager does (ops/graph_passes.py)."""
+    against the real ones (opcheck in tests/test_ops_torch_ops.py). On CPU a post-grad pass folds each
+    RMSNorm into the W8A8 linears it feeds, as eager does, and calls the kernels through their
+    C++-registered ops (ops/graph_passes.py)."""
     from transformers import CompileConfig
 
-    cuda = torch.device(device).type == "cuda"
     from quasar_hf.ops.graph_passes import FoldNormsIntoW8A8Linears
 
-    options = {"emulate_precision_casts": True, "size_asserts": False, "post_grad_custom_post_pass": FoldNormsIntoW8A8Linears()}
+    cuda = torch.device(device).type == "cuda"
+    options = {"emulate_precision_casts": True, "size_asserts": False}
     if cuda:
         options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (torch takes a mode or options)
+    else:  # the pass rewrites CPU kernel ops only
+        options["post_grad_custom_post_pass"] = FoldNormsIntoW8A8Linears()
     config = CompileConfig(fullgraph=True, dynamic=False, mode=None, options=options)
     config._compile_all_devices = not cuda  # generate compiles CPU steps only when asked to
     return config

@@ -1,11 +1,12 @@
-"""The post-grad pass of compiled steps (ops/graph_passes.py).
+"""The post-grad pass of compiled steps (ops/graph_passes.py) and the native ops it writes (ops/native.py).
 
 - `quasar::w8a8_folded_norm_linears` gives each consumer the bits of eager's folded group (the
   reference oracle), and passes opcheck.
 - The pass folds exactly the groups it may (a synthetic FX graph: an act_prescale, another backend or
-  another reader of the norm's output leaves a linear alone).
+  another reader of the norm's output leaves a linear alone), and points each CPU op at its native twin.
+- The native ops compute the Python ops' bits on ragged shapes, M = 1 included.
 - A tiny W8A8 Llama compiled by Inductor with the pass: one folded op per group, verify rows equal
-  decode steps.
+  decode steps, and the native and Python ops give the same logits.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import torch
 import torch.fx
 
 from quasar_hf import compat
-from quasar_hf.ops import cpu_fused, dispatch
-from quasar_hf.ops.graph_passes import FoldNormsIntoW8A8Linears, fold_group
+from quasar_hf.ops import cpu_fused, dispatch, native
+from quasar_hf.ops.graph_passes import FoldNormsIntoW8A8Linears, fold_group, use_native_ops
 from quasar_hf.ops.reference import quantize_weight_per_channel, w8a8_folded_group_reference
 
 needs_cpu_fused = pytest.mark.skipif(not cpu_fused.is_available(), reason="the fused CPU W8A8 kernel is unavailable here")
+needs_native = pytest.mark.skipif(
+    not native.is_available(), reason=f"the native ops are unavailable: {native.unavailable_reason()}"
+)
 ops = torch.ops.quasar
 
 
@@ -80,6 +84,7 @@ def _group_graph(prescale: bool = False, backend: str = "cpu_fused", other_reade
     linear_args = []  # placeholders first, as Dynamo lays out graphs
     for name in ("q", "k"):
         w_q, w_scale, data, sums = (graph.placeholder(f"{name}_{part}") for part in ("weight", "scale", "data", "sums"))
+        w_q.meta["val"] = torch.empty(24 if name == "q" else 8, 40, dtype=torch.int8)  # what the native twin reads
         pre = graph.placeholder(f"{name}_prescale") if prescale else None
         linear_args.append((w_q, w_scale, None, pre, [data, sums], backend))
     norm = graph.call_function(ops.rms_norm.default, (x, weight, 1e-5, 0.0, False))
@@ -100,6 +105,9 @@ def test_the_pass_folds_a_norm_and_its_linears_into_one_op():
     assert fold_group(graph, norm) == 2
     graph.lint()
     assert _targets(graph) == {"quasar.w8a8_folded_norm_linears.default": 1, "<built-in function getitem>": 2}
+    if native.is_available():  # the twins exist once the native library is loaded
+        assert use_native_ops(graph) == 1
+        assert _targets(graph)["quasar.native_folded_norm_linears.default"] == 1
 
 
 @pytest.mark.parametrize("case", ["prescale", "backend", "other_reader"])
@@ -116,10 +124,45 @@ def test_the_pass_leaves_what_it_cannot_fold(case):
         assert folded == 0 and targets["quasar.w8a8_linear.default"] == 2 and targets["quasar.rms_norm.default"] == 1
 
 
+@needs_native
+@pytest.mark.parametrize("rows", [1, 7])
+def test_native_ops_compute_the_python_ops_bits(rows):
+    weights = _weights(sizes=(24, 17))
+    packs, flat = _flat_packed(weights)
+    x = torch.randn(2, rows, 40).bfloat16()[:, :, :]  # [B, S, K]
+    prescale = torch.rand(40) + 0.5
+    for (w_q, w_scale, bias), pack in zip(weights, packs):
+        expected = ops.w8a8_linear(x, w_q, w_scale, bias, prescale, [pack.data, pack.wsum128], "cpu_fused")
+        actual = ops.native_w8a8_linear(x, pack.data, pack.wsum128, w_scale, bias, prescale, w_q.shape[0])
+        assert torch.equal(actual, expected)
+    norm_weight = torch.randn(40).bfloat16()
+    folded = ops.w8a8_folded_norm_linears(x, norm_weight, 1e-6, 0.0, *map(list, zip(*weights)), flat, "cpu_fused")
+    native_folded = ops.native_folded_norm_linears(
+        x,
+        norm_weight,
+        1e-6,
+        0.0,
+        [p.data for p in packs],
+        [p.wsum128 for p in packs],
+        [s for _, s, _ in weights],
+        [b for _, _, b in weights],
+        [24, 17],
+    )
+    assert all(torch.equal(a, b) for a, b in zip(folded, native_folded, strict=True))
+    query = torch.randn(2, 6, rows, 16).bfloat16()
+    key, value = torch.randn(2, 3, rows + 5, 16).bfloat16(), torch.randn(2, 3, rows + 5, 16).bfloat16()
+    visible = torch.rand(2, rows, rows + 5) > 0.4
+    visible[..., 0] = True
+    for mask, scale in ((visible, 0.3), (None, None)):
+        expected = ops.rowstable_attention_cpu(query, key, value, mask, scale)
+        assert torch.equal(ops.native_rowstable_attention(query, key, value, mask, scale), expected)
+
+
 class _Recording(FoldNormsIntoW8A8Linears):
     """The pass, noting which quasar ops each graph holds after it ran."""
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
+        super().__init__(native)
         self.after: list[collections.Counter] = []
 
     def __call__(self, graph) -> None:
@@ -132,20 +175,42 @@ def test_inductor_with_the_pass_folds_every_group_and_stays_row_stable(tmp_path)
     from tests.test_compiled_rows import quasar_model, verify_and_decode_rows
 
     model = quasar_model(tmp_path, "llama", torch.bfloat16)
-    recording = _Recording()
-    options = dict(compat.default_compile_config(torch.device("cpu")).options, post_grad_custom_post_pass=recording)
-    torch._dynamo.reset()
-    compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
-    with torch.no_grad():
-        verify, decode = verify_and_decode_rows(model, compiled)
-    assert torch.equal(verify, decode)
-    assert len(recording.after) == 2  # the decode and the verify graph
-    for counts in recording.after:  # 2 layers: 2 folded groups each, o/down linears alone, the final norm
-        assert counts["quasar.w8a8_folded_norm_linears.default"] == 4
-        assert counts["quasar.w8a8_linear.default"] == 4 and counts["quasar.rms_norm.default"] == 1
+    logits = {}
+    for use_native in (False, True) if native.is_available() else (False,):
+        recording = _Recording(use_native)
+        options = dict(compat.default_compile_config(torch.device("cpu")).options, post_grad_custom_post_pass=recording)
+        torch._dynamo.reset()
+        compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
+        with torch.no_grad():
+            verify, decode = verify_and_decode_rows(model, compiled)
+        assert torch.equal(verify, decode)
+        prefix = "quasar.native_" if use_native else "quasar.w8a8_"
+        for counts in recording.after:  # 2 layers: 2 folded groups each, o/down linears alone, the final norm
+            assert counts[f"{prefix}folded_norm_linears.default"] == 4
+            assert counts["quasar.rms_norm.default"] == 1
+        logits[use_native] = verify
+    assert all(torch.equal(v, logits[False]) for v in logits.values())
 
 
 def test_default_compile_config_installs_the_pass():
     options = compat.default_compile_config(torch.device("cpu")).options
     assert isinstance(options["post_grad_custom_post_pass"], FoldNormsIntoW8A8Linears)
+    assert "post_grad_custom_post_pass" not in compat.default_compile_config(torch.device("cuda")).options  # CPU ops only
     assert dispatch.resolve_backend("auto", "cpu") in dispatch.available_backends("cpu")
+
+
+def test_without_a_cxx_compiler_the_native_ops_say_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    monkeypatch.setenv("QUASAR_HF_KERNEL_CACHE", str(tmp_path / "kernels"))
+    reason = native._load.__wrapped__()  # uncached: a fresh attempt with this compiler
+    assert reason is not None and ("building the native ops failed" in reason or "unavailable" in reason)
+
+
+def test_the_pass_keeps_the_python_ops_where_the_native_ones_are_missing(monkeypatch):
+    if native.is_available():  # Inductor's cache key tells the two kinds of graph apart
+        assert FoldNormsIntoW8A8Linears().uuid() != FoldNormsIntoW8A8Linears(native=False).uuid()
+    monkeypatch.setattr(native, "is_available", lambda: False)
+    graph = _group_graph()
+    FoldNormsIntoW8A8Linears()(graph)
+    assert _targets(graph)["quasar.w8a8_folded_norm_linears.default"] == 1
+    assert FoldNormsIntoW8A8Linears().uuid() == FoldNormsIntoW8A8Linears(native=False).uuid()

@@ -70,13 +70,14 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def _compile(compiler: str, source: Path, flags: tuple[str, ...], target: Path) -> None:
-    """Compile `source` into `target` atomically (temp file + rename; safe across processes)."""
+def _compile(compiler: str, source: Path, flags: tuple[str, ...], target: Path, link: tuple[str, ...] = ()) -> None:
+    """Compile `source` into `target` atomically (temp file + rename; safe across processes); `link`
+    goes after the source (libraries it needs)."""
     fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *flags, "-o", tmp, str(source), "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        cmd = [compiler, *flags, "-o", tmp, str(source), *link, "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{done.stderr.strip()[-2000:]}")
         if os.path.getsize(tmp) == 0:
@@ -110,7 +111,7 @@ def _require_writable(folder: Path) -> None:
         )
 
 
-def _load_or_build(compiler: str, source: Path, flags: tuple[str, ...], target: Path) -> ctypes.CDLL:
+def _load_or_build(compiler: str, source: Path, flags: tuple[str, ...], target: Path, link: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The library at `target`, compiled first (under the folder's lock) when missing, empty or unloadable."""
     if target.exists() and target.stat().st_size > 0:
         try:
@@ -126,12 +127,12 @@ def _load_or_build(compiler: str, source: Path, flags: tuple[str, ...], target: 
                 return ctypes.CDLL(str(target))  # another process built it while we waited
             except OSError:
                 target.unlink()
-        _compile(compiler, source, flags, target)
+        _compile(compiler, source, flags, target, link)
     return ctypes.CDLL(str(target))
 
 
-def build_and_load(source_name: str, flags: tuple[str, ...], compiler: str | None) -> ctypes.CDLL:
-    """Load csrc/<source_name> built with `flags` (+ -fopenmp when the compiler has it).
+def build_and_load(source_name: str, flags: tuple[str, ...], compiler: str | None, link: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Load csrc/<source_name> built with `flags` (+ -fopenmp when the compiler has it), linked with `link`.
 
     With no compiler (None), a library an earlier build of the same source and flags left in the
     cache is loaded (whichever compiler made it). Raises RuntimeError/OSError with the compiler's
@@ -143,10 +144,10 @@ def build_and_load(source_name: str, flags: tuple[str, ...], compiler: str | Non
         return _load_prebuilt(source, hashlib.sha256(text).hexdigest(), flags)
     errors = []
     for variant in (flags + ("-fopenmp",), flags):
-        key = hashlib.sha256(text + repr((compiler, variant)).encode()).hexdigest()[:16]
+        key = hashlib.sha256(text + repr((compiler, variant, link)).encode()).hexdigest()[:16]
         target = cache_dir() / key / f"libqhf_{source.stem}.so"
         try:
-            library = _load_or_build(compiler, source, variant, target)
+            library = _load_or_build(compiler, source, variant, target, link)
         except (RuntimeError, OSError, subprocess.SubprocessError) as err:
             errors.append(str(err))
             continue

@@ -7,7 +7,9 @@ into one `quasar::w8a8_folded_norm_linears`: x is normalized inside its own quan
 every consumer's GEMM runs in the same C call (`cpu_fused_multi.folded_linears_prepacked`). So a
 SmolLM2 step calls 182 of our ops where it called 332, and each consumer's output has the bits
 eager's folded group gives it. The op is row-stable like the ops it replaces: a compiled verify
-step's rows still equal compiled decode steps.
+step's rows still equal compiled decode steps. Then, where ops/native.py's library is had, each CPU
+kernel op is pointed at its C++-registered twin (`use_native_ops`): the same tensors, the same C
+entry point, the same bits, no Python between the step's kernels.
 
 A group is rewritten only when nothing else is assumed: the norm's output feeds W8A8 linears directly
 (as their x), on the "cpu_fused" backend with prepacked weights and no act_prescale (the fold
@@ -25,6 +27,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 _W8A8 = "quasar::w8a8_linear"
 _RMS_NORM = "quasar::rms_norm"
 _FOLDED = "quasar::w8a8_folded_norm_linears"
+_ATTENTION = "quasar::rowstable_attention_cpu"
 
 
 def _op_name(node: torch.fx.Node) -> str | None:
@@ -83,25 +86,89 @@ def fold_group(graph: torch.fx.Graph, norm: torch.fx.Node) -> int:
     return len(linears)
 
 
+def _out_features(weight: torch.fx.Node | torch.Tensor) -> int:
+    """Rows of a weight: of its graph node, or of its fake value."""
+    return int((weight.meta["val"] if isinstance(weight, torch.fx.Node) else weight).shape[0])
+
+
+def _has_native_twin(name: str | None, args: tuple) -> bool:
+    """True for a CPU kernel op whose arguments the native twin takes (ops/native.py's table)."""
+    if name == _W8A8:
+        return len(args) == 7 and args[6] == "cpu_fused" and len(args[5]) == 2
+    if name == _FOLDED:
+        return len(args) == 9 and args[8] == "cpu_fused" and len(args[7]) == 2 * len(args[4])
+    return name == _ATTENTION and len(args) == 5
+
+
+def _native_args(name: str, args: tuple) -> tuple:
+    """The native twin's arguments for op `name` called with `args`: graph nodes, or their fake values
+    (Inductor lowers a custom op against `eager_input_vals`, whose non-tensor entries are None)."""
+    if name == _W8A8:
+        x, weight_q, weight_scale, bias, act_prescale, packed, _ = args
+        return (x, *packed, weight_scale, bias, act_prescale, _out_features(weight_q))
+    if name == _FOLDED:
+        x, weight, eps, offset, weight_q, weight_scale, bias, packed, _ = args
+        sizes = [_out_features(w) for w in weight_q]
+        return (x, weight, eps, offset, list(packed[0::2]), list(packed[1::2]), weight_scale, bias, sizes)
+    return tuple(args)
+
+
+_NATIVE_TWINS = {
+    _W8A8: "native_w8a8_linear",
+    _FOLDED: "native_folded_norm_linears",
+    _ATTENTION: "native_rowstable_attention",
+}
+
+
+def use_native_ops(graph: torch.fx.Graph) -> int:
+    """Point each CPU op that has a C++-registered twin (ops/native.py) at it; returns how many."""
+    count = 0
+    for node in list(graph.nodes):
+        name = _op_name(node)
+        if node.kwargs or not _has_native_twin(name, node.args):
+            continue
+        node.target = getattr(torch.ops.quasar, _NATIVE_TWINS[name]).default
+        node.args = _native_args(name, node.args)
+        eager = node.meta.get("eager_input_vals")
+        if eager is not None:
+            node.meta["eager_input_vals"] = (_native_args(name, eager[0]), {})
+        count += 1
+    return count
+
+
 class FoldNormsIntoW8A8Linears(CustomGraphPass):
-    """Post-grad pass: each RMSNorm feeding W8A8 linears becomes one folded op (see the module docstring)."""
+    """Post-grad pass: each RMSNorm feeding W8A8 linears becomes one folded op (see the module docstring),
+    then, with `native` (where the native library is had: `native.is_available()`, built at the first
+    compile), every CPU kernel op calls its C++-registered twin. native=False keeps the Python ops
+    (the same bits; for comparisons)."""
+
+    def __init__(self, native: bool = True) -> None:
+        self.native = native
 
     def __eq__(self, other: object) -> bool:  # equal configs share one compiled step (CompileConfig compares options)
-        return type(other) is type(self)
+        return type(other) is type(self) and other.native == self.native
 
     def __hash__(self) -> int:
-        return hash(type(self).__name__)
+        return hash((type(self).__name__, self.native))
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}(native={self.native})"
+
+    def _use_native(self) -> bool:
+        from quasar_hf.ops import native
+
+        return self.native and native.is_available()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         for norm in [node for node in graph.nodes if _op_name(node) == _RMS_NORM]:
             fold_group(graph, norm)
+        if self._use_native():
+            use_native_ops(graph)
         graph.lint()
 
     def uuid(self) -> bytes:
-        """Inductor's cache key: this file and the op it writes (their sources)."""
-        from quasar_hf.ops import cpu_fused_multi, torch_ops
+        """Inductor's cache key: these sources, and whether the native ops are used."""
+        from quasar_hf.ops import cpu_fused_multi, native, torch_ops
 
-        return get_hash_for_files((__file__, torch_ops.__file__, cpu_fused_multi.__file__))
+        files = (__file__, torch_ops.__file__, cpu_fused_multi.__file__, native.__file__, str(native.SOURCE))
+        return get_hash_for_files(files, extra="native" if self._use_native() else "python")

@@ -1,0 +1,140 @@
+"""The CPU kernels as operators registered in C++ (`csrc/native_ops.cpp`), for compiled steps.
+
+A compiled step calls each `torch.ops.quasar.*` op registered in Python through the dispatcher,
+back into Python, our layout code and ctypes: 30-80 us per call. The native ops take the same
+tensors and call the same C entry points without Python:
+
+  quasar::native_w8a8_linear(x, w_packed, wsum128, weight_scale, bias?, act_prescale?, out_features)
+      = quasar::w8a8_linear(x, weight_q, weight_scale, bias, act_prescale, [w_packed, wsum128], "cpu_fused")
+  quasar::native_folded_norm_linears(x, norm_weight, eps, offset, w_packed[], wsum128[], weight_scale[],
+      bias?[], out_features[]) = quasar::w8a8_folded_norm_linears(..., "cpu_fused")
+  quasar::native_rowstable_attention(query, key, value, visible?, scale?) = quasar::rowstable_attention_cpu
+
+Only `ops/graph_passes.py` writes them into graphs, after the Python ops' fakes checked every shape
+at trace time; model code and eager mode never call them. The library is built at first use with
+the C++ compiler (`$CXX`, else g++) against this torch's headers and linked to the kernel libraries
+cpu_fused.py and attention_cpu.py built (same cache as the C kernels), then checked against the Python
+ops on a smoke test. Where it cannot be had, `unavailable_reason()` says why, and compiled steps keep
+the Python ops (the same bits, more overhead).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+import torch
+
+from quasar_hf.ops import attention_cpu, cpu_fused
+from quasar_hf.ops.c_build import CSRC, build_and_load
+
+SOURCE = CSRC / "native_ops.cpp"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _flags() -> tuple[str, ...]:
+    from torch.utils.cpp_extension import include_paths
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    version = "".join(ch if ch.isalnum() else "_" for ch in torch.__version__)
+    includes = tuple(f"-I{path}" for path in include_paths())
+    return ("-O2", "-shared", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DQUASAR_TORCH_{version}", *includes)
+
+
+def _link(kernel_libraries: tuple[str, ...]) -> tuple[str, ...]:
+    from torch.utils.cpp_extension import library_paths
+
+    torch_lib = library_paths()[0]
+    return (f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", *kernel_libraries)
+
+
+def _kernel_libraries() -> tuple[tuple[str, ...], str | None]:
+    """The paths of the C kernel libraries the native ops call, or why they are unavailable."""
+    from quasar_hf.ops.c_build import find_compiler
+
+    if not cpu_fused.is_available():
+        return (), f"the fused W8A8 kernel is unavailable: {cpu_fused.unavailable_reason()}"
+    if not attention_cpu.is_available():
+        return (), f"the row-stable attention kernel is unavailable: {attention_cpu.unavailable_reason()}"
+    attention = build_and_load("rowstable_attention.c", attention_cpu._flags(), find_compiler())  # the cached build
+    return (cpu_fused._library().lib._name, attention._name), None
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build and load the library once per process and register the fakes: None, or why not."""
+    compiler = _compiler()
+    if compiler is None:
+        return "no C++ compiler found (install g++ or set $CXX)"
+    libraries, reason = _kernel_libraries()
+    if reason is not None:
+        return reason
+    try:
+        build_and_load(SOURCE.name, _flags(), compiler, _link(libraries))
+    except (RuntimeError, OSError) as err:
+        return f"building the native ops failed: {err}"
+    _register_fakes()
+    return _smoke_test()
+
+
+def _register_fakes() -> None:
+    def linear_fake(x, w_packed, wsum128, weight_scale, bias, act_prescale, out_features):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    def folded_fake(x, norm_weight, eps, offset, w_packed, wsum128, weight_scale, bias, out_features):
+        return [x.new_empty(*x.shape[:-1], n) for n in out_features]
+
+    def attention_fake(query, key, value, visible, scale):
+        batch, heads, q_len, head_dim = query.shape
+        return query.new_empty(batch, q_len, heads, head_dim)
+
+    torch.library.register_fake("quasar::native_w8a8_linear", linear_fake)
+    torch.library.register_fake("quasar::native_folded_norm_linears", folded_fake)
+    torch.library.register_fake("quasar::native_rowstable_attention", attention_fake)
+
+
+def _smoke_test() -> str | None:
+    """Each native op against its Python op on small ragged shapes: the same bits, or why not."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, generator=gen).bfloat16()  # [B, S, K], K = 40
+    weights = [torch.randint(-128, 128, (n, 40), generator=gen, dtype=torch.int8) for n in (24, 17)]
+    scales = [torch.rand(n, generator=gen) / 100 for n in (24, 17)]
+    biases = [None, torch.randn(17, generator=gen).bfloat16()]
+    packs = [cpu_fused.pack_weight(w) for w in weights]
+    norm, prescale = torch.randn(40, generator=gen).bfloat16(), torch.rand(40, generator=gen) + 0.5
+    ops = torch.ops.quasar
+    expected = ops.w8a8_linear(x, weights[1], scales[1], biases[1], prescale, [packs[1].data, packs[1].wsum128], "cpu_fused")
+    actual = ops.native_w8a8_linear(x, packs[1].data, packs[1].wsum128, scales[1], biases[1], prescale, 17)
+    flat = [t for p in packs for t in (p.data, p.wsum128)]
+    folded = ops.w8a8_folded_norm_linears(x, norm, 1e-5, 1.0, weights, scales, biases, flat, "cpu_fused")
+    native_folded = ops.native_folded_norm_linears(
+        x, norm, 1e-5, 1.0, [p.data for p in packs], [p.wsum128 for p in packs], scales, biases, [24, 17]
+    )
+    q, k, v = (torch.randn(1, h, n, 8, generator=gen).bfloat16() for h, n in ((4, 3), (2, 5), (2, 5)))
+    visible = torch.rand(1, 3, 5, generator=gen) > 0.3
+    visible[..., 0] = True
+    attention = ops.rowstable_attention_cpu(q, k, v, visible, 0.3)
+    native_attention = ops.native_rowstable_attention(q, k, v, visible, 0.3)
+    same = (
+        torch.equal(actual, expected)
+        and all(map(torch.equal, folded, native_folded))
+        and torch.equal(attention, native_attention)
+    )
+    return None if same else "the native ops disagree with the Python ops on a smoke test (compiler or ABI problem)"
+
+
+def unavailable_reason() -> str | None:
+    """None when the native ops are loaded and checked, else why not. Never raises."""
+    try:
+        return _load()
+    except Exception as err:  # noqa: BLE001 - this must never raise
+        return f"unexpected error while loading the native ops: {err!r}"
+
+
+def is_available() -> bool:
+    """True if the native ops built, loaded and passed their smoke test (built at the first call)."""
+    return unavailable_reason() is None
