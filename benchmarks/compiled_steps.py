@@ -46,8 +46,9 @@ def floor_bytes(model) -> int:
     return int8 + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
 
 
-def verifiers(model, compiled_step) -> dict:
-    """name -> a prefilled verifier over the same CACHE_TOKENS random tokens."""
+def verifiers(model, compiled_step, variants: dict | None = None) -> dict:
+    """name -> a prefilled verifier over the same CACHE_TOKENS random tokens (`variants`: more compiled
+    steps by name, e.g. other graph passes)."""
     prompt = torch.randint(0, model.config.vocab_size, (1, CACHE_TOKENS), generator=torch.Generator().manual_seed(0))
     slots = static_cache_slots(CACHE_TOKENS + max(STEP_TOKENS) + 1)
     states = {
@@ -55,6 +56,8 @@ def verifiers(model, compiled_step) -> dict:
         "static_eager": StaticVerifierCache(model, 1, torch.device("cpu"), slots),
         "static_compiled": StaticVerifierCache(model, 1, torch.device("cpu"), slots, step=compiled_step),
     }
+    for name, step in (variants or {}).items():
+        states[name] = StaticVerifierCache(model, 1, torch.device("cpu"), slots, step=step)
     for state in states.values():
         state.forward(prompt, last_only=True)
     return states
@@ -71,14 +74,16 @@ def run_steps(state, tokens: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def time_steps(model, compiled_step, steps: int, rounds: int, floor_ms: float) -> tuple[dict, dict]:
+def time_steps(model, compiled_step, steps: int, rounds: int, floor_ms: float, variants: dict | None = None) -> tuple[dict, dict]:
     """(rows "threads x tokens" -> ms per mode and x floor, compile seconds per step shape)."""
-    states = verifiers(model, compiled_step)
+    states = verifiers(model, compiled_step, variants)
     compile_s = {}
-    for tokens in STEP_TOKENS:
-        began = time.perf_counter()
-        run_steps(states["static_compiled"], tokens, 1)
-        compile_s[f"{tokens}_tokens"] = time.perf_counter() - began
+    for name in ("static_compiled", *(variants or {})):
+        for tokens in STEP_TOKENS:
+            began = time.perf_counter()
+            run_steps(states[name], tokens, 1)
+            key = f"{tokens}_tokens" if name == "static_compiled" else f"{name} {tokens}_tokens"
+            compile_s[key] = time.perf_counter() - began
     threads = torch.get_num_threads()
     rows = {}
     for count in sorted({threads, 1}, reverse=True):
@@ -97,6 +102,19 @@ def time_steps(model, compiled_step, steps: int, rounds: int, floor_ms: float) -
             print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     torch.set_num_threads(threads)
     return rows, compile_s
+
+
+def pass_variants(model, compile_config) -> dict:
+    """Steps compiled like `compile_config` but with the fold's Python ops, and with no post-grad pass."""
+    from quasar_hf.ops.graph_passes import FoldNormsIntoW8A8Linears
+
+    def compiled(custom_pass) -> object:
+        options = {k: v for k, v in compile_config.options.items() if k != "post_grad_custom_post_pass"}
+        if custom_pass is not None:
+            options["post_grad_custom_post_pass"] = custom_pass
+        return torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
+
+    return {"compiled_python_ops": compiled(FoldNormsIntoW8A8Linears(native=False)), "compiled_no_pass": compiled(None)}
 
 
 def end_to_end(model, tokenizer, prompts: int, new_tokens: int, compile_config) -> dict:
@@ -169,6 +187,16 @@ def markdown(result: dict) -> str:
             f"| {row['threads']} | {row['tokens']} | {row['dynamic_eager_ms']:.2f} | {row['static_eager_ms']:.2f} | "
             f"{row['static_compiled_ms']:.2f} | {row['static_compiled_x_floor']:.2f} | {ratio:.2f} |"
         )
+    variants = result.get("variants") or []
+    if variants:
+        lines += ["", "Compiled with other post-grad passes (same run, interleaved), ms:", ""]
+        lines += [
+            "| threads | tokens | " + " | ".join(["static_compiled", *variants]) + " |",
+            "|---|---|" + "---|" * (len(variants) + 1),
+        ]
+        for row in result["steps"].values():
+            cells = " | ".join(f"{row[f'{name}_ms']:.2f}" for name in ["static_compiled", *variants])
+            lines.append(f"| {row['threads']} | {row['tokens']} | {cells} |")
     if result.get("op_overhead"):
         lines += ["", *op_overhead_markdown(result["op_overhead"])]
     e2e = result.get("end_to_end")
@@ -195,6 +223,11 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--prompts", type=int, default=4, help="grounded prompts end to end (0: steps only)")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend ('aot_eager': a quick mechanics check)")
+    parser.add_argument(
+        "--compare-passes",
+        action="store_true",
+        help="also time the step compiled with the fold's Python ops and with no post-grad pass (ops/graph_passes.py)",
+    )
     parser.add_argument("--out", default="benchmarks")
     parser.add_argument("--name", required=True)
     args = parser.parse_args(argv)
@@ -208,8 +241,11 @@ def main(argv: list[str] | None = None) -> list[str]:
     if args.backend != "inductor":
         compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=args.backend)
     compiled_step = model.get_compiled_call(compile_config)
+    variants = pass_variants(model, compile_config) if args.compare_passes else {}
+    if variants:  # every variant compiles its own graphs (one per step shape and thread count) on one code object
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * (len(variants) + 1))
     with torch.no_grad():
-        steps, compile_s = time_steps(model, compiled_step, args.steps, args.rounds, floor_ms)
+        steps, compile_s = time_steps(model, compiled_step, args.steps, args.rounds, floor_ms, variants)
         overhead = op_overhead(model, CACHE_TOKENS)
         e2e = None
         if args.prompts:
@@ -224,7 +260,8 @@ def main(argv: list[str] | None = None) -> list[str]:
         "read_gbps": read_gbps,
         "floor_bytes": floor_bytes(model),
         "floor_ms": floor_ms,
-        "compile": compile_config.to_dict(),
+        "compile": json.loads(json.dumps(compile_config.to_dict(), default=repr)),
+        "variants": list(variants),
         "compile_s": compile_s,
         "steps": steps,
         "op_overhead": overhead,
