@@ -30,8 +30,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
 import quasar_hf  # noqa: F401
 from benchmarks.op_overhead import markdown as op_overhead_markdown
 from benchmarks.op_overhead import op_overhead
-from quasar_hf import compat
 from quasar_hf.nn import W8A8Linear
+from quasar_hf.ops.graph_passes import compile_config as compile_config_for
 from quasar_hf.speculative.config import DEFAULT_NUM_DRAFT_TOKENS
 from quasar_hf.speculative.kv_state import RowAlignedCache
 from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     model = AutoModelForCausalLM.from_pretrained(args.quantized).eval()
     read_gbps = measure_read_bandwidth(torch.device("cpu"))
     floor_ms = floor_bytes(model) / (read_gbps * 1e9) * 1e3
-    compile_config = compat.default_compile_config(torch.device("cpu"))
+    compile_config = compile_config_for(torch.device("cpu"))
     if args.backend != "inductor":
         compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=args.backend)
     compiled_step = model.get_compiled_call(compile_config)

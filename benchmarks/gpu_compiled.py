@@ -1,7 +1,7 @@
 """gpu-check's compiled sections: eager vs compiled decode and verify steps over the static KV cache,
 against the bytes floor, and compiled `quasar=True` end to end against compiled plain greedy.
 
-On CUDA the steps compile with `compat.default_compile_config` (what `quasar={"compile": True}`
+On CUDA the steps compile with `ops.graph_passes.compile_config` (what `quasar={"compile": True}`
 uses: fullgraph, static shapes, CUDA graphs); on CPU (`--tiny`) the same settings give Inductor's
 C++ code. The step timings and the end-to-end run share one cache size and the verify keywords,
 so they run the same two graphs (decode [1, 1], verify [1, k + 1]) and compile once per model.
@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from quasar_hf import compat
 from quasar_hf.bench.timing import median_time, sync, timed
+from quasar_hf.ops.graph_passes import compile_config
 from quasar_hf.ops.rowstable_attention import ROWSTABLE_KWARG
 from quasar_hf.speculative import speculative_generate
 from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
@@ -44,7 +44,7 @@ def compiled_steps(model: torch.nn.Module, device: str, tiny: bool, weight_bytes
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (1, size["context"]), generator=generator).to(device)
-    step = model.get_compiled_call(compat.default_compile_config(torch.device(device)))
+    step = model.get_compiled_call(compile_config(torch.device(device)))
     verify_kwargs = {ROWSTABLE_KWARG: True}  # what the loop passes: the end-to-end run reuses these graphs
     states = {
         "eager": StaticVerifierCache(model, 1, torch.device(device), size["slots"], None, verify_kwargs),
@@ -86,7 +86,7 @@ def compiled_end_to_end(model: torch.nn.Module, prompt: torch.Tensor, device: st
     `quasar=True` (n-gram drafts): tokens/s of a warm run, and whether their tokens are equal."""
     size = sizes(tiny)
     prompt = prompt[:, : size["prompt"]]
-    config = compat.default_compile_config(torch.device(device))
+    config = compile_config(torch.device(device))
     out = {}
     tokens = {}
     for name, drafts in (("compiled_plain", 0), ("compiled_quasar_ngram", NUM_DRAFT_TOKENS)):

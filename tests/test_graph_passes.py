@@ -17,9 +17,8 @@ import pytest
 import torch
 import torch.fx
 
-from quasar_hf import compat
 from quasar_hf.ops import cpu_fused, dispatch, native
-from quasar_hf.ops.graph_passes import FoldNormsIntoW8A8Linears, fold_group, use_native_ops
+from quasar_hf.ops.graph_passes import FoldNormsIntoW8A8Linears, compile_config, fold_group, use_native_ops
 from quasar_hf.ops.reference import quantize_weight_per_channel, w8a8_folded_group_reference
 
 needs_cpu_fused = pytest.mark.skipif(not cpu_fused.is_available(), reason="the fused CPU W8A8 kernel is unavailable here")
@@ -178,7 +177,7 @@ def test_inductor_with_the_pass_folds_every_group_and_stays_row_stable(tmp_path)
     logits = {}
     for use_native in (False, True) if native.is_available() else (False,):
         recording = _Recording(use_native)
-        options = dict(compat.default_compile_config(torch.device("cpu")).options, post_grad_custom_post_pass=recording)
+        options = dict(compile_config(torch.device("cpu")).options, post_grad_custom_post_pass=recording)
         torch._dynamo.reset()
         compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
         with torch.no_grad():
@@ -193,9 +192,9 @@ def test_inductor_with_the_pass_folds_every_group_and_stays_row_stable(tmp_path)
 
 
 def test_default_compile_config_installs_the_pass():
-    options = compat.default_compile_config(torch.device("cpu")).options
+    options = compile_config(torch.device("cpu")).options
     assert isinstance(options["post_grad_custom_post_pass"], FoldNormsIntoW8A8Linears)
-    assert "post_grad_custom_post_pass" not in compat.default_compile_config(torch.device("cuda")).options  # CPU ops only
+    assert "post_grad_custom_post_pass" not in compile_config(torch.device("cuda")).options  # CPU ops only
     assert dispatch.resolve_backend("auto", "cpu") in dispatch.available_backends("cpu")
 
 

@@ -152,10 +152,10 @@ def test_compiled_greedy_quasar_equals_compiled_plain_greedy(checkpoint, prompts
     import torch._dynamo
     from transformers import CompileConfig
 
-    from quasar_hf import compat
+    from quasar_hf.ops.graph_passes import compile_config
 
     model = load(checkpoint, torch.bfloat16, "quasar_rowstable")
-    config = compat.default_compile_config(torch.device("cpu"))
+    config = compile_config(torch.device("cpu"))
     if COMPILED_BACKEND != "inductor":
         config = CompileConfig(fullgraph=True, dynamic=False, backend=COMPILED_BACKEND)
     torch._dynamo.reset()

@@ -70,6 +70,14 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
+class KernelLibrary(ctypes.CDLL):
+    """A loaded kernel library that knows its file (`path`: what the C++ ops link to, ops/native.py)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.path = str(path)
+
+
 def _compile(compiler: str, source: Path, flags: tuple[str, ...], target: Path, link: tuple[str, ...] = ()) -> None:
     """Compile `source` into `target` atomically (temp file + rename; safe across processes); `link`
     goes after the source (libraries it needs)."""
@@ -111,11 +119,13 @@ def _require_writable(folder: Path) -> None:
         )
 
 
-def _load_or_build(compiler: str, source: Path, flags: tuple[str, ...], target: Path, link: tuple[str, ...] = ()) -> ctypes.CDLL:
+def _load_or_build(
+    compiler: str, source: Path, flags: tuple[str, ...], target: Path, link: tuple[str, ...] = ()
+) -> KernelLibrary:
     """The library at `target`, compiled first (under the folder's lock) when missing, empty or unloadable."""
     if target.exists() and target.stat().st_size > 0:
         try:
-            return ctypes.CDLL(str(target))
+            return KernelLibrary(target)
         except OSError:
             pass  # truncated or corrupt: rebuilt below
     _require_writable(target.parent)
@@ -124,14 +134,14 @@ def _load_or_build(compiler: str, source: Path, flags: tuple[str, ...], target: 
             _remove_stale(target.parent, target)
         if target.exists() and target.stat().st_size > 0:
             try:
-                return ctypes.CDLL(str(target))  # another process built it while we waited
+                return KernelLibrary(target)  # another process built it while we waited
             except OSError:
                 target.unlink()
         _compile(compiler, source, flags, target, link)
-    return ctypes.CDLL(str(target))
+    return KernelLibrary(target)
 
 
-def build_and_load(source_name: str, flags: tuple[str, ...], compiler: str | None, link: tuple[str, ...] = ()) -> ctypes.CDLL:
+def build_and_load(source_name: str, flags: tuple[str, ...], compiler: str | None, link: tuple[str, ...] = ()) -> KernelLibrary:
     """Load csrc/<source_name> built with `flags` (+ -fopenmp when the compiler has it), linked with `link`.
 
     With no compiler (None), a library an earlier build of the same source and flags left in the
@@ -173,7 +183,7 @@ def _record_build(target: Path, source_sha: str, variant: tuple[str, ...]) -> No
         pass  # a read-only cache: the library works, it just cannot be found without a compiler
 
 
-def _load_prebuilt(source: Path, source_sha: str, flags: tuple[str, ...]) -> ctypes.CDLL:
+def _load_prebuilt(source: Path, source_sha: str, flags: tuple[str, ...]) -> KernelLibrary:
     """A cached library of this exact source and flags (with or without -fopenmp), else RuntimeError."""
     wanted = (list(flags) + ["-fopenmp"], list(flags))
     if cache_dir().is_dir():
@@ -185,7 +195,7 @@ def _load_prebuilt(source: Path, source_sha: str, flags: tuple[str, ...]) -> cty
             library = record.parent / f"libqhf_{source.stem}.so"
             if data.get("source_sha256") == source_sha and data.get("flags") in wanted and library.is_file():
                 try:
-                    return ctypes.CDLL(str(library))
+                    return KernelLibrary(library)
                 except OSError:
                     continue
     raise RuntimeError(

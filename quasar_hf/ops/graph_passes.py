@@ -1,4 +1,4 @@
-"""Inductor graph passes of compiled Quasar steps (what `compat.default_compile_config` installs).
+"""Inductor graph passes of compiled Quasar steps, and the CompileConfig that installs them (`compile_config`).
 
 `FoldNormsIntoW8A8Linears` gives a compiled step the fold eager mode has (nn/folded_norm.py): model
 code traces each FoldedRMSNorm to `quasar::rms_norm` and each of its consumers to its own
@@ -23,6 +23,8 @@ import operator
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from quasar_hf import compat
 
 _W8A8 = "quasar::w8a8_linear"
 _RMS_NORM = "quasar::rms_norm"
@@ -172,3 +174,10 @@ class FoldNormsIntoW8A8Linears(CustomGraphPass):
 
         files = (__file__, torch_ops.__file__, cpu_fused_multi.__file__, native.__file__, str(native.SOURCE))
         return get_hash_for_files(files, extra="native" if self._use_native() else "python")
+
+
+def compile_config(device: torch.device) -> object:
+    """What `quasar={"compile": True}` compiles a step with: `compat.default_compile_config`, plus on CPU
+    (where the pass's ops run) `FoldNormsIntoW8A8Linears`."""
+    cpu = torch.device(device).type != "cuda"
+    return compat.default_compile_config(device, FoldNormsIntoW8A8Linears() if cpu else None)

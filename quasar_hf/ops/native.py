@@ -61,7 +61,7 @@ def _kernel_libraries() -> tuple[tuple[str, ...], str | None]:
     if not attention_cpu.is_available():
         return (), f"the row-stable attention kernel is unavailable: {attention_cpu.unavailable_reason()}"
     attention = build_and_load("rowstable_attention.c", attention_cpu._flags(), find_compiler())  # the cached build
-    return (cpu_fused._library().lib._name, attention._name), None
+    return (cpu_fused._library().lib.path, attention.path), None
 
 
 @functools.cache
