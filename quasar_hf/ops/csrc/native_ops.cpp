@@ -72,6 +72,20 @@ std::vector<int64_t> with_last(const at::Tensor &x, int64_t n) {
     return sizes;
 }
 
+// What FoldedRMSNorm.prepare binds, offset + weight in fp32 (each element an exact conversion and one
+// fp32 add, as torch computes `offset + weight.float()`), without two aten ops per call.
+std::vector<float> fold_scale(const at::Tensor &norm_weight, double offset) {
+    const at::Tensor w = norm_weight.contiguous();
+    const int64_t k = w.numel();
+    const float add = static_cast<float>(offset);
+    std::vector<float> scale(static_cast<size_t>(k));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "fold_scale", [&] {
+        const scalar_t *src = w.data_ptr<scalar_t>();
+        for (int64_t i = 0; i < k; ++i) scale[i] = static_cast<float>(src[i]) + add;
+    });
+    return scale;
+}
+
 // quasar::native_w8a8_linear: quasar::w8a8_linear on the "cpu_fused" backend with its packed tensors.
 at::Tensor native_w8a8_linear(const at::Tensor &x, const at::Tensor &w_packed, const at::Tensor &wsum128,
                               const at::Tensor &weight_scale, const std::optional<at::Tensor> &bias,
@@ -109,7 +123,7 @@ std::vector<at::Tensor> native_folded_norm_linears(const at::Tensor &x, const at
     }
     const at::Tensor rows = rows_of(x, k);
     if (rows.size(0) == 0) return outs;
-    const at::Tensor norm_scale = (norm_weight.to(at::kFloat) + offset).contiguous();  // FoldedRMSNorm.prepare: offset + weight
+    const std::vector<float> norm_scale = fold_scale(norm_weight, offset);
     std::vector<at::Tensor> scales, biases;  // the converted tensors the structs point into, alive through the call
     qhf_weight structs[kMultiMax];
     void *pointers[kMultiMax];
@@ -122,7 +136,7 @@ std::vector<at::Tensor> native_folded_norm_linears(const at::Tensor &x, const at
         pointers[s] = outs[s].data_ptr();
     }
     const int code = dtype_code(x);
-    const int status = qhf_w8a8_linear_multi(rows.data_ptr(), code, rows.size(0), k, rows.stride(0), norm_scale.data_ptr<float>(),
+    const int status = qhf_w8a8_linear_multi(rows.data_ptr(), code, rows.size(0), k, rows.stride(0), norm_scale.data(),
                                              static_cast<float>(eps), nullptr, w_packed[0].size(1) * 4, static_cast<int>(count),
                                              structs, pointers, code, threads_for(total * k));
     TORCH_CHECK(status == 0, "fused W8A8 kernel could not allocate scratch for ", rows.size(0), "x", k, " activations");
