@@ -33,11 +33,11 @@ from quasar_hf.ops.cpu_fused import (
     pack_weight,
 )
 
-MULTI_MAX = 8  # weights per `qhf_w8a8_linear_multi` call (MULTI_MAX in the C source)
+MULTI_MAX = 8  # weights per `qhf_w8a8_linear_multi` call (MULTI_MAX in csrc/qhf_entry_points.h)
 
 
 class _CWeight(ctypes.Structure):
-    """One weight of `qhf_w8a8_linear_multi` (the C struct `qhf_weight`)."""
+    """One weight of `qhf_w8a8_linear_multi` (the C struct `qhf_weight`, csrc/qhf_entry_points.h)."""
 
     _fields_ = [("w_packed", _P), ("wsum128", _P), ("w_scale", _P), ("bias", _P), ("bias_dtype", _I64), ("n", _I64)]
 

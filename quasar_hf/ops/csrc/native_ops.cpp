@@ -15,32 +15,12 @@
 #include <optional>
 #include <vector>
 
-extern "C" {
-int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                    const int8_t *w_packed, const int32_t *wsum128, int64_t N, int64_t Kp, const float *w_scale,
-                    const void *bias, int bias_dtype, void *out, int out_dtype, int64_t out_stride, int32_t *acc_out,
-                    int n_threads);
-struct qhf_weight {  // csrc/w8a8_vnni.c and csrc/w8a8_avx2.c declare the same layout
-    const int8_t *w_packed;
-    const int32_t *wsum128;
-    const float *w_scale;
-    const void *bias;
-    int64_t bias_dtype;
-    int64_t N;
-};
-int qhf_w8a8_linear_multi(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                          float norm_eps, void *normed, int64_t Kp, int G, const qhf_weight *weights, void *const *outs,
-                          int out_dtype, int n_threads);
-int qhf_rowstable_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q_sq, const void *k, int64_t k_sb,
-                            int64_t k_sh, int64_t k_sn, const void *v, int64_t v_sb, int64_t v_sh, int64_t v_sn,
-                            const uint8_t *mask, int64_t m_sb, int64_t m_sq, void *out, int64_t B, int64_t H,
-                            int64_t KVH, int64_t Q, int64_t N, int64_t D, float scale, int dtype, int n_threads);
-}
+#include "qhf_entry_points.h"
 
 namespace {
 
 constexpr int64_t kMinBytesPerThread = 32 * 1024;  // cpu_fused._MIN_BYTES_PER_THREAD
-constexpr int kMultiMax = 8;                        // MULTI_MAX in csrc/w8a8_vnni.c
+constexpr int kMultiMax = MULTI_MAX;
 
 int dtype_code(const at::Tensor &t) {  // cpu_fused._DTYPE_CODES
     switch (t.scalar_type()) {

@@ -28,6 +28,7 @@
 #define LANES 16
 
 #include "qhf_common.h"
+#include "qhf_entry_points.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include "qhf_common.h"
+#include "qhf_entry_points.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -273,17 +274,6 @@ int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_
     gemm_args g = {NULL, NULL, w_packed, w_scale, bias, bias_dtype, out, out_dtype, out_stride, acc_out, M, N, Kp};
     return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, NULL, Kp, &g, 1, n_threads);
 }
-
-typedef struct {
-    const int8_t *w_packed;
-    const int32_t *wsum128;
-    const float *w_scale;
-    const void *bias;
-    int64_t bias_dtype;
-    int64_t N;
-} qhf_weight;
-
-#define MULTI_MAX 8
 
 int qhf_w8a8_linear_multi(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
                           float norm_eps, void *normed, int64_t Kp, int G, const qhf_weight *weights,

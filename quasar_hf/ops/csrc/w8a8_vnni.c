@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include "qhf_common.h"
+#include "qhf_entry_points.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -258,18 +259,6 @@ int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_
                    acc_out, M, N, Kp};
     return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, NULL, Kp, &g, 1, n_threads);
 }
-
-/* One weight of qhf_w8a8_linear_multi (ctypes mirrors this layout in cpu_fused.py). */
-typedef struct {
-    const int8_t *w_packed;  /* [Np/16][Kp/4][16][4] */
-    const int32_t *wsum128;  /* [Np] */
-    const float *w_scale;    /* [N] */
-    const void *bias;        /* [N] or NULL */
-    int64_t bias_dtype;
-    int64_t N;
-} qhf_weight;
-
-#define MULTI_MAX 8
 
 /* outs[s][M, N_s] = W8A8(x[M, K]) with weights[s], s < G <= MULTI_MAX: x quantized once, the same
  * bits as G qhf_w8a8_linear calls (contiguous outputs in out_dtype). norm_eps >= 0: x is an

@@ -1,0 +1,42 @@
+/* The C kernels' entry points that C++ calls too (native_ops.cpp), declared once: the W8A8 linears
+ * (w8a8_vnni.c and w8a8_avx2.c define the same two) and the row-stable attention
+ * (rowstable_attention.c). ctypes mirrors the same signatures in cpu_fused.py, cpu_fused_multi.py
+ * and attention_cpu.py. */
+#ifndef QHF_ENTRY_POINTS_H
+#define QHF_ENTRY_POINTS_H
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One weight of qhf_w8a8_linear_multi (ctypes mirrors this layout in cpu_fused_multi.py). */
+typedef struct qhf_weight {
+    const int8_t *w_packed;  /* [Np/16][Kp/4][16][4] */
+    const int32_t *wsum128;  /* [Np] */
+    const float *w_scale;    /* [N] */
+    const void *bias;        /* [N] or NULL */
+    int64_t bias_dtype;
+    int64_t N;
+} qhf_weight;
+
+#define MULTI_MAX 8 /* weights per qhf_w8a8_linear_multi call */
+
+int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
+                    const int8_t *w_packed, const int32_t *wsum128, int64_t N, int64_t Kp, const float *w_scale,
+                    const void *bias, int bias_dtype, void *out, int out_dtype, int64_t out_stride,
+                    int32_t *acc_out, int n_threads);
+
+int qhf_w8a8_linear_multi(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
+                          float norm_eps, void *normed, int64_t Kp, int G, const qhf_weight *weights,
+                          void *const *outs, int out_dtype, int n_threads);
+
+int qhf_rowstable_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q_sq, const void *k, int64_t k_sb,
+                            int64_t k_sh, int64_t k_sn, const void *v, int64_t v_sb, int64_t v_sh, int64_t v_sn,
+                            const uint8_t *mask, int64_t m_sb, int64_t m_sq, void *out, int64_t B, int64_t H,
+                            int64_t KVH, int64_t Q, int64_t N, int64_t D, float scale, int dtype, int n_threads);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
