@@ -19,6 +19,7 @@ import torch.fx
 
 from quasar_hf.ops import cpu_fused, dispatch, native
 from quasar_hf.ops.graph_passes import FoldNormsIntoW8A8Linears, compile_config, fold_group, use_native_ops
+from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_reference
 from quasar_hf.ops.reference import quantize_weight_per_channel, w8a8_folded_group_reference
 
 needs_cpu_fused = pytest.mark.skipif(not cpu_fused.is_available(), reason="the fused CPU W8A8 kernel is unavailable here")
@@ -157,6 +158,31 @@ def test_native_ops_compute_the_python_ops_bits(rows):
         assert torch.equal(ops.native_rowstable_attention(query, key, value, mask, scale), expected)
 
 
+@needs_native
+@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_lm_head_norm_and_rotation_compute_the_python_ops_bits(rows, dtype):
+    x = torch.randn(2, rows, 40).to(dtype)  # [B, S, K], K = 40: ragged for every kernel's vector width
+    head, bias = torch.randn(37, 40).to(dtype), torch.randn(37).to(dtype)
+    for b in (None, bias):
+        assert torch.equal(ops.native_rowstable_linear(x, head, b), ops.rowstable_linear(x, head, b))
+    for scale_in_float, offset, weight_dtype in ((False, 0.0, dtype), (True, 1.0, dtype), (False, 0.0, torch.float32)):
+        weight = torch.randn(40).to(weight_dtype)
+        expected = ops.rms_norm(x, weight, 1e-6, offset, scale_in_float)
+        actual = ops.native_rms_norm(x, weight, 1e-6, offset, scale_in_float)
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected)
+    assert torch.equal(
+        ops.native_rms_norm(x.transpose(0, 1), weight, 1e-6, 0.0, False),
+        ops.rms_norm(x.transpose(0, 1), weight, 1e-6, 0.0, False),
+    )
+    for width in (40, 12 * 16, 3 * 64, 6):  # H_20 (x) H_2, H_12 (x) H_16, Sylvester alone, blocks of H_2
+        r = HadamardRotation.for_size(width)
+        rows_x = torch.randn(rows, 3, width).to(dtype).transpose(0, 1)  # not contiguous
+        expected = ops.hadamard_rows(rows_x, None, r.blocks, r.odd_order, r.pow2)
+        assert torch.equal(expected, rotate_rows_reference(rows_x, r))
+        assert torch.equal(ops.native_hadamard_rows(rows_x, r.odd_signs(), r.blocks, r.pow2, r.scale), expected)
+
+
 class _Recording(FoldNormsIntoW8A8Linears):
     """The pass, noting which quasar ops each graph holds after it ran."""
 
@@ -180,13 +206,17 @@ def test_inductor_with_the_pass_folds_every_group_and_stays_row_stable(tmp_path)
         options = dict(compile_config(torch.device("cpu")).options, post_grad_custom_post_pass=recording)
         torch._dynamo.reset()
         compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
-        with torch.no_grad():
+        with torch.no_grad(), torch._inductor.utils.fresh_cache():  # an on-disk cache hit would skip the pass
             verify, decode = verify_and_decode_rows(model, compiled)
         assert torch.equal(verify, decode)
+        assert len(recording.after) >= 2  # the pass ran on the verify and the decode graph
         prefix = "quasar.native_" if use_native else "quasar.w8a8_"
         for counts in recording.after:  # 2 layers: 2 folded groups each, o/down linears alone, the final norm
             assert counts[f"{prefix}folded_norm_linears.default"] == 4
-            assert counts["quasar.rms_norm.default"] == 1
+            assert counts["quasar.native_rms_norm.default" if use_native else "quasar.rms_norm.default"] == 1
+            if use_native:  # no op of the step calls back into Python: the lm_head and rotations included
+                assert all(target.startswith("quasar.native_") for target in counts), counts
+                assert counts["quasar.native_rowstable_linear.default"] == 1
         logits[use_native] = verify
     assert all(torch.equal(v, logits[False]) for v in logits.values())
 
@@ -213,3 +243,32 @@ def test_the_pass_keeps_the_python_ops_where_the_native_ones_are_missing(monkeyp
     FoldNormsIntoW8A8Linears()(graph)
     assert _targets(graph)["quasar.w8a8_folded_norm_linears.default"] == 1
     assert FoldNormsIntoW8A8Linears().uuid() == FoldNormsIntoW8A8Linears(native=False).uuid()
+
+
+@needs_native
+def test_native_ops_pass_opcheck():
+    """Schema and fake of each C++-registered op against its real output (the fakes live in ops/native.py)."""
+    x = torch.randn(2, 3, 40).bfloat16()
+    pack = cpu_fused.pack_weight(torch.randint(-128, 128, (24, 40), dtype=torch.int8))
+    rotation = HadamardRotation.for_size(40)
+    query, key = torch.randn(1, 4, 3, 8).bfloat16(), torch.randn(1, 2, 5, 8).bfloat16()
+    cases = {
+        ops.native_w8a8_linear.default: (x, pack.data, pack.wsum128, torch.rand(24), None, None, 24),
+        ops.native_folded_norm_linears.default: (
+            x,
+            torch.randn(40).bfloat16(),
+            1e-6,
+            0.0,
+            [pack.data],
+            [pack.wsum128],
+            [torch.rand(24)],
+            [None],
+            [24],
+        ),
+        ops.native_rowstable_attention.default: (query, key, key.clone(), None, 0.3),
+        ops.native_rowstable_linear.default: (x, torch.randn(9, 40).bfloat16(), None),
+        ops.native_rms_norm.default: (x, torch.randn(40), 1e-6, 0.0, False),
+        ops.native_hadamard_rows.default: (x, rotation.odd_signs(), rotation.blocks, rotation.pow2, rotation.scale),
+    }
+    for op, args in cases.items():
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

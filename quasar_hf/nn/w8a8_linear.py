@@ -177,13 +177,16 @@ class RotatedW8A8Linear(W8A8Linear):
         super().__init__(in_features, out_features, bias=bias, **kwargs)
         self.rotation = HadamardRotation.for_size(in_features)
         self._rotate = None  # bound by prepare(): the kernel with its constants looked up once
+        self._signs = None  # prepare() on CPU: H_m, an input of compiled steps (ops/native.py's twin reads it)
 
-    derived = ("_prepared", "_rotate")
+    derived = ("_prepared", "_rotate", "_signs")
 
     def prepare(self) -> None:
-        """Prepare the int8 linear (W8A8Linear.prepare) and bind the rotation kernel."""
+        """Prepare the int8 linear (W8A8Linear.prepare), bind the rotation kernel and, for CPU
+        weights, make H_m a tensor a compiled step passes to `quasar::hadamard_rows`."""
         super().prepare()
         self._rotate = bind_rotation(self.rotation)
+        self._signs = self.rotation.odd_signs().contiguous() if self.weight.device.type == "cpu" else None
 
     @classmethod
     def from_weight(
@@ -201,7 +204,8 @@ class RotatedW8A8Linear(W8A8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out] in x.dtype
         if torch.compiler.is_compiling():
-            rotated = torch.ops.quasar.hadamard_rows(x, self.rotation.blocks, self.rotation.odd_order, self.rotation.pow2)
+            r = self.rotation
+            rotated = torch.ops.quasar.hadamard_rows(x, self._signs, r.blocks, r.odd_order, r.pow2)
         elif self._rotate is not None:
             rotated = self._rotate(x)  # fp32 [..., in]
         else:

@@ -207,11 +207,14 @@ def load_checked_entry(
     source_name: str, entry: str, flags: tuple[str, ...], argtypes: list, smoke_test: Callable, what: str
 ) -> tuple[object | None, str | None]:
     """csrc/<source_name>'s `entry` (returning int) built with `flags` and checked by `smoke_test(fn)`
-    (None or why the kernel is wrong): (entry point, None), or (None, why it is unavailable)."""
+    (None or why the kernel is wrong): (entry point, None), or (None, why it is unavailable). The entry
+    point's `library` is the KernelLibrary it came from (what ops/native.py's C++ ops link to)."""
     try:
-        fn = getattr(build_and_load(source_name, flags, find_compiler()), entry)
+        library = build_and_load(source_name, flags, find_compiler())
+        fn = getattr(library, entry)
     except (RuntimeError, OSError) as err:
         return None, f"building the {what} failed: {err}"
+    fn.library = library
     fn.restype = ctypes.c_int
     fn.argtypes = argtypes
     mismatch = smoke_test(fn)

@@ -8,7 +8,8 @@ every consumer's GEMM runs in the same C call (`cpu_fused_multi.folded_linears_p
 SmolLM2 step calls 182 of our ops where it called 332, and each consumer's output has the bits
 eager's folded group gives it. The op is row-stable like the ops it replaces: a compiled verify
 step's rows still equal compiled decode steps. Then, where ops/native.py's library is had, each CPU
-kernel op is pointed at its C++-registered twin (`use_native_ops`): the same tensors, the same C
+kernel op (W8A8 linears, folded groups, attention, the lm_head, the norms left, the Hadamard
+rotations) is pointed at its C++-registered twin (`use_native_ops`): the same tensors, the same C
 entry point, the same bits, no Python between the step's kernels.
 
 A group is rewritten only when nothing else is assumed: the norm's output feeds W8A8 linears directly
@@ -25,11 +26,14 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from quasar_hf import compat
+from quasar_hf.ops.hadamard import HadamardRotation
 
 _W8A8 = "quasar::w8a8_linear"
 _RMS_NORM = "quasar::rms_norm"
 _FOLDED = "quasar::w8a8_folded_norm_linears"
 _ATTENTION = "quasar::rowstable_attention_cpu"
+_LM_HEAD = "quasar::rowstable_linear"
+_HADAMARD = "quasar::hadamard_rows"
 
 
 def _op_name(node: torch.fx.Node) -> str | None:
@@ -93,12 +97,25 @@ def _out_features(weight: torch.fx.Node | torch.Tensor) -> int:
     return int((weight.meta["val"] if isinstance(weight, torch.fx.Node) else weight).shape[0])
 
 
+def _cpu_float(arg: object) -> bool:
+    """True for a graph node whose value is a CPU float32/bfloat16 tensor (what the C kernels take)."""
+    value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dtype in (torch.float32, torch.bfloat16)
+
+
 def _has_native_twin(name: str | None, args: tuple) -> bool:
-    """True for a CPU kernel op whose arguments the native twin takes (ops/native.py's table)."""
+    """True for a CPU kernel op whose arguments the native twin takes (ops/native.py's table); the
+    ops that run on any device (lm_head, RMSNorm, rotation) only on CPU float rows."""
     if name == _W8A8:
         return len(args) == 7 and args[6] == "cpu_fused" and len(args[5]) == 2
     if name == _FOLDED:
         return len(args) == 9 and args[8] == "cpu_fused" and len(args[7]) == 2 * len(args[4])
+    if name == _LM_HEAD:
+        return len(args) == 3 and _cpu_float(args[0]) and _cpu_float(args[1]) and (args[2] is None or _cpu_float(args[2]))
+    if name == _RMS_NORM:
+        return len(args) == 5 and _cpu_float(args[0]) and _cpu_float(args[1])
+    if name == _HADAMARD:
+        return len(args) == 5 and _cpu_float(args[0]) and isinstance(args[1], torch.fx.Node)  # signs: a tensor
     return name == _ATTENTION and len(args) == 5
 
 
@@ -112,6 +129,11 @@ def _native_args(name: str, args: tuple) -> tuple:
         x, weight, eps, offset, weight_q, weight_scale, bias, packed, _ = args
         sizes = [_out_features(w) for w in weight_q]
         return (x, weight, eps, offset, list(packed[0::2]), list(packed[1::2]), weight_scale, bias, sizes)
+    if name == _HADAMARD:
+        x, signs, blocks, odd_order, pow2 = args
+        size = blocks * odd_order * pow2 if None not in (blocks, odd_order, pow2) else None
+        scale = HadamardRotation(size, blocks, odd_order, pow2).scale if size is not None else None
+        return (x, signs, blocks, pow2, scale)
     return tuple(args)
 
 
@@ -119,6 +141,9 @@ _NATIVE_TWINS = {
     _W8A8: "native_w8a8_linear",
     _FOLDED: "native_folded_norm_linears",
     _ATTENTION: "native_rowstable_attention",
+    _LM_HEAD: "native_rowstable_linear",
+    _RMS_NORM: "native_rms_norm",
+    _HADAMARD: "native_hadamard_rows",
 }
 
 

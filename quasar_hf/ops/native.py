@@ -9,13 +9,17 @@ tensors and call the same C entry points without Python:
   quasar::native_folded_norm_linears(x, norm_weight, eps, offset, w_packed[], wsum128[], weight_scale[],
       bias?[], out_features[]) = quasar::w8a8_folded_norm_linears(..., "cpu_fused")
   quasar::native_rowstable_attention(query, key, value, visible?, scale?) = quasar::rowstable_attention_cpu
+  quasar::native_rowstable_linear(x, weight, bias?) = quasar::rowstable_linear (the lm_head)
+  quasar::native_rms_norm(x, weight, eps, offset, scale_in_float) = quasar::rms_norm on CPU
+  quasar::native_hadamard_rows(x, signs, blocks, pow2, scale) = quasar::hadamard_rows(x, signs, blocks, m, pow2)
 
 Only `ops/graph_passes.py` writes them into graphs, after the Python ops' fakes checked every shape
 at trace time; model code and eager mode never call them. The library is built at first use with
 the C++ compiler (`$CXX`, else g++) against this torch's headers and linked to the kernel libraries
-cpu_fused.py and attention_cpu.py built (same cache as the C kernels), then checked against the Python
-ops on a smoke test. Where it cannot be had, `unavailable_reason()` says why, and compiled steps keep
-the Python ops (the same bits, more overhead).
+the Python ops use (cpu_fused.py, attention_cpu.py, rowstable_linear.py, rms_norm_cpu.py,
+hadamard_cpu.py; same cache as the C kernels), then checked against the Python ops on a smoke test.
+Where it cannot be had, `unavailable_reason()` says why, and compiled steps keep the Python ops (the
+same bits, more overhead).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ import shutil
 
 import torch
 
-from quasar_hf.ops import attention_cpu, cpu_fused
+from quasar_hf.ops import attention_cpu, cpu_fused, hadamard_cpu, rms_norm_cpu, rowstable_linear
 from quasar_hf.ops.c_build import CSRC, build_and_load
+from quasar_hf.ops.hadamard import HadamardRotation
 
 SOURCE = CSRC / "native_ops.cpp"
 
@@ -54,14 +59,20 @@ def _link(kernel_libraries: tuple[str, ...]) -> tuple[str, ...]:
 
 def _kernel_libraries() -> tuple[tuple[str, ...], str | None]:
     """The paths of the C kernel libraries the native ops call, or why they are unavailable."""
-    from quasar_hf.ops.c_build import find_compiler
-
     if not cpu_fused.is_available():
         return (), f"the fused W8A8 kernel is unavailable: {cpu_fused.unavailable_reason()}"
-    if not attention_cpu.is_available():
-        return (), f"the row-stable attention kernel is unavailable: {attention_cpu.unavailable_reason()}"
-    attention = build_and_load("rowstable_attention.c", attention_cpu._flags(), find_compiler())  # the cached build
-    return (cpu_fused._library().lib.path, attention.path), None
+    paths = [cpu_fused._library().lib.path]
+    for module, what in (
+        (attention_cpu, "row-stable attention"),
+        (rowstable_linear, "row-stable linear"),
+        (rms_norm_cpu, "row-stable RMSNorm"),
+        (hadamard_cpu, "Hadamard rotation"),
+    ):
+        fn, reason = module._library()
+        if fn is None:
+            return (), f"the {what} kernel is unavailable: {reason}"
+        paths.append(fn.library.path)  # the cached build the Python op calls (c_build.load_checked_entry)
+    return tuple(paths), None
 
 
 @functools.cache
@@ -96,6 +107,19 @@ def _register_fakes() -> None:
     torch.library.register_fake("quasar::native_folded_norm_linears", folded_fake)
     torch.library.register_fake("quasar::native_rowstable_attention", attention_fake)
 
+    def linear_rowstable_fake(x, weight, bias):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    def rms_norm_fake(x, weight, eps, offset, scale_in_float):
+        return x.new_empty(x.shape, dtype=rms_norm_cpu.output_dtype(x, weight, scale_in_float))
+
+    def hadamard_fake(x, signs, blocks, pow2, scale):
+        return x.new_empty(x.shape, dtype=torch.float32)
+
+    torch.library.register_fake("quasar::native_rowstable_linear", linear_rowstable_fake)
+    torch.library.register_fake("quasar::native_rms_norm", rms_norm_fake)
+    torch.library.register_fake("quasar::native_hadamard_rows", hadamard_fake)
+
 
 def _smoke_test() -> str | None:
     """Each native op against its Python op on small ragged shapes: the same bits, or why not."""
@@ -119,10 +143,20 @@ def _smoke_test() -> str | None:
     visible[..., 0] = True
     attention = ops.rowstable_attention_cpu(q, k, v, visible, 0.3)
     native_attention = ops.native_rowstable_attention(q, k, v, visible, 0.3)
+    head = torch.randn(9, 40, generator=gen).bfloat16()
+    logits, native_logits = ops.rowstable_linear(x, head, None), ops.native_rowstable_linear(x, head, None)
+    normed = ops.rms_norm(x, norm, 1e-6, 1.0, True)
+    native_normed = ops.native_rms_norm(x, norm, 1e-6, 1.0, True)
+    rotation = HadamardRotation.for_size(40)  # H_20 (x) H_2: the Paley mix and the butterflies
+    rotated = ops.hadamard_rows(x, None, rotation.blocks, rotation.odd_order, rotation.pow2)
+    native_rotated = ops.native_hadamard_rows(x, rotation.odd_signs(), rotation.blocks, rotation.pow2, rotation.scale)
     same = (
         torch.equal(actual, expected)
         and all(map(torch.equal, folded, native_folded))
         and torch.equal(attention, native_attention)
+        and torch.equal(logits, native_logits)
+        and torch.equal(normed, native_normed)
+        and torch.equal(rotated, native_rotated)
     )
     return None if same else "the native ops disagree with the Python ops on a smoke test (compiler or ABI problem)"
 

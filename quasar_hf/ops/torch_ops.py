@@ -6,7 +6,7 @@ fake implementation gives, and Inductor calls the real kernel at run time.
   quasar::rowstable_attention_cpu(query, key, value, visible?, scale?) -> [B, Q, H, D]
   quasar::rowstable_attention_triton(query, key, value, visible?, scale?) -> [B, Q, H, D]
   quasar::rowstable_linear(x, weight, bias?) -> [..., N]   (the float lm_head, RowStableLinear)
-  quasar::hadamard_rows(x, blocks, odd_order, pow2) -> fp32 [..., K]   (RotatedW8A8Linear's input)
+  quasar::hadamard_rows(x, signs?, blocks, odd_order, pow2) -> fp32 [..., K]   (RotatedW8A8Linear's input)
   quasar::rms_norm(x, weight, eps, offset, scale_in_float) -> [..., K]   (every RMSNorm when compiled;
       on CPU the row-stable C kernel of rms_norm_cpu.py, not the Transformers formula's bits)
   quasar::w8a8_folded_norm_linears(x, norm_weight, eps, offset, weight_q[], weight_scale[], bias?[],
@@ -43,7 +43,7 @@ _LIB.define(
 _LIB.define("rowstable_attention_cpu(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor")
 _LIB.define("rowstable_attention_triton(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor")
 _LIB.define("rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_LIB.define("hadamard_rows(Tensor x, int blocks, int odd_order, int pow2) -> Tensor")
+_LIB.define("hadamard_rows(Tensor x, Tensor? signs, int blocks, int odd_order, int pow2) -> Tensor")
 _LIB.define("rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_float) -> Tensor")
 _LIB.define(
     "w8a8_folded_norm_linears(Tensor x, Tensor norm_weight, float eps, float offset, Tensor[] weight_q, "
@@ -128,13 +128,17 @@ def _bound_rotation(size: int, blocks: int, odd_order: int, pow2: int):
     return hadamard_cpu.bind_rotation(hadamard.HadamardRotation(size, blocks, odd_order, pow2))
 
 
-def _hadamard_rows_impl(x, blocks: int, odd_order: int, pow2: int) -> torch.Tensor:
+def _hadamard_rows_impl(x, signs, blocks: int, odd_order: int, pow2: int) -> torch.Tensor:
+    """x Q (ops/hadamard.py). `signs` (H_m, fp32 [m, m], or None) is what the native twin reads
+    (ops/native.py); this op's memo holds the same matrix, so it reads its own."""
     return _bound_rotation(x.shape[-1], blocks, odd_order, pow2)(x)
 
 
-def _hadamard_rows_fake(x, blocks: int, odd_order: int, pow2: int) -> torch.Tensor:
+def _hadamard_rows_fake(x, signs, blocks: int, odd_order: int, pow2: int) -> torch.Tensor:
     if x.shape[-1] != blocks * odd_order * pow2:
         raise ValueError(f"hadamard_rows: rows of {x.shape[-1]} do not match {blocks} x {odd_order} x {pow2}")
+    if signs is not None and (tuple(signs.shape) != (odd_order, odd_order) or signs.dtype != torch.float32):
+        raise ValueError(f"hadamard_rows: signs must be fp32 [{odd_order}, {odd_order}], got {tuple(signs.shape)} {signs.dtype}")
     return x.new_empty(x.shape, dtype=torch.float32)
 
 

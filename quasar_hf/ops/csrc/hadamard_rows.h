@@ -4,6 +4,7 @@
 #ifndef QHF_HADAMARD_ROWS_H
 #define QHF_HADAMARD_ROWS_H
 #include "qhf_common.h"
+#include "qhf_entry_points.h"
 #include <stdint.h>
 #include <stdlib.h>
 #ifdef _OPENMP

@@ -21,6 +21,10 @@ namespace {
 
 constexpr int64_t kMinBytesPerThread = 32 * 1024;  // cpu_fused._MIN_BYTES_PER_THREAD
 constexpr int kMultiMax = MULTI_MAX;
+constexpr int64_t kRowstableMinBytesPerThread = 256 * 1024;  // rowstable_linear._MIN_BYTES_PER_THREAD
+constexpr int64_t kHadamardMinRowsPerThread = 64;  // hadamard_cpu._MIN_ROWS_PER_THREAD
+
+bool float_or_bf16(const at::Tensor &t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
 
 int dtype_code(const at::Tensor &t) {  // cpu_fused._DTYPE_CODES
     switch (t.scalar_type()) {
@@ -145,6 +149,61 @@ at::Tensor native_rowstable_attention(const at::Tensor &query, const at::Tensor 
     return out;
 }
 
+// quasar::native_rowstable_linear: quasar::rowstable_linear (x [..., K] @ weight[N, K].T + bias, one dtype,
+// float32 or bfloat16; each element independent of the row count).
+at::Tensor native_rowstable_linear(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+    const int64_t k = weight.size(1), n = weight.size(0);
+    TORCH_CHECK(x.scalar_type() == weight.scalar_type() && float_or_bf16(x) && (!bias || bias->scalar_type() == x.scalar_type()),
+                "native_rowstable_linear: x, weight and bias of one dtype, float32 or bfloat16");
+    at::Tensor out = at::empty(with_last(x, n), x.options());
+    if (out.numel() == 0) return out;
+    const at::Tensor rows = rows_of(x, k), w = inner_contiguous(weight);
+    const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+    const int64_t weight_bytes = w.numel() * static_cast<int64_t>(w.element_size());
+    const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), weight_bytes / kRowstableMinBytesPerThread)));
+    const int status = qhf_rowstable_linear(rows.data_ptr(), rows.stride(0), rows.size(0), k, w.data_ptr(), w.stride(0), n,
+                                            b ? b->data_ptr() : nullptr, out.data_ptr(), n, dtype_code(x), threads);
+    TORCH_CHECK(status != 1, "row-stable linear could not allocate ", rows.size(0), " x ", k, " fp32 scratch");
+    TORCH_CHECK(status == 0, "row-stable linear rejected shapes x ", x.sizes(), ", weight ", weight.sizes());
+    return out;
+}
+
+// quasar::native_rms_norm: quasar::rms_norm on CPU (csrc/rms_norm_rows.c), contiguous output in x's dtype
+// when the scale is applied in fp32 (Gemma), else in the promotion of weight and x (Llama).
+at::Tensor native_rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps, double offset, bool scale_in_float) {
+    const int64_t k = x.size(-1);
+    TORCH_CHECK(float_or_bf16(x) && float_or_bf16(weight) && weight.dim() == 1 && weight.size(0) == k,
+                "native_rms_norm: float32 or bfloat16 rows x [..., K] and weight [K]");
+    const at::ScalarType dtype = scale_in_float ? x.scalar_type() : at::promote_types(weight.scalar_type(), x.scalar_type());
+    at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
+    if (out.numel() == 0) return out;
+    const at::Tensor rows = rows_of(x, k), w = weight.contiguous();
+    qhf_rms_norm_rows(rows.data_ptr(), dtype_code(x), rows.size(0), k, rows.stride(0), w.data_ptr(), dtype_code(w),
+                      static_cast<float>(eps), static_cast<float>(offset), scale_in_float ? 1 : 0, out.data_ptr(), dtype_code(out));
+    return out;
+}
+
+// quasar::native_hadamard_rows: quasar::hadamard_rows on CPU (csrc/hadamard_rows.h): x [..., K] -> fp32 x Q,
+// Q = I_blocks (x) (H_m (x) H_pow2) / sqrt(m pow2) with H_m = signs [m, m] (fp32 +-1) and `scale` its
+// fp32 1 / sqrt(m pow2), as ops/hadamard.py's HadamardRotation gives them.
+at::Tensor native_hadamard_rows(const at::Tensor &x, const at::Tensor &signs, int64_t blocks, int64_t pow2, double scale) {
+    const int64_t m = signs.size(0), k = x.size(-1);
+    TORCH_CHECK(float_or_bf16(x), "native_hadamard_rows: float32 or bfloat16 rows");
+    TORCH_CHECK(k == blocks * m * pow2 && signs.scalar_type() == at::kFloat && signs.dim() == 2 && signs.size(1) == m,
+                "native_hadamard_rows: rows of ", k, " do not match ", blocks, " x ", m, " x ", pow2, " (fp32 signs [m, m])");
+    at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+    const at::Tensor rows = x.reshape({-1, k}).contiguous(), s = signs.contiguous();
+    const int64_t count = rows.size(0);
+    if (count == 0) return out;
+    const int threads = count < 2 * kHadamardMinRowsPerThread
+                            ? 1
+                            : static_cast<int>(std::min<int64_t>(at::get_num_threads(), count / kHadamardMinRowsPerThread));
+    const int status = qhf_hadamard_rows(rows.data_ptr(), k, count, dtype_code(x), out.data_ptr<float>(), blocks, m, pow2,
+                                         s.data_ptr<float>(), static_cast<float>(scale), threads);
+    TORCH_CHECK(status == 0, "the Hadamard kernel could not allocate a scratch row of ", k, " floats");
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(quasar, m) {
@@ -153,10 +212,16 @@ TORCH_LIBRARY_FRAGMENT(quasar, m) {
     m.def("native_folded_norm_linears(Tensor x, Tensor norm_weight, float eps, float offset, Tensor[] w_packed, "
           "Tensor[] wsum128, Tensor[] weight_scale, Tensor?[] bias, int[] out_features) -> Tensor[]");
     m.def("native_rowstable_attention(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor");
+    m.def("native_rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+    m.def("native_rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_float) -> Tensor");
+    m.def("native_hadamard_rows(Tensor x, Tensor signs, int blocks, int pow2, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quasar, CPU, m) {
     m.impl("native_w8a8_linear", &native_w8a8_linear);
     m.impl("native_folded_norm_linears", &native_folded_norm_linears);
     m.impl("native_rowstable_attention", &native_rowstable_attention);
+    m.impl("native_rowstable_linear", &native_rowstable_linear);
+    m.impl("native_rms_norm", &native_rms_norm);
+    m.impl("native_hadamard_rows", &native_hadamard_rows);
 }

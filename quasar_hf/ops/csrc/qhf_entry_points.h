@@ -1,7 +1,10 @@
 /* The C kernels' entry points that C++ calls too (native_ops.cpp), declared once: the W8A8 linears
- * (w8a8_vnni.c and w8a8_avx2.c define the same two) and the row-stable attention
- * (rowstable_attention.c). ctypes mirrors the same signatures in cpu_fused.py, cpu_fused_multi.py
- * and attention_cpu.py. */
+ * (w8a8_vnni.c and w8a8_avx2.c define the same two), the row-stable attention (rowstable_attention.c),
+ * the row-stable float linear (rowstable_linear.c, rowstable_linear_avx2.c), the row-stable RMSNorm
+ * (rms_norm_rows.c) and the Hadamard rotation of rows (hadamard_rows.h). Each defining file includes
+ * this header, so a definition that drifts from its declaration fails to compile. ctypes mirrors the
+ * same signatures in cpu_fused.py, cpu_fused_multi.py, attention_cpu.py, rowstable_linear.py,
+ * rms_norm_cpu.py and hadamard_cpu.py. */
 #ifndef QHF_ENTRY_POINTS_H
 #define QHF_ENTRY_POINTS_H
 #include <stdint.h>
@@ -35,6 +38,15 @@ int qhf_rowstable_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q
                             int64_t k_sh, int64_t k_sn, const void *v, int64_t v_sb, int64_t v_sh, int64_t v_sn,
                             const uint8_t *mask, int64_t m_sb, int64_t m_sq, void *out, int64_t B, int64_t H,
                             int64_t KVH, int64_t Q, int64_t N, int64_t D, float scale, int dtype, int n_threads);
+
+int qhf_rowstable_linear(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *w, int64_t w_stride,
+                         int64_t N, const void *bias, void *out, int64_t out_stride, int dtype, int n_threads);
+
+int qhf_rms_norm_rows(const void *x, int x_dtype, int64_t rows, int64_t k, int64_t x_stride, const void *w, int w_dtype,
+                      float eps, float offset, int scale_in_float, void *out, int out_dtype);
+
+int qhf_hadamard_rows(const void *x, int64_t x_stride, int64_t rows, int dtype, float *out, int64_t blocks, int64_t m,
+                      int64_t n, const float *signs, float scale, int threads);
 
 #ifdef __cplusplus
 }

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "qhf_common.h"
+#include "qhf_entry_points.h"
 
 #define CHUNK 512 /* elements converted to fp32 at a time (a multiple of 8, so lanes keep their elements) */
 

@@ -21,6 +21,7 @@
  */
 #include <immintrin.h>
 #include "qhf_common.h"
+#include "qhf_entry_points.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
