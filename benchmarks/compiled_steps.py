@@ -9,6 +9,9 @@ machine is shared), at all torch threads and at one. The floor is the int8 weigh
 bytes over the read bandwidth measured in the same process. The first compiled call of each
 shape is timed apart (compile time; Inductor's on-disk cache makes a second process faster).
 
+With `--gguf FILE` (a Q8_0 GGUF of the same checkpoint; needs llama-cpp-python), llama.cpp's forward of
+the same 1 and 6 tokens over its own 300-token cache runs in the same rounds, beside the others.
+
 End to end: `--prompts` grounded prompts, `--new-tokens` each: plain greedy eager (generate),
 quasar eager, compiled plain (the loop with num_draft_tokens=0: every step the compiled decode)
 and compiled quasar; tokens/s, and whether compiled quasar equals compiled plain token for token.
@@ -46,10 +49,15 @@ def floor_bytes(model) -> int:
     return int8 + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
 
 
+def cache_prompt(model) -> torch.Tensor:
+    """[1, CACHE_TOKENS] random token ids: what every verifier's cache holds before a timed step."""
+    return torch.randint(0, model.config.vocab_size, (1, CACHE_TOKENS), generator=torch.Generator().manual_seed(0))
+
+
 def verifiers(model, compiled_step, variants: dict | None = None) -> dict:
     """name -> a prefilled verifier over the same CACHE_TOKENS random tokens (`variants`: more compiled
     steps by name, e.g. other graph passes)."""
-    prompt = torch.randint(0, model.config.vocab_size, (1, CACHE_TOKENS), generator=torch.Generator().manual_seed(0))
+    prompt = cache_prompt(model)
     slots = static_cache_slots(CACHE_TOKENS + max(STEP_TOKENS) + 1)
     states = {
         "dynamic_eager": RowAlignedCache(model, 1, torch.device("cpu")),
@@ -63,9 +71,37 @@ def verifiers(model, compiled_step, variants: dict | None = None) -> dict:
     return states
 
 
-def run_steps(state, tokens: int, steps: int) -> float:
-    """Mean ms of `steps` forwards of `tokens` tokens, each rolled back to the same cache."""
-    vocab = state.model.config.vocab_size
+class LlamaCppSteps:
+    """llama.cpp (llama-cpp-python) as a verifier state: `forward` evaluates tokens (all logits) over
+    the prompt's cache, `keep_accepted` moves its length back to the prompt's."""
+
+    def __init__(self, gguf: str, threads: int, prompt: list[int]) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(
+            model_path=gguf, n_ctx=512, n_batch=512, n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False
+        )
+        self.llm.eval(prompt)
+        self.prompt_tokens = len(prompt)
+
+    def forward(self, ids: torch.Tensor) -> None:
+        self.llm.eval(ids[0].tolist())
+
+    def keep_accepted(self, num_keep: torch.Tensor, num_appended: int) -> None:
+        self.llm.n_tokens = self.prompt_tokens
+
+
+def llamacpp_states(gguf: str, thread_counts: list[int], prompt: list[int]) -> dict:
+    """threads -> a LlamaCppSteps over `prompt` (the tokens the verifiers' caches hold)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        raise SystemExit("--gguf needs llama-cpp-python (see quasar_hf/bench/llamacpp_peer.py for the install)") from None
+    return {count: LlamaCppSteps(gguf, count, prompt) for count in thread_counts}
+
+
+def run_steps(state, tokens: int, steps: int, vocab: int) -> float:
+    """Mean ms of `steps` forwards of `tokens` random tokens below `vocab`, each rolled back to the same cache."""
     ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens))
     start = time.perf_counter()
     for _ in range(steps):
@@ -74,30 +110,38 @@ def run_steps(state, tokens: int, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def time_steps(model, compiled_step, steps: int, rounds: int, floor_ms: float, variants: dict | None = None) -> tuple[dict, dict]:
-    """(rows "threads x tokens" -> ms per mode and x floor, compile seconds per step shape)."""
+def time_steps(
+    model, compiled_step, steps: int, rounds: int, floors: dict, variants: dict | None = None, gguf: str | None = None
+) -> tuple[dict, dict]:
+    """(rows "threads x tokens" -> ms per mode and x its floor, compile seconds per step shape); `floors`:
+    "model" (ms) and, with `gguf`, "llamacpp_q8_0" (its file's bytes)."""
+    vocab = model.config.vocab_size
     states = verifiers(model, compiled_step, variants)
     compile_s = {}
     for name in ("static_compiled", *(variants or {})):
         for tokens in STEP_TOKENS:
             began = time.perf_counter()
-            run_steps(states[name], tokens, 1)
+            run_steps(states[name], tokens, 1, vocab)
             key = f"{tokens}_tokens" if name == "static_compiled" else f"{name} {tokens}_tokens"
             compile_s[key] = time.perf_counter() - began
     threads = torch.get_num_threads()
+    counts = sorted({threads, 1}, reverse=True)
+    llamacpp = llamacpp_states(gguf, counts, cache_prompt(model)[0].tolist()) if gguf else {}
     rows = {}
-    for count in sorted({threads, 1}, reverse=True):
+    for count in counts:
         torch.set_num_threads(count)
+        if llamacpp:
+            states["llamacpp_q8_0"] = llamacpp[count]
         for tokens in STEP_TOKENS:
             totals = dict.fromkeys(states, 0.0)
             for _ in range(rounds):
                 for name, state in states.items():
-                    run_steps(state, tokens, 1)  # warm
-                    totals[name] += run_steps(state, tokens, steps)
+                    run_steps(state, tokens, 1, vocab)  # warm
+                    totals[name] += run_steps(state, tokens, steps, vocab)
             row = {"threads": count, "tokens": tokens}
             for name, total in totals.items():
                 row[f"{name}_ms"] = total / rounds
-                row[f"{name}_x_floor"] = total / rounds / floor_ms
+                row[f"{name}_x_floor"] = total / rounds / floors.get(name, floors["model"])
             rows[f"{count}x{tokens}"] = row
             print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     torch.set_num_threads(threads)
@@ -187,6 +231,21 @@ def markdown(result: dict) -> str:
             f"| {row['threads']} | {row['tokens']} | {row['dynamic_eager_ms']:.2f} | {row['static_eager_ms']:.2f} | "
             f"{row['static_compiled_ms']:.2f} | {row['static_compiled_x_floor']:.2f} | {ratio:.2f} |"
         )
+    llama = result.get("llamacpp")
+    if llama:
+        lines += [
+            "",
+            f"llama.cpp (llama-cpp-python {llama['version']}) on `{llama['gguf']}` ({llama['gguf_bytes'] / 1e6:.1f} MB, "
+            f"floor {llama['floor_ms']:.2f} ms), all logits, same rounds:",
+            "",
+            "| threads | tokens | llama.cpp ms | llama.cpp x its floor | static compiled ms | llama.cpp / compiled |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in result["steps"].values():
+            lines.append(
+                f"| {row['threads']} | {row['tokens']} | {row['llamacpp_q8_0_ms']:.2f} | {row['llamacpp_q8_0_x_floor']:.2f} | "
+                f"{row['static_compiled_ms']:.2f} | {row['llamacpp_q8_0_ms'] / row['static_compiled_ms']:.2f} |"
+            )
     variants = result.get("variants") or []
     if variants:
         lines += ["", "Compiled with other post-grad passes (same run, interleaved), ms:", ""]
@@ -215,6 +274,18 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _llamacpp_info(gguf: str, floors: dict) -> dict:
+    import importlib.metadata
+
+    version = importlib.metadata.version("llama_cpp_python")
+    return {
+        "gguf": os.path.basename(gguf),
+        "gguf_bytes": os.path.getsize(gguf),
+        "floor_ms": floors["llamacpp_q8_0"],
+        "version": version,
+    }
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quantized", required=True, help="a saved Quasar checkpoint")
@@ -228,15 +299,23 @@ def main(argv: list[str] | None = None) -> list[str]:
         action="store_true",
         help="also time the step compiled with the fold's Python ops and with no post-grad pass (ops/graph_passes.py)",
     )
+    parser.add_argument(
+        "--gguf", default=None, help="a Q8_0 GGUF of the same checkpoint: time llama.cpp's steps in the same rounds"
+    )
     parser.add_argument("--out", default="benchmarks")
     parser.add_argument("--name", required=True)
     args = parser.parse_args(argv)
+    if args.gguf and not os.path.isfile(args.gguf):
+        raise SystemExit(f"--gguf {args.gguf}: no such file (convert the checkpoint first: quasar_hf/bench/llamacpp_peer.py)")
     from benchmarks.kernels import measure_read_bandwidth
     from quasar_hf.bench.report import environment
 
     model = AutoModelForCausalLM.from_pretrained(args.quantized).eval()
     read_gbps = measure_read_bandwidth(torch.device("cpu"))
     floor_ms = floor_bytes(model) / (read_gbps * 1e9) * 1e3
+    floors = {"model": floor_ms}
+    if args.gguf:  # llama.cpp reads its whole file per step (Q8_0 weights, its output matrix, norms)
+        floors["llamacpp_q8_0"] = os.path.getsize(args.gguf) / (read_gbps * 1e9) * 1e3
     compile_config = compile_config_for(torch.device("cpu"))
     if args.backend != "inductor":
         compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=args.backend)
@@ -245,7 +324,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     if variants:  # every variant compiles its own graphs (one per step shape and thread count) on one code object
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * (len(variants) + 1))
     with torch.no_grad():
-        steps, compile_s = time_steps(model, compiled_step, args.steps, args.rounds, floor_ms, variants)
+        steps, compile_s = time_steps(model, compiled_step, args.steps, args.rounds, floors, variants, args.gguf)
         overhead = op_overhead(model, CACHE_TOKENS)
         e2e = None
         if args.prompts:
@@ -260,6 +339,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         "read_gbps": read_gbps,
         "floor_bytes": floor_bytes(model),
         "floor_ms": floor_ms,
+        "llamacpp": _llamacpp_info(args.gguf, floors) if args.gguf else None,
         "compile": json.loads(json.dumps(compile_config.to_dict(), default=repr)),
         "variants": list(variants),
         "compile_s": compile_s,

@@ -1,10 +1,12 @@
-"""Where a compiled CPU step's time goes: the per-call cost of each `torch.ops.quasar.*` op that the
-compiled graph calls, against the same kernel called directly, times its calls per step.
+"""Where a compiled CPU step's time goes: the per-call cost of each `torch.ops.quasar.*` op, against
+the same kernel called directly and through its C++-registered twin, times its calls per step.
 
-A compiled step is Inductor's generated code calling our ops as extern kernels; each call goes
-through the dispatcher into a Python implementation, then into C. The difference between the op
-call and the direct (eager, bound) call of the same kernel is that Python and dispatch per call.
-Shapes are the model's own, at M = 1 (decode) and M = 6 (a 5-draft verification).
+A compiled step is Inductor's generated code calling our ops as extern kernels. A Python-registered op
+goes through the dispatcher into a Python implementation, then into C; the difference between that
+call and the direct (eager, bound) call of the same kernel is Python and dispatch per call. Where
+ops/native.py's library is had, the compiled CPU step calls the native twin instead (no Python): its
+column is what the step pays. Shapes are the model's own, at M = 1 (decode) and M = 6 (a 5-draft
+verification); the folded norm groups of a compiled step are timed here as their separate linears.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from quasar_hf.bench.report import _table
 from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
 from quasar_hf.nn.folded_norm import FoldedRMSNorm
 from quasar_hf.nn.rowstable_norm import RowStableRMSNorm
+from quasar_hf.ops import native
 
 
 def _us(fn: Callable[[], object], calls: int = 300) -> float:
@@ -34,10 +37,15 @@ def _us(fn: Callable[[], object], calls: int = 300) -> float:
     return sorted(batches)[2]
 
 
+def _native(fn: Callable[[], object], calls: int = 300) -> float | None:
+    """`_us(fn)` where the native ops are loaded, else None."""
+    return _us(fn, calls) if native.is_available() else None
+
+
 def _linear_costs(model: torch.nn.Module, rows: int) -> dict:
-    """Every W8A8 linear's op call and direct call at `rows` rows: summed microseconds per step."""
-    op, direct, calls = 0.0, 0.0, 0
-    measured: dict[tuple, tuple[float, float]] = {}
+    """Every W8A8 linear's op call, native call and direct call at `rows` rows: summed microseconds per step."""
+    op, direct, twin, calls = 0.0, 0.0, 0.0, 0
+    measured: dict[tuple, tuple[float, float, float | None]] = {}
     for module in model.modules():
         if not isinstance(module, W8A8Linear) or module.prepared is None:
             continue
@@ -47,32 +55,44 @@ def _linear_costs(model: torch.nn.Module, rows: int) -> dict:
             x = torch.randn(1, rows, module.in_features, dtype=model.dtype)
             packed = list(prepared.packed_tensors)
             args = (x, module.weight, module.weight_scale, module.bias, module.act_prescale, packed, prepared.backend)
-            measured[key] = (_us(lambda: torch.ops.quasar.w8a8_linear.default(*args)), _us(lambda: prepared.linear(x)))
+            twin_args = (x, *packed, module.weight_scale, module.bias, module.act_prescale, module.out_features)
+            measured[key] = (
+                _us(lambda: torch.ops.quasar.w8a8_linear.default(*args)),
+                _us(lambda: prepared.linear(x)),
+                _native(lambda: torch.ops.quasar.native_w8a8_linear.default(*twin_args))
+                if prepared.backend == "cpu_fused"
+                else None,
+            )
         op, direct, calls = op + measured[key][0], direct + measured[key][1], calls + 1
-    return {"calls": calls, "op_us": op, "direct_us": direct}
+        twin = None if twin is None or measured[key][2] is None else twin + measured[key][2]
+    return {"calls": calls, "op_us": op, "direct_us": direct, "native_us": twin}
 
 
 def _rotation_costs(model: torch.nn.Module, rows: int) -> dict:
     rotated = [m for m in model.modules() if isinstance(m, RotatedW8A8Linear) and m._rotate is not None]
     if not rotated:
-        return {"calls": 0, "op_us": 0.0, "direct_us": 0.0}
+        return {"calls": 0, "op_us": 0.0, "direct_us": 0.0, "native_us": None}
     module = rotated[0]
     x = torch.randn(1, rows, module.in_features, dtype=model.dtype)
     r = module.rotation
-    op = _us(lambda: torch.ops.quasar.hadamard_rows.default(x, r.blocks, r.odd_order, r.pow2))
+    op = _us(lambda: torch.ops.quasar.hadamard_rows.default(x, module._signs, r.blocks, r.odd_order, r.pow2))
     direct = _us(lambda: module._rotate(x))
-    return {"calls": len(rotated), "op_us": op * len(rotated), "direct_us": direct * len(rotated)}
+    twin = _native(lambda: torch.ops.quasar.native_hadamard_rows.default(x, module._signs, r.blocks, r.pow2, r.scale))
+    n = len(rotated)
+    return {"calls": n, "op_us": op * n, "direct_us": direct * n, "native_us": None if twin is None else twin * n}
 
 
 def _norm_costs(model: torch.nn.Module, rows: int) -> dict:
     """Compiled, every norm is one `quasar::rms_norm` call (a Python formula of torch ops)."""
     norms = [m for m in model.modules() if isinstance(m, (RowStableRMSNorm, FoldedRMSNorm)) and m.formula is not None]
     if not norms:
-        return {"calls": 0, "op_us": 0.0, "direct_us": None}
+        return {"calls": 0, "op_us": 0.0, "direct_us": None, "native_us": None}
     norm = norms[0]
     x = torch.randn(1, rows, norm.weight.shape[0], dtype=model.dtype)
     op = _us(lambda: torch.ops.quasar.rms_norm.default(x, norm.weight, *norm.formula))
-    return {"calls": len(norms), "op_us": op * len(norms), "direct_us": None}
+    twin = _native(lambda: torch.ops.quasar.native_rms_norm.default(x, norm.weight, *norm.formula))
+    n = len(norms)
+    return {"calls": n, "op_us": op * n, "direct_us": None, "native_us": None if twin is None else twin * n}
 
 
 def _attention_costs(model: torch.nn.Module, rows: int, context: int) -> dict:
@@ -86,8 +106,9 @@ def _attention_costs(model: torch.nn.Module, rows: int, context: int) -> dict:
     scale = head_dim**-0.5
     op = _us(lambda: torch.ops.quasar.rowstable_attention_cpu.default(q, k, k, visible, scale), 100)
     direct = _us(lambda: attention_cpu._rowstable_attention(q, k, k, visible, scale), 100)
-    layers = c.num_hidden_layers
-    return {"calls": layers, "op_us": op * layers, "direct_us": direct * layers}
+    twin = _native(lambda: torch.ops.quasar.native_rowstable_attention.default(q, k, k, visible, scale), 100)
+    n = c.num_hidden_layers
+    return {"calls": n, "op_us": op * n, "direct_us": direct * n, "native_us": None if twin is None else twin * n}
 
 
 def _lm_head_costs(model: torch.nn.Module, rows: int) -> dict:
@@ -97,11 +118,12 @@ def _lm_head_costs(model: torch.nn.Module, rows: int) -> dict:
 
     head = model.get_output_embeddings()
     if not isinstance(head, RowStableLinear) or not rowstable_linear.is_available():
-        return {"calls": 0, "op_us": 0.0, "direct_us": 0.0}
+        return {"calls": 0, "op_us": 0.0, "direct_us": 0.0, "native_us": None}
     x = torch.randn(1, rows, head.in_features, dtype=model.dtype)
     op = _us(lambda: torch.ops.quasar.rowstable_linear.default(x, head.weight, head.bias), 10)
     direct = _us(lambda: rowstable_linear.rowstable_linear(x, head.weight, head.bias), 10)
-    return {"calls": 1, "op_us": op, "direct_us": direct}
+    twin = _native(lambda: torch.ops.quasar.native_rowstable_linear.default(x, head.weight, head.bias), 10)
+    return {"calls": 1, "op_us": op, "direct_us": direct, "native_us": twin}
 
 
 def op_overhead(model: torch.nn.Module, context: int, rows_list: tuple[int, ...] = (1, 6)) -> dict:
@@ -117,10 +139,12 @@ def op_overhead(model: torch.nn.Module, context: int, rows_list: tuple[int, ...]
                 "rowstable_linear (lm_head)": _lm_head_costs(model, rows),
             }
             extra = sum(k["op_us"] - k["direct_us"] for k in kinds.values() if k["direct_us"] is not None)
+            twins = [k["native_us"] for k in kinds.values() if k["calls"]]
             out[str(rows)] = {
                 "kinds": kinds,
                 "ops_ms": sum(k["op_us"] for k in kinds.values()) / 1e3,
                 "dispatch_and_python_ms": extra / 1e3,
+                "native_ops_ms": None if None in twins else sum(twins) / 1e3,
             }
     return out
 
@@ -137,8 +161,13 @@ def markdown(result: dict) -> list[str]:
         for name, k in entry["kinds"].items():
             direct = None if k["direct_us"] is None else k["direct_us"] / 1e3
             extra = None if k["direct_us"] is None else (k["op_us"] - k["direct_us"]) / 1e3
-            rows.append([tokens, name, k["calls"], k["op_us"] / 1e3, direct, extra])
-        rows.append([tokens, "all ops", "", entry["ops_ms"], None, entry["dispatch_and_python_ms"]])
-    header = ["tokens", "op", "calls / step", "op ms / step", "direct ms / step", "dispatch + Python ms / step"]
+            twin = None if k.get("native_us") is None else k["native_us"] / 1e3
+            rows.append([tokens, name, k["calls"], k["op_us"] / 1e3, direct, extra, twin])
+        total = [tokens, "all ops", "", entry["ops_ms"], None, entry["dispatch_and_python_ms"], entry.get("native_ops_ms")]
+        rows.append(total)
+    header = [
+        "tokens", "op", "calls / step", "Python op ms / step", "direct ms / step", "dispatch + Python ms / step",
+        "native op ms / step (what a compiled CPU step calls)",
+    ]  # fmt: skip
     lines += _table(header, rows)
     return lines

@@ -15,7 +15,7 @@ import torch._dynamo
 from transformers import AutoModelForCausalLM, CompileConfig
 
 from quasar_hf import QuasarConfig, speculative_generate
-from quasar_hf.ops import attention_cpu, rowstable_linear
+from quasar_hf.ops import attention_cpu, native, rowstable_linear
 from quasar_hf.ops.rowstable_attention import _visible_keys
 from quasar_hf.speculative import static_cache
 from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
@@ -251,7 +251,11 @@ def test_compiled_steps_measurement_reports_a_checkpoint(tmp_path):
     assert all(row["static_compiled_ms"] > 0 for row in report["steps"].values())
     linears = report["op_overhead"]["6"]["kinds"]["w8a8_linear"]  # tiny llama: 2 layers x 7 linears
     assert linears["calls"] == 14 and linears["op_us"] > 0 and linears["direct_us"] > 0
+    if native.is_available():  # what a compiled CPU step calls instead: the C++-registered twins
+        assert linears["native_us"] > 0 and report["op_overhead"]["6"]["native_ops_ms"] > 0
     assert "| static compiled ms |" in open(paths[1]).read()
+    with pytest.raises(SystemExit, match="no such file"):  # llama.cpp's steps need a GGUF that exists
+        compiled_steps.main([*argv, "--gguf", str(tmp_path / "missing.gguf"), "--out", str(tmp_path), "--name", "x"])
 
 
 @needs_kernels
