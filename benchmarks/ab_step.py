@@ -3,8 +3,9 @@ saved checkpoint (or B on a second one, `--quantized-b`: two quantization option
 so a change is measured as a ratio on a shared, noisy machine. Two worker
 processes (one per tree) load the checkpoint once, then take turns: each batch times 1- and 6-token
 forwards over a 300-token cache (RowAlignedCache, as the speculative loop runs them) with all
-threads and with one. Writes JSON (every batch, the environment) and a table of per-row medians
-and minima.
+threads and with one. With `--compiled` the workers time the compiled steps instead (a static KV cache
+and `quasar={"compile": True}`'s compile config, both shapes compiled before the first batch). Writes
+JSON (every batch, the environment) and a table of per-row medians and minima.
 
     python -m benchmarks ab-step --a /path/to/before --b . --quantized DIR [--rounds 8] [--steps 20]
         --out benchmarks/NAME.json
@@ -30,11 +31,23 @@ from transformers import AutoModelForCausalLM
 import quasar_hf
 from quasar_hf.speculative.kv_state import RowAlignedCache
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
-steps, vocab = int(sys.argv[2]), model.config.vocab_size
-state = RowAlignedCache(model, 1, torch.device("cpu"))
+steps, vocab, compiled = int(sys.argv[2]), model.config.vocab_size, sys.argv[3] == "compiled"
+cpu = torch.device("cpu")
+if compiled:
+    from quasar_hf.ops.graph_passes import compile_config
+    from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
+    state = StaticVerifierCache(model, 1, cpu, static_cache_slots(307), step=model.get_compiled_call(compile_config(cpu)))
+else:
+    state = RowAlignedCache(model, 1, cpu)
 threads = torch.get_num_threads()
 with torch.no_grad():
     state.forward(torch.randint(0, vocab, (1, 300)))
+    for count in sorted({threads, 1}, reverse=True) if compiled else ():  # compile every graph before timing
+        torch.set_num_threads(count)
+        for tokens in (1, 6):
+            state.forward(torch.randint(0, vocab, (1, tokens)))
+            state.keep_accepted(torch.tensor([0]), tokens)
+    torch.set_num_threads(threads)
     print(json.dumps({"ready": True, "torch": torch.__version__}), flush=True)
     for line in sys.stdin:
         rows = {}
@@ -52,11 +65,12 @@ with torch.no_grad():
 """
 
 
-def start_worker(tree: Path, quantized: str, steps: int) -> tuple[subprocess.Popen, dict]:
-    """A worker process with `tree` first on the import path, once its model is loaded."""
+def start_worker(tree: Path, quantized: str, steps: int, compiled: bool = False) -> tuple[subprocess.Popen, dict]:
+    """A worker process with `tree` first on the import path, once its model is loaded (and, with
+    `compiled`, its steps compiled)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     worker = subprocess.Popen(
-        [sys.executable, "-c", WORKER, quantized, str(steps)],
+        [sys.executable, "-c", WORKER, quantized, str(steps), "compiled" if compiled else "eager"],
         env=env,
         cwd=tree,
         stdin=subprocess.PIPE,
@@ -91,7 +105,7 @@ def to_markdown(report: dict) -> str:
     b_model = report.get("quantized_b", report["quantized"])
     models = Path(report["quantized"]).name + ("" if b_model == report["quantized"] else f" vs {Path(b_model).name}")
     lines = [
-        f"# Decode and verify steps, A and B side by side ({models})",
+        f"# {'Compiled d' if report.get('compiled') else 'D'}ecode and verify steps, A and B side by side ({models})",
         "",
         f"Command: `{report['command']}`. A = `{a['commit']}` on `{Path(report['quantized']).name}`, B = `{b['commit']}` "
         f"on `{Path(b_model).name}`; {report['rounds']} rounds "
@@ -131,12 +145,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quantized-b", default=None, help="a second checkpoint for B (default: --quantized)")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--compiled", action="store_true", help="time the compiled static-cache steps, not eager ones")
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
     trees = {"a": args.a.resolve(), "b": args.b.resolve()}
     runs: dict[str, list[dict]] = {"a": [], "b": []}
     models = {"a": args.quantized, "b": args.quantized_b or args.quantized}
-    workers = {name: start_worker(tree, models[name], args.steps) for name, tree in trees.items()}
+    workers = {name: start_worker(tree, models[name], args.steps, args.compiled) for name, tree in trees.items()}
     for _ in range(args.rounds):
         for name, (worker, _) in workers.items():  # A, B, A, B, ...: one batch each in turn
             runs[name].append(batch(worker))
@@ -155,6 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "rounds": args.rounds,
         "steps": args.steps,
+        "compiled": args.compiled,
         **{
             name: {"tree": str(trees[name]), "commit": git_commit(trees[name]), "runs": r, "summary": summarize(r)}
             for name, r in runs.items()
