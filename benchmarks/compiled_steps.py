@@ -10,7 +10,8 @@ bytes over the read bandwidth measured in the same process. The first compiled c
 shape is timed apart (compile time; Inductor's on-disk cache makes a second process faster).
 
 With `--gguf FILE` (a Q8_0 GGUF of the same checkpoint; needs llama-cpp-python), llama.cpp's forward of
-the same 1 and 6 tokens over its own 300-token cache runs in the same rounds, beside the others.
+the same 1 and 6 tokens over its own 300-token cache runs in the same rounds, beside the others, and
+its plain greedy decoding of the same prompts end to end.
 
 End to end: `--prompts` grounded prompts, `--new-tokens` each: plain greedy eager (generate),
 quasar eager, compiled plain (the loop with num_draft_tokens=0: every step the compiled decode)
@@ -161,8 +162,10 @@ def pass_variants(model, compile_config) -> dict:
     return {"compiled_python_ops": compiled(FoldNormsIntoW8A8Linears(native=False)), "compiled_no_pass": compiled(None)}
 
 
-def end_to_end(model, tokenizer, prompts: int, new_tokens: int, compile_config) -> dict:
-    """Tokens/s of four ways to decode the same grounded prompts, and compiled exactness."""
+def end_to_end(model, tokenizer, prompts: int, new_tokens: int, compile_config, gguf: str | None = None) -> dict:
+    """Tokens/s of four ways to decode the same grounded prompts (five with `gguf`: llama.cpp's plain
+    greedy decoding of its Q8_0 model, which has its own rounding, so its tokens are not expected to
+    equal ours), and compiled exactness."""
     from quasar_hf.bench.suites import load_suite, render_prompt
 
     items = load_suite("grounded")[:prompts]
@@ -183,12 +186,25 @@ def end_to_end(model, tokenizer, prompts: int, new_tokens: int, compile_config) 
             warmed.add(size)
             for name in ("quasar_compiled", "plain_compiled"):
                 model.generate(ids, max_new_tokens=new_tokens, do_sample=False, quasar=modes[name])
-    results = {name: {"seconds": 0.0, "new_tokens": 0, "verify_steps": 0, "forward_s": 0.0, "loop_s": 0.0} for name in modes}
-    outputs = {name: [] for name in modes}
+    llamacpp = {}
+    if gguf:
+        from quasar_hf.bench.llamacpp_peer import build_llamacpp_variants
+
+        eos = model.generation_config.eos_token_id
+        stop_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        llamacpp = build_llamacpp_variants(["llamacpp_q8_0"], gguf, stop_ids)
+        llamacpp["llamacpp_q8_0"](ids_list[0], 4)  # load and warm
+    names = [*modes, *llamacpp]
+    results = {name: {"seconds": 0.0, "new_tokens": 0, "verify_steps": 0, "forward_s": 0.0, "loop_s": 0.0} for name in names}
+    outputs = {name: [] for name in names}
     for ids in ids_list:
-        for name, quasar in modes.items():
+        for name in names:
+            quasar = modes.get(name)
             began = time.perf_counter()
-            if quasar is None:
+            if name in llamacpp:
+                tokens, _ = llamacpp[name](ids, new_tokens)
+                out, stats = torch.cat([ids, torch.tensor([tokens], dtype=ids.dtype)], dim=1), None
+            elif quasar is None:
                 out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
                 stats = None
             else:
@@ -212,6 +228,8 @@ def end_to_end(model, tokenizer, prompts: int, new_tokens: int, compile_config) 
         "quasar_eager_equals_plain_eager": same("quasar_eager", "plain_eager"),
         "compiled_equals_eager": same("plain_compiled", "plain_eager"),
     }
+    if llamacpp:  # another model (Q8_0 weights, float activations): for information
+        exact["llamacpp_q8_0_equals_plain_eager"] = same("llamacpp_q8_0", "plain_eager")
     return {"prompts": len(ids_list), "max_new_tokens": new_tokens, "modes": results, "exact": exact}
 
 
@@ -329,7 +347,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         e2e = None
         if args.prompts:
             tokenizer = AutoTokenizer.from_pretrained(args.quantized)
-            e2e = end_to_end(model, tokenizer, args.prompts, args.new_tokens, compile_config)
+            e2e = end_to_end(model, tokenizer, args.prompts, args.new_tokens, compile_config, args.gguf)
     result = {
         "command": "python -m benchmarks compiled-steps " + " ".join(sys.argv[2:] if argv is None else argv),
         "model": os.path.basename(os.path.normpath(args.quantized)),
