@@ -62,13 +62,13 @@ def _kernel_libraries() -> tuple[tuple[str, ...], str | None]:
     if not cpu_fused.is_available():
         return (), f"the fused W8A8 kernel is unavailable: {cpu_fused.unavailable_reason()}"
     paths = [cpu_fused._library().lib.path]
-    for module, what in (
-        (attention_cpu, "row-stable attention"),
-        (rowstable_linear, "row-stable linear"),
-        (rms_norm_cpu, "row-stable RMSNorm"),
-        (hadamard_cpu, "Hadamard rotation"),
+    for library, what in (
+        (attention_cpu._library, "row-stable attention"),
+        (rowstable_linear._library, "row-stable linear"),
+        (rms_norm_cpu._library, "row-stable RMSNorm"),
+        (hadamard_cpu._library, "Hadamard rotation"),
     ):
-        fn, reason = module._library()
+        fn, reason = library()
         if fn is None:
             return (), f"the {what} kernel is unavailable: {reason}"
         paths.append(fn.library.path)  # the cached build the Python op calls (c_build.load_checked_entry)
