@@ -11,6 +11,7 @@ from quasar_hf.nn.prepared_module import PreparedModule
 from quasar_hf.ops.dispatch import PreparedW8A8, prepare_w8a8, resolve_backend, w8a8_linear
 from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_float64
 from quasar_hf.ops.hadamard_cpu import bind_rotation, rotate_rows
+from quasar_hf.ops.hadamard_cpu import signs as hadamard_signs
 from quasar_hf.ops.reference import quantize_weight_per_channel
 
 
@@ -186,7 +187,7 @@ class RotatedW8A8Linear(W8A8Linear):
         weights, make H_m a tensor a compiled step passes to `quasar::hadamard_rows`."""
         super().prepare()
         self._rotate = bind_rotation(self.rotation)
-        self._signs = self.rotation.odd_signs().contiguous() if self.weight.device.type == "cpu" else None
+        self._signs = hadamard_signs(self.rotation) if self.weight.device.type == "cpu" else None
 
     @classmethod
     def from_weight(

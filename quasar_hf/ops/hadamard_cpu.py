@@ -95,7 +95,8 @@ def rotate_rows(x: torch.Tensor, rotation: HadamardRotation) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _signs(rotation: HadamardRotation) -> torch.Tensor:
+def signs(rotation: HadamardRotation) -> torch.Tensor:
+    """H_m as contiguous fp32 [m, m], built once per rotation and shared (read-only) by every caller."""
     return rotation.odd_signs().contiguous()
 
 
@@ -106,8 +107,8 @@ def bind_rotation(rotation: HadamardRotation) -> Callable[[torch.Tensor], torch.
     if fn is None:
         return functools.partial(rotate_rows, rotation=rotation)
     k, blocks, m, n, scale = rotation.size, rotation.blocks, rotation.odd_order, rotation.pow2, rotation.scale
-    signs = _signs(rotation)
-    signs_ptr = signs.data_ptr()
+    odd = signs(rotation)
+    signs_ptr = odd.data_ptr()
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         code = _DTYPE_CODES.get(x.dtype)
@@ -123,7 +124,7 @@ def bind_rotation(rotation: HadamardRotation) -> Callable[[torch.Tensor], torch.
                 raise MemoryError(f"the Hadamard kernel could not allocate a scratch row of {k} floats")
         return out
 
-    rotate.signs = signs  # keeps the tensor behind signs_ptr alive with the closure
+    rotate.signs = odd  # keeps the tensor behind signs_ptr alive with the closure
     return rotate
 
 
@@ -135,7 +136,7 @@ def _run(fn, x: torch.Tensor, rotation: HadamardRotation) -> torch.Tensor:
     out = torch.empty(rows.shape[0], k, dtype=torch.float32, device="cpu")
     if out.numel():
         threads = max(1, min(torch.get_num_threads(), rows.shape[0] // _MIN_ROWS_PER_THREAD))
-        signs = _signs(rotation)
+        odd = signs(rotation)
         status = fn(
             rows.data_ptr(),
             rows.stride(0),
@@ -145,7 +146,7 @@ def _run(fn, x: torch.Tensor, rotation: HadamardRotation) -> torch.Tensor:
             rotation.blocks,
             rotation.odd_order,
             rotation.pow2,
-            signs.data_ptr(),
+            odd.data_ptr(),
             rotation.scale,
             threads,
         )
