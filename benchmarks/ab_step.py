@@ -36,7 +36,10 @@ cpu = torch.device("cpu")
 if compiled:
     from quasar_hf.ops.graph_passes import compile_config
     from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
-    state = StaticVerifierCache(model, 1, cpu, static_cache_slots(307), step=model.get_compiled_call(compile_config(cpu)))
+    from quasar_hf import compat
+    make_step = getattr(compat, "compiled_step", None)  # a tree that has it compiles steps through it
+    step = make_step(model, compile_config(cpu)) if make_step else model.get_compiled_call(compile_config(cpu))
+    state = StaticVerifierCache(model, 1, cpu, static_cache_slots(307), step=step)
 else:
     state = RowAlignedCache(model, 1, cpu)
 threads = torch.get_num_threads()

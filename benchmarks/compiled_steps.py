@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
 import quasar_hf  # noqa: F401
 from benchmarks.op_overhead import markdown as op_overhead_markdown
 from benchmarks.op_overhead import op_overhead
+from quasar_hf import compat
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.ops.graph_passes import compile_config as compile_config_for
 from quasar_hf.speculative.config import DEFAULT_NUM_DRAFT_TOKENS
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     compile_config = compile_config_for(torch.device("cpu"))
     if args.backend != "inductor":
         compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=args.backend)
-    compiled_step = model.get_compiled_call(compile_config)
+    compiled_step = compat.compiled_step(model, compile_config)
     variants = pass_variants(model, compile_config) if args.compare_passes else {}
     if variants:  # every variant compiles its own graphs (one per step shape and thread count) on one code object
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * (len(variants) + 1))

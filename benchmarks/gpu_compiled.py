@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from quasar_hf import compat
 from quasar_hf.bench.timing import median_time, sync, timed
 from quasar_hf.ops.graph_passes import compile_config
 from quasar_hf.ops.rowstable_attention import ROWSTABLE_KWARG
@@ -44,7 +45,7 @@ def compiled_steps(model: torch.nn.Module, device: str, tiny: bool, weight_bytes
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (1, size["context"]), generator=generator).to(device)
-    step = model.get_compiled_call(compile_config(torch.device(device)))
+    step = compat.compiled_step(model, compile_config(torch.device(device)))
     verify_kwargs = {ROWSTABLE_KWARG: True}  # what the loop passes: the end-to-end run reuses these graphs
     states = {
         "eager": StaticVerifierCache(model, 1, torch.device(device), size["slots"], None, verify_kwargs),

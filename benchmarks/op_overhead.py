@@ -75,9 +75,10 @@ def _rotation_costs(model: torch.nn.Module, rows: int) -> dict:
     module = rotated[0]
     x = torch.randn(1, rows, module.in_features, dtype=model.dtype)
     r = module.rotation
-    op = _us(lambda: torch.ops.quasar.hadamard_rows.default(x, module._signs, r.blocks, r.odd_order, r.pow2))
+    signs = module._rotation_op_args[0]  # what a traced forward passes the op (RotatedW8A8Linear.prepare)
+    op = _us(lambda: torch.ops.quasar.hadamard_rows.default(x, signs, r.blocks, r.odd_order, r.pow2))
     direct = _us(lambda: module._rotate(x))
-    twin = _native(lambda: torch.ops.quasar.native_hadamard_rows.default(x, module._signs, r.blocks, r.pow2, r.scale))
+    twin = _native(lambda: torch.ops.quasar.native_hadamard_rows.default(x, signs, r.blocks, r.pow2, r.scale))
     n = len(rotated)
     return {"calls": n, "op_us": op * n, "direct_us": direct * n, "native_us": None if twin is None else twin * n}
 

@@ -276,3 +276,54 @@ def test_compiled_quasar_equals_transformers_compiled_static_generate(tmp_path):
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "generate compiled its decode step"
             assert torch.equal(model.generate(prompt, quasar={"compile": True}, **kwargs), plain), f"seed {seed}"
     torch._dynamo.reset()
+
+
+def _tag_safe_roots(guard_manager) -> list[str]:
+    """Sources of the modules whose guards Dynamo skips while their dicts' version tags are unchanged."""
+    roots, stack = [], [guard_manager.root]
+    while stack:
+        node = stack.pop()
+        if node.is_tag_safe_root():
+            roots.append(node.get_source())
+            continue
+        stack.extend(node.get_child_managers())
+        if hasattr(node, "get_key_value_managers"):  # a dict's entries (e.g. a module's _modules)
+            stack.extend(m for pair in node.get_key_value_managers().values() for m in pair if m is not None)
+    return roots
+
+
+def _module_source(name: str) -> str:
+    """How Dynamo's guards name submodule `name` of the compiled model (its first argument)."""
+    return "L['args'][0]" + "".join(f"._modules['{part}']" for part in name.split("."))
+
+
+@needs_kernels
+def test_a_compiled_step_checks_quantized_modules_by_dict_tags_and_still_sees_a_change(tmp_path):
+    """compat.compiled_step: every W8A8Linear lies under a tag-safe root (its ~5 guards per tensor are
+    skipped while its dicts are unchanged), and a module changed after compiling is still seen: a bias
+    added to one linear recompiles the step, whose logits then follow the new bias."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from quasar_hf import compat
+    from quasar_hf.nn import W8A8Linear
+
+    model = quasar_model(tmp_path, "llama", torch.float32)
+    torch._dynamo.reset()
+    step = compat.compiled_step(model, AOT_EAGER)
+    ids = repeating_prompt(0)
+    with torch.no_grad():
+        before = step(input_ids=ids, use_cache=False).logits
+        entries = _debug_get_cache_entry_list(type(model).forward.__code__)
+        assert len(entries) == 1, "the compiled frame is the model's forward"
+        roots = _tag_safe_roots(entries[0].guard_manager)
+        linears = [_module_source(name) for name, module in model.named_modules() if isinstance(module, W8A8Linear)]
+        assert linears and all(any(source.startswith(root) for root in roots) for source in linears), roots
+        linear = model.model.layers[1].self_attn.o_proj
+        del linear.bias
+        linear.register_buffer("bias", torch.full((linear.out_features,), 0.5))
+        linear.prepare()
+        after = step(input_ids=ids, use_cache=False).logits
+        eager = model(input_ids=ids, use_cache=False).logits
+    torch._dynamo.reset()
+    assert (after - before).abs().max() > 1e-3
+    torch.testing.assert_close(after, eager)

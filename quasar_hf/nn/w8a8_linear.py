@@ -32,7 +32,7 @@ class W8A8Linear(PreparedModule):
     norm computed for it (nn/folded_norm.py).
     """
 
-    derived = ("_prepared",)
+    derived = ("_prepared", "_op_layout")
 
     def __init__(
         self,
@@ -59,6 +59,7 @@ class W8A8Linear(PreparedModule):
         else:
             self.act_prescale = None
         self._prepared: PreparedW8A8 | None = None  # None: not prepared yet, every call dispatches unbound
+        self._op_layout: tuple[str, tuple[torch.Tensor, ...]] | None = None  # what a traced forward reads (prepare)
         self.fed_by: tuple[nn.Module, ...] = ()  # the FoldedRMSNorm whose output this linear reads, if any
 
     @property
@@ -131,19 +132,18 @@ class W8A8Linear(PreparedModule):
     def prepare(self) -> None:
         """Validate and pack the buffers and bind the kernel once (and rebind the folded norm feeding
         this linear). Needed after an in-place edit of `weight`, `weight_scale`, `bias` or `act_prescale`."""
-        self._prepared = None  # release the old packed weight first
+        self._prepared = self._op_layout = None  # release the old packed weight first
         if self.weight.device.type != "meta":  # offloaded or not yet loaded: run unprepared
             self._prepared = prepare_w8a8(self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
+            self._op_layout = (self._prepared.backend, self._prepared.packed_tensors)
         for norm in self.fed_by:
             if "_parameters" in norm.__dict__:  # a norm still being rebuilt (copy, unpickle) binds itself
                 norm.prepare()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        prepared = self._prepared
         if torch.compiler.is_compiling():  # traced: one `quasar::w8a8_linear` op (ops/torch_ops.py)
-            packed = list(prepared.packed_tensors) if prepared is not None else []
-            backend = prepared.backend if prepared is not None else resolve_backend(self.backend, self.weight.device)
-            return torch.ops.quasar.w8a8_linear(x, self.weight, self.weight_scale, self.bias, self.act_prescale, packed, backend)
+            return self._traced_forward(x)
+        prepared = self._prepared
         if type(x) is FoldedNormOutput:
             y = x.output_of(self)
             if y is not None:
@@ -151,6 +151,16 @@ class W8A8Linear(PreparedModule):
         if prepared is None:  # weights offloaded by accelerate (loaded around this call): unprepared
             return w8a8_linear(x, self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
         return prepared.linear(x)
+
+    def _traced_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The op a compiled step records. It reads only tensors, tuples and strings of this module (the
+        `_op_layout` tuple, not the PreparedW8A8 object), so Dynamo can skip this module's guards while
+        its dicts are unchanged (compat.compile_step: recursive dict tags)."""
+        layout = self._op_layout
+        backend, packed = layout if layout is not None else (resolve_backend(self.backend, self.weight.device), ())
+        return torch.ops.quasar.w8a8_linear(
+            x, self.weight, self.weight_scale, self.bias, self.act_prescale, list(packed), backend
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -178,16 +188,22 @@ class RotatedW8A8Linear(W8A8Linear):
         super().__init__(in_features, out_features, bias=bias, **kwargs)
         self.rotation = HadamardRotation.for_size(in_features)
         self._rotate = None  # bound by prepare(): the kernel with its constants looked up once
-        self._signs = None  # prepare() on CPU: H_m, an input of compiled steps (ops/native.py's twin reads it)
+        # prepare(): (H_m or None, blocks, odd_order, pow2), what `quasar::hadamard_rows` takes in a traced
+        # forward; H_m is a tensor on CPU (ops/native.py's twin reads it), None elsewhere.
+        self._rotation_op_args: tuple[torch.Tensor | None, int, int, int] | None = None
 
-    derived = ("_prepared", "_rotate", "_signs")
+    derived = ("_prepared", "_op_layout", "_rotate", "_rotation_op_args")
 
     def prepare(self) -> None:
         """Prepare the int8 linear (W8A8Linear.prepare), bind the rotation kernel and, for CPU
         weights, make H_m a tensor a compiled step passes to `quasar::hadamard_rows`."""
         super().prepare()
         self._rotate = bind_rotation(self.rotation)
-        self._signs = hadamard_signs(self.rotation) if self.weight.device.type == "cpu" else None
+        r = self.rotation
+        # A copy per module: a tensor shared by 30 modules gets an aliasing guard, which makes Dynamo
+        # check each module's guards in full at every call instead of comparing its dict tags.
+        signs = hadamard_signs(r).clone() if self.weight.device.type == "cpu" else None
+        self._rotation_op_args = (signs, r.blocks, r.odd_order, r.pow2)
 
     @classmethod
     def from_weight(
@@ -205,9 +221,13 @@ class RotatedW8A8Linear(W8A8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out] in x.dtype
         if torch.compiler.is_compiling():
-            r = self.rotation
-            rotated = torch.ops.quasar.hadamard_rows(x, self._signs, r.blocks, r.odd_order, r.pow2)
-        elif self._rotate is not None:
+            args = self._rotation_op_args
+            if args is None:  # not prepared (offloaded weights)
+                r = self.rotation
+                args = (None, r.blocks, r.odd_order, r.pow2)
+            rotated = torch.ops.quasar.hadamard_rows(x, *args)
+            return self._traced_forward(rotated).to(x.dtype)  # not super(): that would guard on the class's MRO
+        if self._rotate is not None:
             rotated = self._rotate(x)  # fp32 [..., in]
         else:
             rotated = rotate_rows(x, self.rotation)

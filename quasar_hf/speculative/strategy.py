@@ -116,8 +116,8 @@ def verifier_cache(
     model: torch.nn.Module, prepared: PreparedGeneration, config: QuasarGenerationConfig, verify_kwargs: dict
 ) -> tuple[StaticVerifierCache | None, int | None]:
     """The static verifier cache and the padded draft width when the config asks for one, else (None, None):
-    the loop then keeps a RowAlignedCache. With compile, steps run `model.get_compiled_call` with the
-    CompileConfig given (quasar's, else generate's `compile_config`, else `ops.graph_passes.compile_config`):
+    the loop then keeps a RowAlignedCache. With compile, steps run `model.get_compiled_call` (through
+    `compat.compiled_step`, which builds its guards on dict tags) with the CompileConfig given (quasar's, else generate's `compile_config`, else `ops.graph_passes.compile_config`):
     the callable plain compiled `generate` runs too, kept on the model, so calls with the same settings
     share its graphs."""
     if config.cache_implementation != "static":
@@ -131,7 +131,7 @@ def verifier_cache(
             from quasar_hf.ops.graph_passes import compile_config as quasar_compile_config  # imports Inductor
 
             compile_config = quasar_compile_config(prepared.input_ids.device)
-        step = model.get_compiled_call(compile_config)
+        step = compat.compiled_step(model, compile_config)
     batch_size, device = prepared.input_ids.shape[0], prepared.input_ids.device
     slots = static_cache_slots(prepared.max_length + width + 1)
     cache = StaticVerifierCache(model, batch_size, device, slots, step, verify_kwargs)
