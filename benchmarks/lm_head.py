@@ -6,7 +6,10 @@ call reads its weight from memory as a decode or verify step does. Each build is
 bit against `rowstable_linear_reference` first. The floor is the weight's bytes at the measured
 read bandwidth.
 
-    python -m benchmarks lm-head --name lm_head_kernels_xeon --baseline BEFORE.c --name lm_head_kernels_cpu
+    python -m benchmarks lm-head --baseline BEFORE.c [BEFORE_AVX2.c ...] --name lm_head_kernels_cpu
+
+A baseline is another C source of the same entry point (say a kernel before a change), built for
+AVX-512 when it uses AVX-512 intrinsics (and this CPU has them), else for AVX2.
 """
 
 from __future__ import annotations
@@ -37,15 +40,24 @@ SHAPES = [
 WORKING_SET = 768 * 2**20  # bytes of weight copies cycled: above the 300 MiB L3 seen on this project's Xeons
 
 
-def _builds(baseline: str | None) -> dict[str, object]:
-    """name -> entry point of every build this CPU runs (and of `baseline`, an AVX2 source file of
-    the same entry point, say the kernel before a change), each checked against the oracle."""
+def _uses_avx512(path: str) -> bool:
+    """True for a C source written with AVX-512 intrinsics (built like the AVX-512 variant)."""
+    with open(path) as source:
+        return "_mm512" in source.read()
+
+
+def _builds(baselines: list[str] | None) -> dict[str, object]:
+    """name -> entry point of every build this CPU runs (and of each of `baselines`, C sources of the
+    same entry point, say the kernels before a change), each checked against the oracle."""
     builds = {}
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(7, 100, generator=gen).bfloat16(), torch.randn(37, 100, generator=gen).bfloat16()
     sources = [(source, flags) for source, flags, required in VARIANTS if not missing_cpu_flags(required)]
-    if baseline:
-        sources.append((os.path.abspath(baseline), ("-mavx2", "-mfma", f"-I{CSRC}")))
+    for baseline in baselines or ():
+        wide = _uses_avx512(baseline)
+        if wide and missing_cpu_flags(VARIANTS[0][2]):
+            continue  # an AVX-512 baseline on a CPU without AVX-512
+        sources.append((os.path.abspath(baseline), (*(VARIANTS[0][1] if wide else ("-mavx2", "-mfma")), f"-I{CSRC}")))
     for source, flags in sources:
         fn, error = load_variant(source, flags)
         if fn is None:
@@ -60,11 +72,11 @@ def measure(
     shapes: list[tuple[str, int, int]],
     rows: tuple[int, ...],
     samples: int,
-    baseline: str | None = None,
+    baselines: list[str] | None = None,
     working_set: int = WORKING_SET,
 ) -> dict:
     """Median ms per call of each build and of F.linear, per shape and row count."""
-    builds = _builds(baseline)
+    builds = _builds(baselines)
     bandwidth, results = 0.0, []
     for label, n, k in shapes:
         bandwidth = max(bandwidth, measure_read_bandwidth(torch.device("cpu")))  # the best seen: a shared machine drifts
@@ -120,13 +132,14 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 6], help="query rows per call")
     parser.add_argument("--samples", type=int, default=5, help="interleaved samples per variant")
     parser.add_argument("--shapes", nargs="+", default=None, help="labels of SHAPES to run (default all)")
-    parser.add_argument("--baseline", default=None, help="an AVX2 C source of the same entry point to time beside them")
+    parser.add_argument("--baseline", nargs="+", default=None, help="C sources of the same entry point to time beside them")
     args = parser.parse_args(argv)
     shapes = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes]
     if not shapes:
         parser.error(f"--shapes: choose among {[s[0] for s in SHAPES]}")
-    if args.baseline and not os.path.isfile(args.baseline):
-        parser.error(f"--baseline: no such file {args.baseline!r}")
+    missing = [path for path in args.baseline or () if not os.path.isfile(path)]
+    if missing:
+        parser.error(f"--baseline: no such file {missing[0]!r}")
     result = measure(shapes, tuple(args.rows), args.samples, args.baseline)
     result["environment"] = environment()
     command = "python -m benchmarks lm-head " + shlex.join(argv if argv is not None else sys.argv[1:])

@@ -1,18 +1,23 @@
-"""benchmarks/lm_head.py on a tiny shape: every build here plus F.linear (and a baseline build) get a row."""
+"""benchmarks/lm_head.py on a tiny shape: every build here plus F.linear (and baseline builds) get a row."""
 
 import pytest
 
 from benchmarks import lm_head
-from quasar_hf.ops.rowstable_linear import is_available
+from quasar_hf.ops.c_build import missing_cpu_flags
+from quasar_hf.ops.rowstable_linear import VARIANTS, is_available
 
 
 @pytest.mark.skipif(not is_available(), reason="needs the row-stable CPU kernel (x86-64 with AVX2 + FMA or AVX-512)")
 def test_every_build_and_torch_get_a_row_and_a_table(tmp_path):
-    baseline = tmp_path / "baseline_avx2.c"
-    baseline.write_text((lm_head.CSRC / "rowstable_linear_avx2.c").read_text())
-    result = lm_head.measure([("tiny", 70, 40)], (1, 3), samples=1, baseline=str(baseline), working_set=1)
+    baselines = []
+    for name, source in (("baseline_avx2.c", "rowstable_linear_avx2.c"), ("baseline_avx512.c", "rowstable_linear.c")):
+        baselines.append(tmp_path / name)
+        baselines[-1].write_text((lm_head.CSRC / source).read_text())
+    result = lm_head.measure([("tiny", 70, 40)], (1, 3), samples=1, baselines=[str(b) for b in baselines], working_set=1)
     kernels = {r["kernel"] for r in result["results"]}
     assert "F.linear (torch)" in kernels and "baseline_avx2 (baseline)" in kernels and len(kernels) >= 3
+    wide = not missing_cpu_flags(VARIANTS[0][2])  # an AVX-512 baseline is built where AVX-512 runs
+    assert ("baseline_avx512 (baseline)" in kernels) == wide
     assert {r["rows"] for r in result["results"]} == {1, 3}
     assert all(r["ms"] > 0 and r["x_floor"] > 0 for r in result["results"])
     result["environment"] = {}
