@@ -150,6 +150,22 @@ def time_steps(
     return rows, compile_s
 
 
+def guard_check_ms(model, compiled_step, steps: int = 10) -> dict:
+    """Per step shape, ms per compiled call that torch.profiler attributes to Dynamo's guard check
+    ("TorchDynamo Cache Lookup", self time) over `steps` warm steps of a fresh static-cache verifier."""
+    from torch.profiler import ProfilerActivity, profile
+
+    state = verifiers(model, compiled_step)["static_compiled"]
+    vocab, result = model.config.vocab_size, {}
+    for tokens in STEP_TOKENS:
+        run_steps(state, tokens, 2, vocab)  # warm (the graphs are compiled already)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run_steps(state, tokens, steps, vocab)
+        lookup = [e.self_cpu_time_total for e in prof.key_averages() if e.key == "TorchDynamo Cache Lookup"]
+        result[f"{tokens}_tokens"] = sum(lookup) / 1e3 / steps
+    return result
+
+
 def pass_variants(model, compile_config) -> dict:
     """Steps compiled like `compile_config` but with the fold's Python ops, and with no post-grad pass."""
     from quasar_hf.ops.graph_passes import FoldNormsIntoW8A8Linears
@@ -239,7 +255,8 @@ def markdown(result: dict) -> str:
     lines += [
         f"Floor {result['floor_ms']:.2f} ms ({result['floor_bytes'] / 1e6:.1f} MB at {result['read_gbps']:.1f} GB/s read). "
         f"Cache {CACHE_TOKENS} tokens. First compiled call (compile): "
-        + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in result["compile_s"].items()),
+        + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in result["compile_s"].items())
+        + _guard_sentence(result),
         "",
         "| threads | tokens | dynamic eager ms | static eager ms | static compiled ms | compiled x floor | eager / compiled |",
         "|---|---|---|---|---|---|---|",
@@ -293,6 +310,15 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _guard_sentence(result: dict) -> str:
+    """The guard check per compiled call (at all threads), where the report measured it."""
+    guards = result.get("guard_check_ms")
+    if not guards:
+        return ""
+    per_shape = ", ".join(f"{k.replace('_', ' ')} {v:.2f} ms" for k, v in guards.items())
+    return f". Dynamo's guard check per compiled call ({result['guards']}): {per_shape}"
+
+
 def _llamacpp_info(gguf: str, floors: dict) -> dict:
     import importlib.metadata
 
@@ -321,6 +347,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument(
         "--gguf", default=None, help="a Q8_0 GGUF of the same checkpoint: time llama.cpp's steps in the same rounds"
     )
+    parser.add_argument(
+        "--plain-guards", action="store_true", help="compile without compat.compiled_step's dict-tag guards (to compare)"
+    )
     parser.add_argument("--out", default="benchmarks")
     parser.add_argument("--name", required=True)
     args = parser.parse_args(argv)
@@ -338,12 +367,14 @@ def main(argv: list[str] | None = None) -> list[str]:
     compile_config = compile_config_for(torch.device("cpu"))
     if args.backend != "inductor":
         compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=args.backend)
-    compiled_step = compat.compiled_step(model, compile_config)
+    # --plain-guards: Dynamo's default guards (every tensor checked at every call), to compare the guard check
+    compiled_step = model.get_compiled_call(compile_config) if args.plain_guards else compat.compiled_step(model, compile_config)
     variants = pass_variants(model, compile_config) if args.compare_passes else {}
     if variants:  # every variant compiles its own graphs (one per step shape and thread count) on one code object
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * (len(variants) + 1))
     with torch.no_grad():
         steps, compile_s = time_steps(model, compiled_step, args.steps, args.rounds, floors, variants, args.gguf)
+        guards = guard_check_ms(model, compiled_step)
         overhead = op_overhead(model, CACHE_TOKENS)
         e2e = None
         if args.prompts:
@@ -362,6 +393,8 @@ def main(argv: list[str] | None = None) -> list[str]:
         "compile": json.loads(json.dumps(compile_config.to_dict(), default=repr)),
         "variants": list(variants),
         "compile_s": compile_s,
+        "guards": "dynamo default" if args.plain_guards else "recursive dict tags (compat.compiled_step)",
+        "guard_check_ms": guards,
         "steps": steps,
         "op_overhead": overhead,
         "end_to_end": e2e,

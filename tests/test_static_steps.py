@@ -249,6 +249,7 @@ def test_compiled_steps_measurement_reports_a_checkpoint(tmp_path):
     report = json.loads(open(paths[0]).read())
     assert {row["tokens"] for row in report["steps"].values()} == {1, 6} and report["environment"]
     assert all(row["static_compiled_ms"] > 0 for row in report["steps"].values())
+    assert set(report["guard_check_ms"]) == {"1_tokens", "6_tokens"} and report["guards"].startswith("recursive dict tags")
     linears = report["op_overhead"]["6"]["kinds"]["w8a8_linear"]  # tiny llama: 2 layers x 7 linears
     assert linears["calls"] == 14 and linears["op_us"] > 0 and linears["direct_us"] > 0
     if native.is_available():  # what a compiled CPU step calls instead: the C++-registered twins
