@@ -155,7 +155,7 @@ class W8A8Linear(PreparedModule):
     def _traced_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The op a compiled step records. It reads only tensors, tuples and strings of this module (the
         `_op_layout` tuple, not the PreparedW8A8 object), so Dynamo can skip this module's guards while
-        its dicts are unchanged (compat.compile_step: recursive dict tags)."""
+        its dicts are unchanged (compat.compiled_step: recursive dict tags)."""
         layout = self._op_layout
         backend, packed = layout if layout is not None else (resolve_backend(self.backend, self.weight.device), ())
         return torch.ops.quasar.w8a8_linear(

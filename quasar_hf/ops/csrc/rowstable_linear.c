@@ -15,8 +15,8 @@
  * L1), and NB weight rows are in flight at once so the per-lane addition chains overlap. Threads
  * split the output features, so every element is still computed by one thread alone. The NB rows
  * are NB short streams (1-4 KB at lm_head widths), too short for the hardware prefetcher: each step
- * prefetches the same k of the rows PF_ROWS ahead into L2, which took SmolLM2's lm_head from 18 to
- * 30 GB/s on a 2-core AMD EPYC Zen 4 (benchmarks/README.md). A prefetch changes no arithmetic.
+ * prefetches the same k of the rows PF_ROWS ahead into L2, which took SmolLM2's lm_head from 12.7 to
+ * 27.2 GB/s on a 2-core AMD EPYC Zen 4 (benchmarks/README.md). A prefetch changes no arithmetic.
  *
  * dtypes (x, w, bias, out share one): 0 = float32, 1 = bfloat16.
  */
@@ -33,12 +33,7 @@
 #define LANES 16
 #define NB 4 /* weight rows per block */
 #define MB 6 /* query rows per block */
-#ifndef PF_ROWS
-#define PF_ROWS 16 /* weight rows ahead that each chunk step prefetches, into L2 (PF_HINT) */
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T1
-#endif
+#define PF_ROWS 16 /* weight rows ahead that each step prefetches, into L2 */
 
 static inline __m512 load16(const void *base, int dtype, int64_t offset, __mmask16 mask) {
     if (dtype == 0) return _mm512_maskz_loadu_ps(mask, (const float *)base + offset);
@@ -85,7 +80,7 @@ static inline __attribute__((always_inline)) void block(const Problem *P, int64_
     for (int64_t k = 0; k < P->Kp; k += LANES) {
         _Pragma("GCC unroll 8")
         for (int j = 0; j < nb; ++j)  /* a prefetch past the weight's end is harmless: it never faults */
-            _mm_prefetch((const char *)P->w + ((n0 + j) * P->w_stride + k) * elem + ahead, PF_HINT);
+            _mm_prefetch((const char *)P->w + ((n0 + j) * P->w_stride + k) * elem + ahead, _MM_HINT_T1);
         const int64_t left = P->K - k;
         const __mmask16 mask = left >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
         __m512 wv[NB];

@@ -38,12 +38,7 @@
 #define MB 6 /* query rows per register block at most */
 #define L1_X_BYTES (24 * 1024) /* staged x rows one pass keeps in L1 */
 #define L2_W_BYTES (128 * 1024) /* weight rows one chunk keeps in L2 across passes */
-#ifndef PF_ROWS
-#define PF_ROWS 16 /* weight rows ahead that each chunk step prefetches, into L2 (PF_HINT) */
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T1
-#endif
+#define PF_ROWS 16 /* weight rows ahead that each chunk step prefetches, into L2 */
 #define UNROLL _Pragma("GCC unroll 8") /* keep the accumulators in registers */
 
 typedef struct {
@@ -113,7 +108,7 @@ static inline __attribute__((always_inline)) void block_bf16(const Problem *P, i
     int64_t k = 0;
     const int64_t ahead = PF_ROWS * P->w_stride; /* elements */
     for (; k < full; k += LANES) {
-        UNROLL for (int j = 0; j < nb; ++j) _mm_prefetch((const char *)(wr[j] + k + ahead), PF_HINT);
+        UNROLL for (int j = 0; j < nb; ++j) _mm_prefetch((const char *)(wr[j] + k + ahead), _MM_HINT_T1);
         BF16_CHUNK(_mm256_loadu_si256((const __m256i *)(wr[j] + k)))
     }
     if (k < P->Kp) { BF16_CHUNK(load16_bf16_tail(wr[j], k, P->K)) }
@@ -151,7 +146,7 @@ static inline __attribute__((always_inline)) void block_f32(const Problem *P, in
     int64_t k = 0;
     const int64_t ahead = PF_ROWS * P->w_stride; /* elements */
     for (; k < full; k += LANES) {
-        UNROLL for (int j = 0; j < nb; ++j) _mm_prefetch((const char *)(wr[j] + k + ahead), PF_HINT);
+        UNROLL for (int j = 0; j < nb; ++j) _mm_prefetch((const char *)(wr[j] + k + ahead), _MM_HINT_T1);
         F32_CHUNK(_mm256_loadu_ps(wr[j] + k), _mm256_loadu_ps(wr[j] + k + 8))
     }
     if (k < P->Kp) { F32_CHUNK(load8_f32_tail(wr[j], k, P->K), load8_f32_tail(wr[j], k + 8, P->K)) }

@@ -32,12 +32,7 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 #define MB_MAX 6 /* rows per register block */
 #define NB_MAX 4 /* 16-channel blocks per register block */
 #define UNROLL _Pragma("GCC unroll 6") /* keep the MB x NB accumulators in registers */
-#ifndef PF_BYTES
-#define PF_BYTES 1024 /* how far ahead of its loads the micro-kernel prefetches packed weights (> 0) */
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T1
-#endif
+#define PF_BYTES 1024 /* how far ahead of its loads the micro-kernel prefetches packed weights, into L2 */
 
 /* ---- dtype conversion --------------------------------------------------------------------- */
 
@@ -183,7 +178,7 @@ micro_kernel(const gemm_args *g, int64_t m0, int64_t nb0, const int MB, const in
     const uint8_t *a = g->aq + m0 * g->Kp;
     for (int64_t kg = 0; kg < kgroups; ++kg) {
         __m512i wv[NB_MAX];
-        UNROLL for (int j = 0; j < NB; ++j) _mm_prefetch((const char *)(w + j * block_bytes + kg * 64 + PF_BYTES), PF_HINT);
+        UNROLL for (int j = 0; j < NB; ++j) _mm_prefetch((const char *)(w + j * block_bytes + kg * 64 + PF_BYTES), _MM_HINT_T1);
         UNROLL for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * block_bytes + kg * 64);
         UNROLL for (int i = 0; i < MB; ++i) {
             int32_t a4;
