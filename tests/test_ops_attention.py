@@ -83,6 +83,20 @@ def test_masked_keys_change_nothing_and_masks_equal_causal(dtype):
     assert torch.equal(attention_cpu.rowstable_attention(q, k, v, causal), attention_cpu.rowstable_attention(q, k, v))
 
 
+@pytest.mark.parametrize("written", [41, 48, 3])
+def test_a_static_cache_mask_over_unwritten_slots_equals_the_written_keys_alone(written):
+    """What a compiled step passes: causal rows over `written` slots of a 70-slot cache, the rest masked
+    (whole 8-byte mask words of zeros and of ones, and ragged ones): the bits of attention over the
+    written keys with no mask."""
+    q_len = 3
+    q, k, v = qkv((1, 4, 2, q_len, 70, 64), torch.bfloat16, seed=11)
+    visible = torch.zeros(1, q_len, 70, dtype=torch.bool)
+    for i in range(q_len):
+        visible[0, i, : written - q_len + i + 1] = True
+    alone = attention_cpu.rowstable_attention(q, k[:, :, :written], v[:, :, :written])
+    assert torch.equal(attention_cpu.rowstable_attention(q, k, v, visible), alone)
+
+
 def test_thread_count_does_not_change_bits():
     q, k, v = qkv((2, 8, 2, 6, 120, 64), torch.bfloat16, seed=4)
     threads = torch.get_num_threads()

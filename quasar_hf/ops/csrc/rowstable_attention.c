@@ -243,6 +243,26 @@ static void weighted_sum(float *out, const float *p, const int32_t *keys, int64_
     for (int64_t t = 0; t < count; ++t) axpy_row(out, p[t], v, v_base + keys[t] * v_sn, D, dtype);
 }
 
+/* The keys j < end a row sees (mask_row[j] != 0; all of them without a mask), ascending, into keys;
+ * returns how many. The mask is read 8 bytes at a time: a static cache's unwritten slots (hundreds
+ * per row) are skipped a word at a time, and a word of visible keys is taken whole. */
+static int64_t visible_keys(const uint8_t *mask_row, int64_t end, int32_t *keys) {
+    int64_t count = 0, j = 0;
+    if (mask_row) {
+        const uint64_t all = 0x0101010101010101ull; /* 8 visible keys (the mask holds 0 or 1) */
+        for (; j + 8 <= end; j += 8) {
+            uint64_t word;
+            memcpy(&word, mask_row + j, sizeof word);
+            if (word == 0) continue;
+            for (int t = 0; t < 8; ++t)
+                if (word == all || mask_row[j + t]) keys[count++] = (int32_t)(j + t);
+        }
+    }
+    for (; j < end; ++j)
+        if (!mask_row || mask_row[j]) keys[count++] = (int32_t)j;
+    return count;
+}
+
 /* Query row i of head h, batch b, alone. scratch: N scores, N key indices, 2 * D floats. */
 static void attend_row(const Problem *P, int64_t b, int64_t h, int64_t i, float *scratch) {
     const int64_t N = P->N, D = P->D, kvh = h / P->group;
@@ -255,12 +275,8 @@ static void attend_row(const Problem *P, int64_t b, int64_t h, int64_t i, float 
     const uint8_t *mask_row = P->mask ? P->mask + b * P->m_sb + i * P->m_sq : NULL;
     const int64_t end = P->mask ? N : N - P->Q + i + 1; /* bottom-right causal without a mask */
     const int64_t k_base = b * P->k_sb + kvh * P->k_sh, v_base = b * P->v_sb + kvh * P->v_sh;
-    int64_t count = 0;
-    for (int64_t j = 0; j < end; ++j) {
-        if (mask_row && !mask_row[j]) continue;
-        scores[count] = dot_row(qf, P->k, k_base + j * P->k_sn, D, P->dtype) * P->scale;
-        keys[count++] = (int32_t)j;
-    }
+    const int64_t count = visible_keys(mask_row, end, keys);
+    for (int64_t t = 0; t < count; ++t) scores[t] = dot_row(qf, P->k, k_base + keys[t] * P->k_sn, D, P->dtype) * P->scale;
     float inv = 0.0f;
     if (count) {
         inv = 1.0f / softmax_numerators(scores, count);
