@@ -327,4 +327,5 @@ def test_a_compiled_step_checks_quantized_modules_by_dict_tags_and_still_sees_a_
         eager = model(input_ids=ids, use_cache=False).logits
     torch._dynamo.reset()
     assert (after - before).abs().max() > 1e-3
+    assert not torch._dynamo.config.use_recursive_dict_tags_for_guards  # set for the call only, restored after
     torch.testing.assert_close(after, eager)
