@@ -155,7 +155,9 @@ def guard_check_ms(model, compiled_step, steps: int = 10) -> dict:
     ("TorchDynamo Cache Lookup", self time) over `steps` warm steps of a fresh static-cache verifier."""
     from torch.profiler import ProfilerActivity, profile
 
-    state = verifiers(model, compiled_step)["static_compiled"]
+    slots = static_cache_slots(CACHE_TOKENS + max(STEP_TOKENS) + 1)
+    state = StaticVerifierCache(model, 1, torch.device("cpu"), slots, step=compiled_step)
+    state.forward(cache_prompt(model), last_only=True)  # one verifier: the compiled one
     vocab, result = model.config.vocab_size, {}
     for tokens in STEP_TOKENS:
         run_steps(state, tokens, 2, vocab)  # warm (the graphs are compiled already)

@@ -117,7 +117,8 @@ def verifier_cache(
 ) -> tuple[StaticVerifierCache | None, int | None]:
     """The static verifier cache and the padded draft width when the config asks for one, else (None, None):
     the loop then keeps a RowAlignedCache. With compile, steps run `model.get_compiled_call` (through
-    `compat.compiled_step`, which builds its guards on dict tags) with the CompileConfig given (quasar's, else generate's `compile_config`, else `ops.graph_passes.compile_config`):
+    `compat.compiled_step`, which builds its guards on dict tags) with the CompileConfig given
+    (quasar's, else generate's `compile_config`, else `ops.graph_passes.compile_config`):
     the callable plain compiled `generate` runs too, kept on the model, so calls with the same settings
     share its graphs."""
     if config.cache_implementation != "static":
