@@ -16,6 +16,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [
     (1, 9, 3, 1, 40, 64), (1, 9, 3, 6, 300, 64), (2, 4, 2, 5, 37, 20), (1, 2, 2, 3, 3, 72), (3, 6, 1, 17, 50, 16),
     (1, 4, 1, 3, 33, 128), (1, 4, 1, 2, 20, 256),  # Qwen3 and Gemma 3 head sizes
+    (1, 14, 2, 6, 50, 64), (2, 8, 2, 3, 45, 64),  # Qwen2.5 0.5B's 7 heads per kv head (two blocks); batch 2
 ]  # fmt: skip
 
 

@@ -10,6 +10,8 @@
  * So a row's output does not depend on how many other rows are in the call, on keys it may not
  * see (masked or beyond its causal limit are skipped, never added as zeros), nor on the thread
  * count: one-token decode and a (k+1)-token verification give bit-identical rows.
+ * With AVX-512, up to HEADS_MAX query heads of one KV head (GQA) run together: each key and value
+ * row is loaded and widened once for all of them, and each head's arithmetic stays its own.
  *
  * Layouts (strides in elements, head dim contiguous):
  *   q    [B, H, Q, D]       k, v [B, KVH, N, D]   (GQA: head h reads kv head h / (H / KVH))
@@ -263,6 +265,18 @@ static int64_t visible_keys(const uint8_t *mask_row, int64_t end, int32_t *keys)
     return count;
 }
 
+/* out[b, i, h, :] = acc * inv, in the output's dtype. */
+static void store_row(const Problem *P, int64_t b, int64_t h, int64_t i, const float *acc, float inv) {
+    const int64_t D = P->D, out_off = ((b * P->Q + i) * P->H + h) * D;
+    if (P->dtype == 0) {
+        float *o = (float *)P->out + out_off;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
+    } else {
+        uint16_t *o = (uint16_t *)P->out + out_off;
+        for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(acc[d] * inv);
+    }
+}
+
 /* Query row i of head h, batch b, alone. scratch: N scores, N key indices, 2 * D floats. */
 static void attend_row(const Problem *P, int64_t b, int64_t h, int64_t i, float *scratch) {
     const int64_t N = P->N, D = P->D, kvh = h / P->group;
@@ -284,14 +298,89 @@ static void attend_row(const Problem *P, int64_t b, int64_t h, int64_t i, float 
     } else {
         for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
     }
-    const int64_t out_off = ((b * P->Q + i) * P->H + h) * D;
-    if (P->dtype == 0) {
-        float *o = (float *)P->out + out_off;
-        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
-    } else {
-        uint16_t *o = (uint16_t *)P->out + out_off;
-        for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(acc[d] * inv);
+    store_row(P, b, h, i, acc, inv);
+}
+
+#ifdef __AVX512F__
+#define HEADS_MAX 6 /* rows of one kv head computed together: 4 * HEADS_MAX accumulators fit the 32 registers */
+
+/* Heads h0 .. h0 + R - 1 (one kv head's, so the same visible keys) at query row i, batch b, together:
+ * each key and value row is loaded and widened once for the R rows, and each row's arithmetic is
+ * attend_row's operation for operation (the same lanes, tree and key order), so its bits are the same.
+ * D % 64 == 0. R is a constant where this is inlined (attend_heads), so the accumulators stay in
+ * registers. scratch: R * N scores, N key indices, R * D floats. */
+static inline __attribute__((always_inline)) void attend_heads_r(const Problem *P, int64_t b, int64_t h0, int64_t i,
+                                                                 float *scratch, const int R) {
+    const int64_t N = P->N, D = P->D, kvh = h0 / P->group;
+    float *scores = scratch;                       /* [R][N] */
+    int32_t *keys = (int32_t *)(scores + R * N);   /* [N] */
+    float *rows = (float *)(keys + N);             /* [R][D]: the query rows, then their outputs */
+    for (int r = 0; r < R; ++r) {
+        const int64_t q_off = b * P->q_sb + (h0 + r) * P->q_sh + i * P->q_sq;
+        for (int64_t d = 0; d < D; ++d) rows[r * D + d] = element(P->q, q_off, d, P->dtype);
     }
+    const uint8_t *mask_row = P->mask ? P->mask + b * P->m_sb + i * P->m_sq : NULL;
+    const int64_t end = P->mask ? N : N - P->Q + i + 1;
+    const int64_t k_base = b * P->k_sb + kvh * P->k_sh, v_base = b * P->v_sb + kvh * P->v_sh;
+    const int64_t count = visible_keys(mask_row, end, keys);
+    for (int64_t t = 0; t < count; ++t) { /* dot_row for each of the R rows */
+        const int64_t off = k_base + keys[t] * P->k_sn;
+        __m512 acc[HEADS_MAX];
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += LANES) {
+            const __m512 kd = load16(P->k, off + d, P->dtype);
+#pragma GCC unroll 6
+            for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_loadu_ps(rows + r * D + d), kd));
+        }
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) scores[r * N + t] = tree_sum16(acc[r]) * P->scale;
+    }
+    float inv[HEADS_MAX] = {0};
+    for (int r = 0; r < R && count; ++r) inv[r] = 1.0f / softmax_numerators(scores + r * N, count);
+    for (int64_t s = 0; s < D; s += 4 * LANES) { /* weighted_sum_64 over each 64-element slice, R rows at once */
+        __m512 acc[HEADS_MAX][4];
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < count; ++t) {
+            const int64_t off = v_base + keys[t] * P->v_sn + s;
+            for (int c = 0; c < 4; ++c) {
+                const __m512 vc = load16(P->v, off + c * LANES, P->dtype);
+#pragma GCC unroll 6
+                for (int r = 0; r < R; ++r)
+                    acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_set1_ps(scores[r * N + t]), vc));
+            }
+        }
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(rows + r * D + s + c * LANES, acc[r][c]);
+    }
+    for (int r = 0; r < R; ++r) store_row(P, b, h0 + r, i, rows + r * D, inv[r]);
+}
+
+static void attend_heads(const Problem *P, int64_t b, int64_t h0, int R, int64_t i, float *scratch) {
+    switch (R) {
+    case 1: attend_heads_r(P, b, h0, i, scratch, 1); break;
+    case 2: attend_heads_r(P, b, h0, i, scratch, 2); break;
+    case 3: attend_heads_r(P, b, h0, i, scratch, 3); break;
+    case 4: attend_heads_r(P, b, h0, i, scratch, 4); break;
+    case 5: attend_heads_r(P, b, h0, i, scratch, 5); break;
+    default: attend_heads_r(P, b, h0, i, scratch, 6); break;
+    }
+}
+#else
+#define HEADS_MAX 1
+#endif
+
+/* Heads per task: a kv head's `group` query heads see the same keys, so up to HEADS_MAX of them run
+ * together (AVX-512, D % 64 == 0), in blocks of equal size, made smaller while there are fewer than
+ * two tasks per thread. Which rows run together never changes a row's bits. */
+static int heads_per_task(int64_t group, int64_t D, int64_t other_tasks, int n_threads) {
+    if (HEADS_MAX == 1 || D % 64 != 0) return 1;
+    int64_t blocks = (group + HEADS_MAX - 1) / HEADS_MAX;
+    while (blocks < group && other_tasks * blocks < 2 * (int64_t)n_threads) ++blocks;
+    return (int)((group + blocks - 1) / blocks);
 }
 
 int qhf_rowstable_attention(
@@ -304,17 +393,28 @@ int qhf_rowstable_attention(
     if (KVH <= 0 || H % KVH != 0 || N < Q || N > INT32_MAX || (dtype != 0 && dtype != 1)) return 2;
     const Problem P = {q, k, v, mask, q_sb, q_sh, q_sq, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, m_sb, m_sq,
                        H, Q, N, D, H / KVH, scale, dtype, out};
-    const int64_t rows = B * H * Q;
+    const int64_t group = H / KVH;
+    const int per_task = heads_per_task(group, D, B * KVH * Q, n_threads);
+    const int64_t blocks = (group + per_task - 1) / per_task; /* per kv head; the last may be smaller */
+    const int64_t tasks = B * KVH * blocks * Q;
     int failed = 0;
-#pragma omp parallel num_threads(n_threads) if (n_threads > 1 && rows > 1) reduction(| : failed)
+#pragma omp parallel num_threads(n_threads) if (n_threads > 1 && tasks > 1) reduction(| : failed)
     {
-        float *scratch = (float *)malloc((size_t)(2 * N + 2 * D) * sizeof(float));
+        float *scratch = (float *)malloc((size_t)((per_task + 1) * N + 2 * per_task * D) * sizeof(float));
         if (!scratch) failed = 1;
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t task = 0; task < tasks; ++task) {
             if (!scratch) continue;
-            const int64_t i = r % Q, h = (r / Q) % H, b = r / (Q * H);
-            attend_row(&P, b, h, i, scratch);
+            const int64_t i = task % Q, block = (task / Q) % blocks, kvh = (task / (Q * blocks)) % KVH;
+            const int64_t b = task / (Q * blocks * KVH), h0 = kvh * group + block * per_task;
+            const int heads = (int)(group - block * per_task < per_task ? group - block * per_task : per_task);
+#ifdef __AVX512F__
+            if (per_task > 1) {
+                attend_heads(&P, b, h0, heads, i, scratch);
+                continue;
+            }
+#endif
+            attend_row(&P, b, h0, i, scratch);
         }
         free(scratch);
     }
