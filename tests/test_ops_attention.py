@@ -134,6 +134,13 @@ def test_every_build_computes_the_same_bits(build):
         fast = attention_cpu.rowstable_attention(q, k, v, scale=scale, kernel=kernel)
         slow = attention_cpu.rowstable_attention(q, k, v, scale=scale, kernel=portable)
         assert torch.equal(fast.nan_to_num(7.0), slow.nan_to_num(7.0)) and bool(fast[0, 0, 1].isnan().all())
+    # one NaN key among 40 (not the first one a row sees): the max skips it, its e^ makes the rows NaN
+    q, k, v = qkv((1, 6, 2, 2, 40, 64), torch.float32, seed=10)
+    k[0, 1, 21, 3] = float("nan")
+    fast = attention_cpu.rowstable_attention(q, k, v, kernel=kernel)
+    slow = attention_cpu.rowstable_attention(q, k, v, kernel=portable)
+    assert torch.equal(fast.nan_to_num(7.0), slow.nan_to_num(7.0))
+    assert bool(fast[0, :, 3:].isnan().all()) and not bool(fast[0, :, :3].isnan().any())
 
 
 def test_edge_rows_zero_keys_nan_and_noncontiguous_inputs():

@@ -10,7 +10,7 @@
  * So a row's output does not depend on how many other rows are in the call, on keys it may not
  * see (masked or beyond its causal limit are skipped, never added as zeros), nor on the thread
  * count: one-token decode and a (k+1)-token verification give bit-identical rows.
- * With AVX-512, up to HEADS_MAX query heads of one KV head (GQA) run together: each key and value
+ * With AVX2 or AVX-512, up to HEADS_MAX query heads of one KV head (GQA) run together: each key and value
  * row is loaded and widened once for all of them, and each head's arithmetic stays its own.
  *
  * Layouts (strides in elements, head dim contiguous):
@@ -143,11 +143,44 @@ static inline __m256 exp_nonpositive8(__m256 x) {
 }
 #endif
 
+/* max_j s_j as `m = s[j] > m ? s[j] : m` from m = s[0] computes it: NaN scores are passed over unless
+ * s[0] is one. The vector paths keep that rule in every lane (each starts from s[0]) and between lanes;
+ * they can differ from the scalar loop only in which zero they return when the max is +-0, and
+ * s_j - (+0) and s_j - (-0) round alike for every s_j but zeros, whose e^ is 1 either way. */
+static float max_score(const float *s, int64_t count) {
+    float m = s[0];
+    int64_t j = 1;
+#ifdef __AVX512F__
+    if (count > LANES) {
+        __m512 vm = _mm512_set1_ps(m);
+        for (; j + LANES <= count; j += LANES) {
+            const __m512 x = _mm512_loadu_ps(s + j);
+            vm = _mm512_mask_mov_ps(vm, _mm512_cmp_ps_mask(x, vm, _CMP_GT_OQ), x);
+        }
+        float lanes[LANES];
+        _mm512_storeu_ps(lanes, vm);
+        for (int l = 0; l < LANES; ++l) m = lanes[l] > m ? lanes[l] : m;
+    }
+#elif defined(__AVX2__)
+    if (count > 8) {
+        __m256 vm = _mm256_set1_ps(m);
+        for (; j + 8 <= count; j += 8) {
+            const __m256 x = _mm256_loadu_ps(s + j);
+            vm = _mm256_blendv_ps(vm, x, _mm256_cmp_ps(x, vm, _CMP_GT_OQ));
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vm);
+        for (int l = 0; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
+    }
+#endif
+    for (; j < count; ++j) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
 /* p_j = e^(s_j - max) in place; returns sum_j p_j in LANES partial sums (lane = j % LANES) and a
  * fixed tree: depends only on the (compacted) visible scores, never on other rows. */
 static float softmax_numerators(float *s, int64_t count) {
-    float m = s[0];
-    for (int64_t j = 1; j < count; ++j) m = s[j] > m ? s[j] : m;
+    const float m = max_score(s, count);
     float acc[LANES] = {0};
     int64_t j = 0;
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -301,20 +334,113 @@ static void attend_row(const Problem *P, int64_t b, int64_t h, int64_t i, float 
     store_row(P, b, h, i, acc, inv);
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define HEADS_MAX 6 /* query heads of one kv head computed together (their accumulators fit the registers) */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+/* scores[r * N + t] = dot_row(q row r, key t) * scale for R query rows: dot_row's lanes and tree, each
+ * key row loaded and widened once for all R. */
+static ALWAYS_INLINE void dot_rows(float *scores, int64_t N, const float *rows, int64_t D, const void *k, int64_t k_base,
+                                   int64_t k_sn, const int32_t *keys, int64_t count, float scale, int dtype, const int R) {
+    for (int64_t t = 0; t < count; ++t) {
+        const int64_t off = k_base + keys[t] * k_sn;
 #ifdef __AVX512F__
-#define HEADS_MAX 6 /* rows of one kv head computed together: 4 * HEADS_MAX accumulators fit the 32 registers */
+        __m512 acc[HEADS_MAX];
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += LANES) {
+            const __m512 kd = load16(k, off + d, dtype);
+#pragma GCC unroll 6
+            for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_loadu_ps(rows + r * D + d), kd));
+        }
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) scores[r * N + t] = tree_sum16(acc[r]) * scale;
+#else
+        __m256 lo[HEADS_MAX], hi[HEADS_MAX]; /* lanes 0..7 and 8..15, as dot_row's AVX2 path */
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += LANES) {
+            const __m256 k_lo = load8(k, off + d, dtype), k_hi = load8(k, off + d + 8, dtype);
+#pragma GCC unroll 6
+            for (int r = 0; r < R; ++r) {
+                lo[r] = _mm256_add_ps(lo[r], _mm256_mul_ps(_mm256_loadu_ps(rows + r * D + d), k_lo));
+                hi[r] = _mm256_add_ps(hi[r], _mm256_mul_ps(_mm256_loadu_ps(rows + r * D + d + 8), k_hi));
+            }
+        }
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) scores[r * N + t] = tree_sum_halves(lo[r], hi[r]) * scale;
+#endif
+    }
+}
+
+/* out[r * D + d] = sum_t p[r * N + t] * v[keys[t]][d] for R rows (R <= 4 * 64 / SLICE): per element,
+ * products added in t order from 0.0f, as weighted_sum; each value row loaded once for all R. The
+ * elements go in slices of SLICE, whose R * SLICE / VEC accumulators stay in registers. */
+#ifdef __AVX512F__
+#define VEC 16
+#define SLICE 64
+typedef __m512 vec_t;
+#define VEC_ZERO() _mm512_setzero_ps()
+#define VEC_AXPY(acc, p, x) _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(p), x))
+#define VEC_LOAD(base, off, dtype) load16(base, off, dtype)
+#define VEC_STORE(ptr, x) _mm512_storeu_ps(ptr, x)
+#else
+#define VEC 8
+#define SLICE 32
+typedef __m256 vec_t;
+#define VEC_ZERO() _mm256_setzero_ps()
+#define VEC_AXPY(acc, p, x) _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p), x))
+#define VEC_LOAD(base, off, dtype) load8(base, off, dtype)
+#define VEC_STORE(ptr, x) _mm256_storeu_ps(ptr, x)
+#endif
+
+static ALWAYS_INLINE void weighted_sums_block(float *out, int64_t D, const float *p, int64_t N, const void *v, int64_t v_base,
+                                              int64_t v_sn, const int32_t *keys, int64_t count, int dtype, const int R) {
+    for (int64_t s = 0; s < D; s += SLICE) {
+        vec_t acc[HEADS_MAX][SLICE / VEC];
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < SLICE / VEC; ++c) acc[r][c] = VEC_ZERO();
+        for (int64_t t = 0; t < count; ++t) {
+            const int64_t off = v_base + keys[t] * v_sn + s;
+            for (int c = 0; c < SLICE / VEC; ++c) {
+                const vec_t x = VEC_LOAD(v, off + c * VEC, dtype);
+#pragma GCC unroll 6
+                for (int r = 0; r < R; ++r) acc[r][c] = VEC_AXPY(acc[r][c], p[r * N + t], x);
+            }
+        }
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < SLICE / VEC; ++c) VEC_STORE(out + r * D + s + c * VEC, acc[r][c]);
+    }
+}
+
+static ALWAYS_INLINE void weighted_sums(float *out, int64_t D, const float *p, int64_t N, const void *v, int64_t v_base,
+                                        int64_t v_sn, const int32_t *keys, int64_t count, int dtype, const int R) {
+    const int block = VEC == 16 ? 6 : 3; /* AVX2's 16 registers: 3 rows x 4 accumulators */
+    for (int r0 = 0; r0 < R; r0 += block) {
+        const int rows = R - r0 < block ? R - r0 : block;
+        float *o = out + r0 * D;
+        const float *pr = p + r0 * N;
+        if (rows >= 6) weighted_sums_block(o, D, pr, N, v, v_base, v_sn, keys, count, dtype, 6);
+        else if (rows == 5) weighted_sums_block(o, D, pr, N, v, v_base, v_sn, keys, count, dtype, 5);
+        else if (rows == 4) weighted_sums_block(o, D, pr, N, v, v_base, v_sn, keys, count, dtype, 4);
+        else if (rows == 3) weighted_sums_block(o, D, pr, N, v, v_base, v_sn, keys, count, dtype, 3);
+        else if (rows == 2) weighted_sums_block(o, D, pr, N, v, v_base, v_sn, keys, count, dtype, 2);
+        else weighted_sums_block(o, D, pr, N, v, v_base, v_sn, keys, count, dtype, 1);
+    }
+}
 
 /* Heads h0 .. h0 + R - 1 (one kv head's, so the same visible keys) at query row i, batch b, together:
  * each key and value row is loaded and widened once for the R rows, and each row's arithmetic is
  * attend_row's operation for operation (the same lanes, tree and key order), so its bits are the same.
  * D % 64 == 0. R is a constant where this is inlined (attend_heads), so the accumulators stay in
  * registers. scratch: R * N scores, N key indices, R * D floats. */
-static inline __attribute__((always_inline)) void attend_heads_r(const Problem *P, int64_t b, int64_t h0, int64_t i,
-                                                                 float *scratch, const int R) {
+static ALWAYS_INLINE void attend_heads_r(const Problem *P, int64_t b, int64_t h0, int64_t i, float *scratch, const int R) {
     const int64_t N = P->N, D = P->D, kvh = h0 / P->group;
-    float *scores = scratch;                       /* [R][N] */
-    int32_t *keys = (int32_t *)(scores + R * N);   /* [N] */
-    float *rows = (float *)(keys + N);             /* [R][D]: the query rows, then their outputs */
+    float *scores = scratch;                     /* [R][N] */
+    int32_t *keys = (int32_t *)(scores + R * N); /* [N] */
+    float *rows = (float *)(keys + N);           /* [R][D]: the query rows, then their outputs */
     for (int r = 0; r < R; ++r) {
         const int64_t q_off = b * P->q_sb + (h0 + r) * P->q_sh + i * P->q_sq;
         for (int64_t d = 0; d < D; ++d) rows[r * D + d] = element(P->q, q_off, d, P->dtype);
@@ -323,39 +449,10 @@ static inline __attribute__((always_inline)) void attend_heads_r(const Problem *
     const int64_t end = P->mask ? N : N - P->Q + i + 1;
     const int64_t k_base = b * P->k_sb + kvh * P->k_sh, v_base = b * P->v_sb + kvh * P->v_sh;
     const int64_t count = visible_keys(mask_row, end, keys);
-    for (int64_t t = 0; t < count; ++t) { /* dot_row for each of the R rows */
-        const int64_t off = k_base + keys[t] * P->k_sn;
-        __m512 acc[HEADS_MAX];
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += LANES) {
-            const __m512 kd = load16(P->k, off + d, P->dtype);
-#pragma GCC unroll 6
-            for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_loadu_ps(rows + r * D + d), kd));
-        }
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) scores[r * N + t] = tree_sum16(acc[r]) * P->scale;
-    }
+    dot_rows(scores, N, rows, D, P->k, k_base, P->k_sn, keys, count, P->scale, P->dtype, R);
     float inv[HEADS_MAX] = {0};
     for (int r = 0; r < R && count; ++r) inv[r] = 1.0f / softmax_numerators(scores + r * N, count);
-    for (int64_t s = 0; s < D; s += 4 * LANES) { /* weighted_sum_64 over each 64-element slice, R rows at once */
-        __m512 acc[HEADS_MAX][4];
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < count; ++t) {
-            const int64_t off = v_base + keys[t] * P->v_sn + s;
-            for (int c = 0; c < 4; ++c) {
-                const __m512 vc = load16(P->v, off + c * LANES, P->dtype);
-#pragma GCC unroll 6
-                for (int r = 0; r < R; ++r)
-                    acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_set1_ps(scores[r * N + t]), vc));
-            }
-        }
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(rows + r * D + s + c * LANES, acc[r][c]);
-    }
+    weighted_sums(rows, D, scores, N, P->v, v_base, P->v_sn, keys, count, P->dtype, R); /* zeros when count == 0 */
     for (int r = 0; r < R; ++r) store_row(P, b, h0 + r, i, rows + r * D, inv[r]);
 }
 
@@ -374,7 +471,7 @@ static void attend_heads(const Problem *P, int64_t b, int64_t h0, int R, int64_t
 #endif
 
 /* Heads per task: a kv head's `group` query heads see the same keys, so up to HEADS_MAX of them run
- * together (AVX-512, D % 64 == 0), in blocks of equal size, made smaller while there are fewer than
+ * together (AVX2 or AVX-512, D % 64 == 0), in blocks of equal size, made smaller while there are fewer than
  * two tasks per thread. Which rows run together never changes a row's bits. */
 static int heads_per_task(int64_t group, int64_t D, int64_t other_tasks, int n_threads) {
     if (HEADS_MAX == 1 || D % 64 != 0) return 1;
@@ -407,10 +504,10 @@ int qhf_rowstable_attention(
             if (!scratch) continue;
             const int64_t i = task % Q, block = (task / Q) % blocks, kvh = (task / (Q * blocks)) % KVH;
             const int64_t b = task / (Q * blocks * KVH), h0 = kvh * group + block * per_task;
-            const int heads = (int)(group - block * per_task < per_task ? group - block * per_task : per_task);
-#ifdef __AVX512F__
+#if HEADS_MAX > 1
             if (per_task > 1) {
-                attend_heads(&P, b, h0, heads, i, scratch);
+                const int64_t left = group - block * per_task; /* the last block may be smaller */
+                attend_heads(&P, b, h0, (int)(left < per_task ? left : per_task), i, scratch);
                 continue;
             }
 #endif
