@@ -173,11 +173,7 @@ def default_compile_config(device: torch.device, post_grad_pass: Any = None) -> 
     decode steps (benchmarks/compiled_rows_smollm2_cpu.md). `size_asserts` off drops the size and
     stride check Inductor runs on every graph input and op output at every call (~1,300 per SmolLM2
     step): Dynamo's guards already check the inputs, and our ops' fake implementations are tested
-    against the real ones (opcheck in tests/test_ops_torch_ops.py). On CPU `realize_opcount_threshold`
-    5 stores a value many kernels read once it takes more than 5 ops: Inductor's CPU default (50; its
-    list of ops too costly to recompute has exp and tanh, not cos and sin) recomputes the rotary cos
-    and sin, and the attention mask, inside every layer's kernel (a 20-50 us kernel per layer at 6
-    tokens). Stored or recomputed, a value has the same bits. `post_grad_pass` becomes Inductor's
+    against the real ones (opcheck in tests/test_ops_torch_ops.py). `post_grad_pass` becomes Inductor's
     post-grad custom pass (what `quasar={"compile": True}` passes: ops/graph_passes.compile_config)."""
     from transformers import CompileConfig
 
@@ -185,8 +181,6 @@ def default_compile_config(device: torch.device, post_grad_pass: Any = None) -> 
     options = {"emulate_precision_casts": True, "size_asserts": False}
     if cuda:
         options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (torch takes a mode or options)
-    else:
-        options["realize_opcount_threshold"] = 5
     if post_grad_pass is not None:
         options["post_grad_custom_post_pass"] = post_grad_pass
     config = CompileConfig(fullgraph=True, dynamic=False, mode=None, options=options)
