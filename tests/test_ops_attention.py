@@ -111,7 +111,7 @@ def test_thread_count_does_not_change_bits():
     assert torch.equal(one, many)
 
 
-BUILDS = [("portable", (), ()), ("avx2", ("-mavx2",), ("avx2",)), ("avx512", ("-mavx512f",), ("avx512f",))]
+BUILDS = [("portable", (), ()), ("avx2", ("-mavx2", "-mfma"), ("avx2", "fma")), ("avx512", ("-mavx512f",), ("avx512f",))]
 
 
 @pytest.mark.parametrize("build", [pytest.param(b, id=b[0]) for b in BUILDS if not missing_cpu_flags(b[2])])

@@ -35,17 +35,17 @@ _ARGTYPES = [_P, _I64, _I64, _I64] * 3 + [_P, _I64, _I64, _P] + [_I64] * 6 + [_F
 
 
 def _flags() -> tuple[str, ...]:
-    """AVX-512 code generation where the CPU has it, else AVX2 (the summation order is fixed either way)."""
+    """AVX-512 code generation where the CPU has it, else AVX2 with FMA (the summation order and its
+    fused multiply-adds are fixed either way: the portable build computes them with fmaf)."""
     if not missing_cpu_flags(("avx512f",)):
         return (*PORTABLE_CFLAGS, "-mavx512f")
-    return (*PORTABLE_CFLAGS, "-mavx2") if not missing_cpu_flags(("avx2",)) else PORTABLE_CFLAGS
+    return (*PORTABLE_CFLAGS, "-mavx2", "-mfma") if not missing_cpu_flags(("avx2", "fma")) else PORTABLE_CFLAGS
 
 
-def load_variant(flags: tuple[str, ...]) -> tuple[object | None, str | None]:
-    """Build with `flags` and load: (entry point, None) or (None, why it is unavailable)."""
-    return load_checked_entry(
-        "rowstable_attention.c", "qhf_rowstable_attention", flags, _ARGTYPES, _smoke_test, "row-stable attention kernel"
-    )
+def load_variant(flags: tuple[str, ...], source: str = "rowstable_attention.c") -> tuple[object | None, str | None]:
+    """Build `source` (csrc/ or a path: benchmarks time a kernel before a change) with `flags` and
+    load: (entry point, None) or (None, why it is unavailable)."""
+    return load_checked_entry(source, "qhf_rowstable_attention", flags, _ARGTYPES, _smoke_test, "row-stable attention kernel")
 
 
 @functools.lru_cache(maxsize=1)

@@ -3,10 +3,12 @@
  *
  * Each (batch, head, query row) is computed alone, over exactly the keys that row may see, in
  * ascending key order, with a fixed summation order that depends only on the head size:
- *   s_j = scale * dot(q, k_j)      16 lane partial sums over d, then a fixed pairwise tree
+ *   s_j = scale * dot(q, k_j)      16 lane partial sums over d by fused multiply-add, then a fixed pairwise tree
  *   p_j = e^(s_j - max_j s_j)      our own polynomial exp (libm's expf is scalar and slow)
  *   l   = sum_j p_j                16 lane partial sums over the visible keys, fixed tree
- *   o   = (sum_j p_j * v_j) * (1 / l)  per-element sum in key order
+ *   o   = (sum_j p_j * v_j) * (1 / l)  per-element fused multiply-adds in key order
+ * A fused multiply-add rounds once, by IEEE 754, so the vector builds (FMA instructions) and the
+ * portable one (fmaf) compute the same bits.
  * So a row's output does not depend on how many other rows are in the call, on keys it may not
  * see (masked or beyond its causal limit are skipped, never added as zeros), nor on the thread
  * count: one-token decode and a (k+1)-token verification give bit-identical rows.
@@ -55,46 +57,46 @@ static inline __m256 load8(const void *base, int64_t offset, int dtype) {
 }
 #endif
 
-/* dot(q, row): element d goes to lane d % LANES (multiply then add, never fused), then the fixed
+/* dot(q, row): element d goes to lane d % LANES (acc = fma(q, row, acc)), then the fixed
  * tree. The AVX-512 path computes exactly the scalar path's lanes and tree (used when D % 16 == 0). */
 static inline float dot_row(const float *q, const void *base, int64_t offset, int64_t D, int dtype) {
 #ifdef __AVX512F__
     if (D % LANES == 0) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; d += LANES)
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + d), load16(base, offset + d, dtype)));
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(base, offset + d, dtype), acc);
         return tree_sum16(acc);
     }
 #elif defined(__AVX2__)
     if (D % LANES == 0) { /* lanes 0..7 in lo, 8..15 in hi */
         __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += LANES) {
-            lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(q + d), load8(base, offset + d, dtype)));
-            hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(q + d + 8), load8(base, offset + d + 8, dtype)));
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(base, offset + d, dtype), lo);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(base, offset + d + 8, dtype), hi);
         }
         return tree_sum_halves(lo, hi);
     }
 #endif
     float acc[LANES] = {0};
-    for (int64_t d = 0; d < D; ++d) acc[d % LANES] += q[d] * element(base, offset, d, dtype);
+    for (int64_t d = 0; d < D; ++d) acc[d % LANES] = fmaf(q[d], element(base, offset, d, dtype), acc[d % LANES]);
     for (int width = LANES / 2; width > 0; width /= 2)
         for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
     return acc[0];
 }
 
-/* acc[d] += p * row[d] for every d (the same per-element operation on every path). */
+/* acc[d] = fma(p, row[d], acc[d]) for every d (the same per-element operation on every path). */
 static inline void axpy_row(float *acc, float p, const void *base, int64_t offset, int64_t D, int dtype) {
     int64_t d = 0;
 #ifdef __AVX512F__
     const __m512 vp = _mm512_set1_ps(p);
     for (; d + LANES <= D; d += LANES)
-        _mm512_storeu_ps(acc + d, _mm512_add_ps(_mm512_loadu_ps(acc + d), _mm512_mul_ps(vp, load16(base, offset + d, dtype))));
+        _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(vp, load16(base, offset + d, dtype), _mm512_loadu_ps(acc + d)));
 #elif defined(__AVX2__)
     const __m256 vp = _mm256_set1_ps(p);
     for (; d + 8 <= D; d += 8)
-        _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_loadu_ps(acc + d), _mm256_mul_ps(vp, load8(base, offset + d, dtype))));
+        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(vp, load8(base, offset + d, dtype), _mm256_loadu_ps(acc + d)));
 #endif
-    for (; d < D; ++d) acc[d] += p * element(base, offset, d, dtype);
+    for (; d < D; ++d) acc[d] = fmaf(p, element(base, offset, d, dtype), acc[d]);
 }
 
 /* e^x for x <= 0 (softmax after subtracting the max): Cody-Waite reduction x = n ln2 + r and a
@@ -223,7 +225,7 @@ typedef struct {
     void *out;
 } Problem;
 
-/* sum_t p[t] * v[keys[t]] into out[0 .. D): per element, products added in t order from 0.0f.
+/* sum_t p[t] * v[keys[t]] into out[0 .. D): per element, fused multiply-adds in t order from 0.0f.
  * For the common head sizes the accumulators live in registers; every path computes the same bits. */
 #ifdef __AVX512F__
 #define DEFINE_WEIGHTED_SUM(DIM)                                                                   \
@@ -235,7 +237,7 @@ typedef struct {
             const __m512 vp = _mm512_set1_ps(p[t]);                                                \
             const int64_t off = v_base + keys[t] * v_sn;                                           \
             for (int c = 0; c < DIM / LANES; ++c)                                                  \
-                acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(vp, load16(v, off + c * LANES, dtype))); \
+                acc[c] = _mm512_fmadd_ps(vp, load16(v, off + c * LANES, dtype), acc[c]);            \
         }                                                                                          \
         for (int c = 0; c < DIM / LANES; ++c) _mm512_storeu_ps(out + c * LANES, acc[c]);           \
     }
@@ -250,7 +252,7 @@ static void weighted_sum_64(float *out, const float *p, const int32_t *keys, int
     for (int64_t t = 0; t < count; ++t) {
         const __m256 vp = _mm256_set1_ps(p[t]);
         const int64_t off = v_base + keys[t] * v_sn;
-        for (int c = 0; c < 8; ++c) acc[c] = _mm256_add_ps(acc[c], _mm256_mul_ps(vp, load8(v, off + c * 8, dtype)));
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(vp, load8(v, off + c * 8, dtype), acc[c]);
     }
     for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + c * 8, acc[c]);
 }
@@ -335,138 +337,7 @@ static void attend_row(const Problem *P, int64_t b, int64_t h, int64_t i, float 
 }
 
 #if defined(__AVX512F__) || defined(__AVX2__)
-#define HEADS_MAX 6 /* query heads of one kv head computed together (their accumulators fit the registers) */
-#define ALWAYS_INLINE inline __attribute__((always_inline))
-
-/* scores[r * N + t] = dot_row(q row r, key t) * scale for R query rows: dot_row's lanes and tree, each
- * key row loaded and widened once for all R. */
-static ALWAYS_INLINE void dot_rows(float *scores, int64_t N, const float *rows, int64_t D, const void *k, int64_t k_base,
-                                   int64_t k_sn, const int32_t *keys, int64_t count, float scale, int dtype, const int R) {
-    for (int64_t t = 0; t < count; ++t) {
-        const int64_t off = k_base + keys[t] * k_sn;
-#ifdef __AVX512F__
-        __m512 acc[HEADS_MAX];
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += LANES) {
-            const __m512 kd = load16(k, off + d, dtype);
-#pragma GCC unroll 6
-            for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_loadu_ps(rows + r * D + d), kd));
-        }
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) scores[r * N + t] = tree_sum16(acc[r]) * scale;
-#else
-        __m256 lo[HEADS_MAX], hi[HEADS_MAX]; /* lanes 0..7 and 8..15, as dot_row's AVX2 path */
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += LANES) {
-            const __m256 k_lo = load8(k, off + d, dtype), k_hi = load8(k, off + d + 8, dtype);
-#pragma GCC unroll 6
-            for (int r = 0; r < R; ++r) {
-                lo[r] = _mm256_add_ps(lo[r], _mm256_mul_ps(_mm256_loadu_ps(rows + r * D + d), k_lo));
-                hi[r] = _mm256_add_ps(hi[r], _mm256_mul_ps(_mm256_loadu_ps(rows + r * D + d + 8), k_hi));
-            }
-        }
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r) scores[r * N + t] = tree_sum_halves(lo[r], hi[r]) * scale;
-#endif
-    }
-}
-
-/* out[r * D + d] = sum_t p[r * N + t] * v[keys[t]][d] for R rows: per element, products added in t
- * order from 0.0f, as weighted_sum; each value row loaded once for all R. The elements go in slices
- * of SLICE, whose R * SLICE / VEC accumulators stay in registers (weighted_sums passes R <= 6 on
- * AVX-512: 24 of 32 registers; R <= 3 on AVX2: 12 of 16). */
-#ifdef __AVX512F__
-#define VEC 16
-#define SLICE 64
-typedef __m512 vec_t;
-#define VEC_ZERO() _mm512_setzero_ps()
-#define VEC_AXPY(acc, p, x) _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(p), x))
-#define VEC_LOAD(base, off, dtype) load16(base, off, dtype)
-#define VEC_STORE(ptr, x) _mm512_storeu_ps(ptr, x)
-#else
-#define VEC 8
-#define SLICE 32
-typedef __m256 vec_t;
-#define VEC_ZERO() _mm256_setzero_ps()
-#define VEC_AXPY(acc, p, x) _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p), x))
-#define VEC_LOAD(base, off, dtype) load8(base, off, dtype)
-#define VEC_STORE(ptr, x) _mm256_storeu_ps(ptr, x)
-#endif
-
-static ALWAYS_INLINE void weighted_sums_block(float *out, int64_t D, const float *p, int64_t N, const void *v, int64_t v_base,
-                                              int64_t v_sn, const int32_t *keys, int64_t count, int dtype, const int R) {
-    for (int64_t s = 0; s < D; s += SLICE) {
-        vec_t acc[HEADS_MAX][SLICE / VEC];
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < SLICE / VEC; ++c) acc[r][c] = VEC_ZERO();
-        for (int64_t t = 0; t < count; ++t) {
-            const int64_t off = v_base + keys[t] * v_sn + s;
-            for (int c = 0; c < SLICE / VEC; ++c) {
-                const vec_t x = VEC_LOAD(v, off + c * VEC, dtype);
-#pragma GCC unroll 6
-                for (int r = 0; r < R; ++r) acc[r][c] = VEC_AXPY(acc[r][c], p[r * N + t], x);
-            }
-        }
-#pragma GCC unroll 6
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < SLICE / VEC; ++c) VEC_STORE(out + r * D + s + c * VEC, acc[r][c]);
-    }
-}
-
-static ALWAYS_INLINE void weighted_sums(float *out, int64_t D, const float *p, int64_t N, const void *v, int64_t v_base,
-                                        int64_t v_sn, const int32_t *keys, int64_t count, int dtype, const int R) {
-    const int block = VEC == 16 ? 6 : 3; /* AVX2's 16 registers: 3 rows x 4 accumulators */
-    for (int r0 = 0; r0 < R; r0 += block) {
-        const int rows = R - r0 < block ? R - r0 : block;
-        float *o = out + r0 * D;
-        const float *pr = p + r0 * N;
-        if (rows >= 6) weighted_sums_block(o, D, pr, N, v, v_base, v_sn, keys, count, dtype, 6);
-        else if (rows == 5) weighted_sums_block(o, D, pr, N, v, v_base, v_sn, keys, count, dtype, 5);
-        else if (rows == 4) weighted_sums_block(o, D, pr, N, v, v_base, v_sn, keys, count, dtype, 4);
-        else if (rows == 3) weighted_sums_block(o, D, pr, N, v, v_base, v_sn, keys, count, dtype, 3);
-        else if (rows == 2) weighted_sums_block(o, D, pr, N, v, v_base, v_sn, keys, count, dtype, 2);
-        else weighted_sums_block(o, D, pr, N, v, v_base, v_sn, keys, count, dtype, 1);
-    }
-}
-
-/* Heads h0 .. h0 + R - 1 (one kv head's, so the same visible keys) at query row i, batch b, together:
- * each key and value row is loaded and widened once for the R rows, and each row's arithmetic is
- * attend_row's operation for operation (the same lanes, tree and key order), so its bits are the same.
- * D % 64 == 0. R is a constant where this is inlined (attend_heads), so the accumulators stay in
- * registers. scratch: R * N scores, N key indices, R * D floats. */
-static ALWAYS_INLINE void attend_heads_r(const Problem *P, int64_t b, int64_t h0, int64_t i, float *scratch, const int R) {
-    const int64_t N = P->N, D = P->D, kvh = h0 / P->group;
-    float *scores = scratch;                     /* [R][N] */
-    int32_t *keys = (int32_t *)(scores + R * N); /* [N] */
-    float *rows = (float *)(keys + N);           /* [R][D]: the query rows, then their outputs */
-    for (int r = 0; r < R; ++r) {
-        const int64_t q_off = b * P->q_sb + (h0 + r) * P->q_sh + i * P->q_sq;
-        for (int64_t d = 0; d < D; ++d) rows[r * D + d] = element(P->q, q_off, d, P->dtype);
-    }
-    const uint8_t *mask_row = P->mask ? P->mask + b * P->m_sb + i * P->m_sq : NULL;
-    const int64_t end = P->mask ? N : N - P->Q + i + 1;
-    const int64_t k_base = b * P->k_sb + kvh * P->k_sh, v_base = b * P->v_sb + kvh * P->v_sh;
-    const int64_t count = visible_keys(mask_row, end, keys);
-    dot_rows(scores, N, rows, D, P->k, k_base, P->k_sn, keys, count, P->scale, P->dtype, R);
-    float inv[HEADS_MAX] = {0};
-    for (int r = 0; r < R && count; ++r) inv[r] = 1.0f / softmax_numerators(scores + r * N, count);
-    weighted_sums(rows, D, scores, N, P->v, v_base, P->v_sn, keys, count, P->dtype, R); /* zeros when count == 0 */
-    for (int r = 0; r < R; ++r) store_row(P, b, h0 + r, i, rows + r * D, inv[r]);
-}
-
-static void attend_heads(const Problem *P, int64_t b, int64_t h0, int R, int64_t i, float *scratch) {
-    switch (R) {
-    case 1: attend_heads_r(P, b, h0, i, scratch, 1); break;
-    case 2: attend_heads_r(P, b, h0, i, scratch, 2); break;
-    case 3: attend_heads_r(P, b, h0, i, scratch, 3); break;
-    case 4: attend_heads_r(P, b, h0, i, scratch, 4); break;
-    case 5: attend_heads_r(P, b, h0, i, scratch, 5); break;
-    default: attend_heads_r(P, b, h0, i, scratch, 6); break;
-    }
-}
+#include "rowstable_attention_heads.h"
 #else
 #define HEADS_MAX 1
 #endif
