@@ -33,6 +33,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "W8A8 vs BF16 vs FP32 fidelity plus acceptance length on the embedded model",
     ),
     "kernels": ("benchmarks.kernels:main", "W8A8 linear vs BF16 micro-benchmark at real model shapes"),
+    "attention-kernel": (
+        "benchmarks.attention_kernel:main",
+        "the row-stable attention kernel's builds at real models' attention shapes",
+    ),
     "lm-head": ("benchmarks.lm_head:main", "the row-stable lm_head kernel's builds vs F.linear at real vocabulary shapes"),
     "per-layer": ("benchmarks.per_layer:main", "W8A8 error per decoder linear: weight-only, activation-only"),
     "per-layer-compare": ("benchmarks.per_layer_compare:main", "two per-layer reports of one model side by side (dB change)"),

@@ -1,0 +1,152 @@
+"""The row-stable attention kernel's builds, side by side, at the attention shapes of real models.
+
+Every build this CPU runs (on an AVX-512 CPU both the AVX-512 and the AVX2 build) and each baseline
+(a C source of the same entry point, say the kernel before a change, built the same ways) is timed
+interleaved on a decode or verify call: Q query rows over a static cache of `--slots` slots of
+which `--written` hold keys (each row sees them causally), K/V cycled over `--layers` copies as a
+step's layers would be. The current source's builds are checked bit for bit against its portable
+build first, baselines against the fp64 oracle (their bits may differ). Times include the ctypes
+call from Python (a few microseconds, the same for every build).
+
+    python -m benchmarks attention-kernel --baseline BEFORE.c --name attention_kernel_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+import torch
+
+from benchmarks.kernels import interleaved_medians
+from quasar_hf.bench.report import _table, environment
+from quasar_hf.ops import attention_cpu
+from quasar_hf.ops.c_build import CSRC, PORTABLE_CFLAGS, missing_cpu_flags
+from quasar_hf.ops.reference import attention_reference
+
+# (label, query heads, kv heads, head size): the attention of the checkpoints the project runs.
+SHAPES = [
+    ("SmolLM2-135M", 9, 3, 64),
+    ("Qwen2.5-Coder-0.5B", 14, 2, 64),
+    ("Llama-3.2-1B", 32, 8, 64),
+    ("Gemma 3 270M", 4, 1, 256),
+]
+BUILD_FLAGS = [("avx512", ("-mavx512f",), ("avx512f",)), ("avx2", ("-mavx2", "-mfma"), ("avx2", "fma"))]
+
+
+def _load(flags: tuple[str, ...], source: str) -> object:
+    fn, error = attention_cpu.load_variant((*PORTABLE_CFLAGS, *flags), source)
+    if fn is None:
+        raise RuntimeError(f"{source} {flags}: {error}")
+    return fn
+
+
+def _builds(baselines: list[str] | None) -> dict[str, object]:
+    """name -> entry point of each build this CPU runs, of the current source and of each baseline."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, *shape, generator=gen).bfloat16() for shape in ((6, 5, 64), (2, 70, 64), (2, 70, 64)))
+    portable = attention_cpu.rowstable_attention(q, k, v, kernel=_load((), "rowstable_attention.c"))
+    reference = attention_reference(q, k, v)
+    builds = {}
+    for label, flags, required in BUILD_FLAGS:
+        if missing_cpu_flags(required):
+            continue
+        fn = _load(flags, "rowstable_attention.c")
+        if not torch.equal(attention_cpu.rowstable_attention(q, k, v, kernel=fn), portable):
+            raise AssertionError(f"the {label} build disagrees with the portable build")
+        builds[label] = fn
+        for baseline in baselines or ():
+            old = _load((*flags, f"-I{CSRC}"), os.path.abspath(baseline))  # its includes from csrc/
+            err = (attention_cpu.rowstable_attention(q, k, v, kernel=old).double() - reference).abs()
+            if not bool((err <= reference.abs() * 2.0**-8 + 1e-6).all()):
+                raise AssertionError(f"{baseline} ({label}) disagrees with the fp64 reference")
+            builds[f"{label} {os.path.basename(baseline)} (baseline)"] = old
+    return builds
+
+
+def _call_inputs(heads: int, kv_heads: int, dim: int, q_len: int, slots: int, written: int, layers: int):
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, heads, q_len, dim, generator=gen).bfloat16()
+    kv = [
+        (
+            torch.randn(1, kv_heads, slots, dim, generator=gen).bfloat16(),
+            torch.randn(1, kv_heads, slots, dim, generator=gen).bfloat16(),
+        )
+        for _ in range(layers)
+    ]
+    visible = torch.zeros(1, q_len, slots, dtype=torch.bool)
+    for i in range(q_len):
+        visible[0, i, : written - q_len + i + 1] = True
+    return q, kv, visible.view(torch.uint8), torch.empty(1, q_len, heads, dim, dtype=torch.bfloat16)
+
+
+def measure(shapes, rows: tuple[int, ...], samples: int, baselines, slots: int, written: int, layers: int) -> dict:
+    """Median microseconds per call of each build, per shape and row count."""
+    builds = _builds(baselines)
+    results = []
+    for label, heads, kv_heads, dim in shapes:
+        for q_len in rows:
+            q, kv, visible, out = _call_inputs(heads, kv_heads, dim, q_len, slots, written, layers)
+            scale = dim**-0.5
+            variants = {
+                name: (lambda i, fn=fn: attention_cpu._call(fn, q, *kv[i % layers], visible, scale, out))
+                for name, fn in builds.items()
+            }
+            medians = interleaved_medians(variants, torch.device("cpu"), samples, batch=layers * 10)
+            for name, seconds in medians.items():  # each build against the current source's of its ISA
+                current = medians[name.split()[0]]
+                results.append(
+                    {"shape": label, "rows": q_len, "kernel": name, "us": seconds * 1e6, "vs_current": seconds / current}
+                )
+    return {"slots": slots, "written": written, "layers": layers, "torch_threads": torch.get_num_threads(), "results": results}
+
+
+def to_markdown(result: dict, command: str) -> str:
+    lines = ["# Row-stable attention kernel builds (bf16)", "", f"Command: `{command}`", ""]
+    lines += [
+        f"{result['torch_threads']} threads; a {result['slots']}-slot static cache with {result['written']} keys "
+        f"written (each row sees them causally), K/V cycled over {result['layers']} copies; median microseconds "
+        "per call, ctypes call included. `x current` = time / the current source's build of the same ISA.",
+        "",
+    ]
+    rows = [[r["shape"], r["rows"], r["kernel"], f"{r['us']:.1f}", f"{r['vs_current']:.2f}"] for r in result["results"]]
+    lines += _table(["shape", "query rows", "build", "us / call", "x current"], rows)
+    lines += ["", f"Environment: {result['environment']}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks attention-kernel", description=__doc__.split("\n")[0])
+    parser.add_argument("--name", default="attention_kernel_builds_cpu", help="report name (benchmarks/NAME.md/.json)")
+    parser.add_argument("--out", default=os.path.dirname(__file__), help="folder for the reports")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 6], help="query rows per call")
+    parser.add_argument("--samples", type=int, default=7, help="interleaved samples per build")
+    parser.add_argument("--slots", type=int, default=512, help="static cache slots")
+    parser.add_argument("--written", type=int, default=306, help="slots holding keys")
+    parser.add_argument("--layers", type=int, default=30, help="K/V copies cycled")
+    parser.add_argument("--shapes", nargs="+", default=None, help="labels of SHAPES to run (default all)")
+    parser.add_argument("--baseline", nargs="+", default=None, help="C sources of the same entry point to time beside them")
+    args = parser.parse_args(argv)
+    shapes = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes]
+    if not shapes:
+        parser.error(f"--shapes: choose among {[s[0] for s in SHAPES]}")
+    if not 0 < max(args.rows) <= args.written <= args.slots:
+        parser.error("need 0 < --rows <= --written <= --slots")
+    missing = [path for path in args.baseline or () if not os.path.isfile(path)]
+    if missing:
+        parser.error(f"--baseline: no such file {missing[0]!r}")
+    result = measure(shapes, tuple(args.rows), args.samples, args.baseline, args.slots, args.written, args.layers)
+    result["environment"] = environment()
+    result["command"] = (
+        "python -m benchmarks attention-kernel " + shlex.join(argv if argv is not None else sys.argv[1:])
+    ).strip()
+    os.makedirs(args.out, exist_ok=True)
+    json_path, md_path = (os.path.join(args.out, f"{args.name}.{ext}") for ext in ("json", "md"))
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(md_path, "w") as f:
+        f.write(to_markdown(result, result["command"]))
+    return [json_path, md_path]
