@@ -14,15 +14,13 @@ call from Python (a few microseconds, the same for every build).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
-import sys
 
 import torch
 
+from benchmarks.build_reports import check_baselines, selected_shapes, write_build_reports
 from benchmarks.kernels import interleaved_medians
-from quasar_hf.bench.report import _table, environment
+from quasar_hf.bench.report import _table
 from quasar_hf.ops import attention_cpu
 from quasar_hf.ops.c_build import CSRC, PORTABLE_CFLAGS, missing_cpu_flags
 from quasar_hf.ops.reference import attention_reference
@@ -130,23 +128,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--shapes", nargs="+", default=None, help="labels of SHAPES to run (default all)")
     parser.add_argument("--baseline", nargs="+", default=None, help="C sources of the same entry point to time beside them")
     args = parser.parse_args(argv)
-    shapes = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes]
-    if not shapes:
-        parser.error(f"--shapes: choose among {[s[0] for s in SHAPES]}")
+    shapes = selected_shapes(parser, SHAPES, args.shapes)
     if not 0 < max(args.rows) <= args.written <= args.slots:
         parser.error("need 0 < --rows <= --written <= --slots")
-    missing = [path for path in args.baseline or () if not os.path.isfile(path)]
-    if missing:
-        parser.error(f"--baseline: no such file {missing[0]!r}")
+    check_baselines(parser, args.baseline)
     result = measure(shapes, tuple(args.rows), args.samples, args.baseline, args.slots, args.written, args.layers)
-    result["environment"] = environment()
-    result["command"] = (
-        "python -m benchmarks attention-kernel " + shlex.join(argv if argv is not None else sys.argv[1:])
-    ).strip()
-    os.makedirs(args.out, exist_ok=True)
-    json_path, md_path = (os.path.join(args.out, f"{args.name}.{ext}") for ext in ("json", "md"))
-    with open(json_path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    with open(md_path, "w") as f:
-        f.write(to_markdown(result, result["command"]))
-    return [json_path, md_path]
+    return write_build_reports(result, args.out, args.name, "python -m benchmarks attention-kernel", argv, to_markdown)

@@ -15,17 +15,15 @@ AVX-512 when it uses AVX-512 intrinsics (and this CPU has them), else for AVX2.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import shlex
-import sys
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.build_reports import check_baselines, selected_shapes, write_build_reports
 from benchmarks.kernels import interleaved_medians, measure_read_bandwidth
-from quasar_hf.bench.report import _table, environment
+from quasar_hf.bench.report import _table
 from quasar_hf.ops.c_build import CSRC, missing_cpu_flags
 from quasar_hf.ops.reference import rowstable_linear_reference
 from quasar_hf.ops.rowstable_linear import VARIANTS, _run, load_variant
@@ -134,20 +132,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--shapes", nargs="+", default=None, help="labels of SHAPES to run (default all)")
     parser.add_argument("--baseline", nargs="+", default=None, help="C sources of the same entry point to time beside them")
     args = parser.parse_args(argv)
-    shapes = [s for s in SHAPES if args.shapes is None or s[0] in args.shapes]
-    if not shapes:
-        parser.error(f"--shapes: choose among {[s[0] for s in SHAPES]}")
-    missing = [path for path in args.baseline or () if not os.path.isfile(path)]
-    if missing:
-        parser.error(f"--baseline: no such file {missing[0]!r}")
+    shapes = selected_shapes(parser, SHAPES, args.shapes)
+    check_baselines(parser, args.baseline)
     result = measure(shapes, tuple(args.rows), args.samples, args.baseline)
-    result["environment"] = environment()
-    command = "python -m benchmarks lm-head " + shlex.join(argv if argv is not None else sys.argv[1:])
-    result["command"] = command.strip()
-    os.makedirs(args.out, exist_ok=True)
-    json_path, md_path = (os.path.join(args.out, f"{args.name}.{ext}") for ext in ("json", "md"))
-    with open(json_path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    with open(md_path, "w") as f:
-        f.write(to_markdown(result, result["command"]))
-    return [json_path, md_path]
+    return write_build_reports(result, args.out, args.name, "python -m benchmarks lm-head", argv, to_markdown)
