@@ -4,8 +4,7 @@
   reference oracle), and passes opcheck.
 - The pass folds exactly the groups it may (a synthetic FX graph: an act_prescale, another backend or
   another reader of the norm's output leaves a linear alone), and points each CPU op at its native twin.
-- The native ops compute the Python ops' bits on ragged shapes, M = 1 included; the fused
-  linear-and-residual-add ops the unfused graph's bits, and the pass fuses only where they hold.
+- The native ops compute the Python ops' bits on ragged shapes, M = 1 included.
 - A tiny W8A8 Llama compiled by Inductor with the pass: one folded op per group, verify rows equal
   decode steps, and the native and Python ops give the same logits.
 """
@@ -184,94 +183,6 @@ def test_native_lm_head_norm_and_rotation_compute_the_python_ops_bits(rows, dtyp
         assert torch.equal(ops.native_hadamard_rows(rows_x, r.odd_signs(), r.blocks, r.pow2, r.scale), expected)
 
 
-@needs_native
-@pytest.mark.parametrize("rows", [1, 7])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_linear_add_ops_compute_the_unfused_bits(rows, dtype):
-    """residual + linear(x).to(R) as the graph computes it without the fusion, K = 40 and N = 17 ragged."""
-    (w_q, w_scale, _), (_, _, bias) = _weights(sizes=(17, 17))
-    pack = cpu_fused.pack_weight(w_q)
-    x, residual = torch.randn(2, rows, 40).to(dtype), torch.randn(2, rows, 17).to(dtype) * 4
-    r = HadamardRotation.for_size(40)
-    for b in (None, bias.to(dtype)):
-        linear = ops.native_w8a8_linear(x, pack.data, pack.wsum128, w_scale, b, None, 17)
-        fused = ops.native_w8a8_linear_add(residual, x, pack.data, pack.wsum128, w_scale, b, None, 17)
-        assert fused.dtype == dtype and torch.equal(fused, residual + linear)
-        rotated = ops.native_hadamard_rows(x, r.odd_signs(), r.blocks, r.pow2, r.scale)  # fp32 rows
-        y = ops.native_w8a8_linear(rotated, pack.data, pack.wsum128, w_scale, b, None, 17)
-        fused = ops.native_rotated_w8a8_linear_add(
-            residual, x, r.odd_signs(), r.blocks, r.pow2, r.scale, pack.data, pack.wsum128, w_scale, b, 17
-        )
-        assert fused.dtype == dtype and torch.equal(fused, residual + y.to(dtype))
-    with pytest.raises(RuntimeError, match="residual add"):
-        ops.native_w8a8_linear_add(residual[..., :5], x, pack.data, pack.wsum128, w_scale, None, None, 17)
-
-
-def _residual_graph(
-    rotated: bool = True, residual_dtype=torch.bfloat16, broadcast: bool = False, extra_reader: str | None = None
-):
-    """residual + native_w8a8_linear(x or native_hadamard_rows(x)) [.to(bf16)], as a native step's layer ends."""
-    graph = torch.fx.Graph()
-
-    def placeholder(name, value):
-        node = graph.placeholder(name)
-        node.meta["val"] = value
-        return node
-
-    residual = placeholder("residual", torch.empty(1, 6 if not broadcast else 1, 17, dtype=residual_dtype))
-    x = placeholder("x", torch.empty(1, 6, 40, dtype=torch.bfloat16))
-    data, sums, scale, signs = (placeholder(n, torch.empty(1)) for n in ("data", "sums", "scale", "signs"))
-    rows = x
-    if rotated:
-        rows = graph.call_function(ops.native_hadamard_rows.default, (x, signs, 1, 2, 0.1))
-        rows.meta["val"] = torch.empty(1, 6, 40)
-    linear = graph.call_function(ops.native_w8a8_linear.default, (rows, data, sums, scale, None, None, 17))
-    linear.meta["val"] = torch.empty(1, 6, 17, dtype=rows.meta["val"].dtype)
-    term = linear
-    if linear.meta["val"].dtype != torch.bfloat16:
-        term = graph.call_function(torch.ops.prims.convert_element_type.default, (linear, torch.bfloat16))
-        term.meta["val"] = torch.empty(1, 6, 17, dtype=torch.bfloat16)
-    add = graph.call_function(torch.ops.aten.add.Tensor, (residual, term))
-    add.meta["val"] = torch.empty(1, 6, 17, dtype=torch.promote_types(residual_dtype, torch.bfloat16))
-    outputs = [add]
-    if extra_reader is not None:  # another reader of the linear's output or of the rotation
-        outputs.append(graph.call_function(torch.ops.aten.neg.default, (linear if extra_reader == "linear" else rows,)))
-    graph.output(tuple(outputs))
-    return graph
-
-
-@needs_native
-@pytest.mark.parametrize(
-    "case, fused",
-    [
-        ("rotated", "quasar.native_rotated_w8a8_linear_add.default"),
-        ("plain", "quasar.native_w8a8_linear_add.default"),
-        ("rotation read elsewhere", "quasar.native_w8a8_linear_add.default"),
-        ("linear read elsewhere", None),
-        ("broadcast", None),
-        ("fp32 residual", None),
-    ],
-)
-def test_the_pass_fuses_a_residual_add_only_where_the_sum_keeps_its_bits(case, fused):
-    from quasar_hf.ops.graph_passes import fuse_residual_adds
-
-    graph = _residual_graph(
-        rotated=case != "plain",
-        residual_dtype=torch.float32 if case == "fp32 residual" else torch.bfloat16,
-        broadcast=case == "broadcast",
-        extra_reader={"rotation read elsewhere": "rotation", "linear read elsewhere": "linear"}.get(case),
-    )
-    before = _targets(graph)
-    assert fuse_residual_adds(graph) == (fused is not None)
-    graph.lint()
-    after = _targets(graph)
-    if fused is None:
-        assert after == before
-    else:
-        assert after[fused] == 1 and after["aten.add.Tensor"] == 0 and after["quasar.native_w8a8_linear.default"] == 0
-        assert after["quasar.native_hadamard_rows.default"] == (case == "rotation read elsewhere")
-
-
 class _Recording(FoldNormsIntoW8A8Linears):
     """The pass, noting which quasar ops each graph holds after it ran."""
 
@@ -306,10 +217,6 @@ def test_inductor_with_the_pass_folds_every_group_and_stays_row_stable(tmp_path)
             if use_native:  # no op of the step calls back into Python: the lm_head and rotations included
                 assert all(target.startswith("quasar.native_") for target in counts), counts
                 assert counts["quasar.native_rowstable_linear.default"] == 1
-                # each layer's o_proj and rotated down_proj took their residual adds (and the rotation)
-                assert counts["quasar.native_w8a8_linear_add.default"] == 2
-                assert counts["quasar.native_rotated_w8a8_linear_add.default"] == 2
-                assert counts["quasar.native_w8a8_linear.default"] == counts["quasar.native_hadamard_rows.default"] == 0
         logits[use_native] = verify
     assert all(torch.equal(v, logits[False]) for v in logits.values())
 
@@ -362,29 +269,6 @@ def test_native_ops_pass_opcheck():
         ops.native_rowstable_linear.default: (x, torch.randn(9, 40).bfloat16(), None),
         ops.native_rms_norm.default: (x, torch.randn(40), 1e-6, 0.0, False),
         ops.native_hadamard_rows.default: (x, rotation.odd_signs(), rotation.blocks, rotation.pow2, rotation.scale),
-        ops.native_w8a8_linear_add.default: (
-            torch.randn(2, 3, 24).bfloat16(),
-            x,
-            pack.data,
-            pack.wsum128,
-            torch.rand(24),
-            None,
-            None,
-            24,
-        ),
-        ops.native_rotated_w8a8_linear_add.default: (
-            torch.randn(2, 3, 24).bfloat16(),
-            x,
-            rotation.odd_signs(),
-            rotation.blocks,
-            rotation.pow2,
-            rotation.scale,
-            pack.data,
-            pack.wsum128,
-            torch.rand(24),
-            None,
-            24,
-        ),
     }
     for op, args in cases.items():
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

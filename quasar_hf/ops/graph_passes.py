@@ -10,9 +10,7 @@ eager's folded group gives it. The op is row-stable like the ops it replaces: a 
 step's rows still equal compiled decode steps. Then, where ops/native.py's library is had, each CPU
 kernel op (W8A8 linears, folded groups, attention, the lm_head, the norms left, the Hadamard
 rotations) is pointed at its C++-registered twin (`use_native_ops`): the same tensors, the same C
-entry point, the same bits, no Python between the step's kernels. Last (`fuse_residual_adds`), each
-residual add after a W8A8 linear (o_proj, down_proj) joins that linear's call, with the down_proj's
-Hadamard rotation where it has one: a Llama layer's ten calls become seven.
+entry point, the same bits, no Python between the step's kernels.
 
 A group is rewritten only when nothing else is assumed: the norm's output feeds W8A8 linears directly
 (as their x), on the "cpu_fused" backend with prepacked weights and no act_prescale (the fold
@@ -165,78 +163,6 @@ def use_native_ops(graph: torch.fx.Graph) -> int:
     return count
 
 
-_NATIVE_W8A8 = "quasar::native_w8a8_linear"
-_NATIVE_HADAMARD = "quasar::native_hadamard_rows"
-
-
-def _only_user(node: object, name: str) -> bool:
-    """True for a graph node of op `name` that one node reads (so a fusion may erase it)."""
-    return isinstance(node, torch.fx.Node) and _op_name(node) == name and len(node.users) == 1
-
-
-def _residual_add_parts(add: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
-    """(residual, [the native linear, the dtype conversion if any]) of `add` = residual + linear(...)[.to(R)],
-    where R, the residual's dtype, is also the sum's (no promotion, no broadcast); else None."""
-    if add.target is not torch.ops.aten.add.Tensor or len(add.args) != 2 or add.kwargs:
-        return None
-    out = add.meta.get("val")
-    for residual, term in (add.args, add.args[::-1]):
-        parts = [term]
-        if (
-            isinstance(term, torch.fx.Node)
-            and term.target is torch.ops.prims.convert_element_type.default
-            and len(term.users) == 1
-        ):
-            parts.insert(0, term.args[0])
-        linear = parts[0]
-        if not _only_user(linear, _NATIVE_W8A8) or not isinstance(residual, torch.fx.Node) or residual is linear:
-            continue
-        r, t, y = residual.meta.get("val"), term.meta.get("val"), linear.meta.get("val")
-        if not all(isinstance(v, torch.Tensor) for v in (out, r, t, y)):
-            continue
-        dtype = r.dtype
-        if (
-            r.device.type == "cpu"
-            and dtype in (torch.float32, torch.bfloat16)
-            and t.dtype == out.dtype == dtype
-            and y.dtype in (dtype, torch.float32)
-            and r.shape == t.shape == out.shape
-        ):
-            return residual, parts
-    return None
-
-
-def fuse_residual_adds(graph: torch.fx.Graph) -> int:
-    """Each `residual + native_w8a8_linear(x, ...)[.to(R)]` becomes one `native_w8a8_linear_add` call, and
-    one whose x is a `native_hadamard_rows` read by it alone (a rotated down_proj) one
-    `native_rotated_w8a8_linear_add`: three calls of a layer's ten become one. The fused ops compute the
-    sum as aten.add does (fp32, rounded once to R), so the logits keep their bits; returns how many."""
-    count = 0
-    for add in list(graph.nodes):
-        found = _residual_add_parts(add) if add.op == "call_function" else None
-        if found is None:
-            continue
-        residual, parts = found
-        linear = parts[0]
-        x, w_packed, wsum128, weight_scale, bias, act_prescale, out_features = linear.args
-        rotation = x if act_prescale is None and _only_user(x, _NATIVE_HADAMARD) else None
-        if rotation is not None:
-            rows, signs, blocks, pow2, scale = rotation.args
-            target = torch.ops.quasar.native_rotated_w8a8_linear_add.default
-            args = (residual, rows, signs, blocks, pow2, scale, w_packed, wsum128, weight_scale, bias, out_features)
-        else:
-            target = torch.ops.quasar.native_w8a8_linear_add.default
-            args = (residual, *linear.args)
-        with graph.inserting_before(add):
-            fused = graph.call_function(target, args)
-        fused.meta["val"] = add.meta["val"]
-        add.replace_all_uses_with(fused)
-        for node in [add, *parts[::-1], *([rotation] if rotation is not None else [])]:
-            graph.erase_node(node)
-        count += 1
-    return count
-
-
 class FoldNormsIntoW8A8Linears(CustomGraphPass):
     """Post-grad pass: each RMSNorm feeding W8A8 linears becomes one folded op (see the module docstring),
     then, with `native` (where the native library is had: `native.is_available()`, built at the first
@@ -265,7 +191,6 @@ class FoldNormsIntoW8A8Linears(CustomGraphPass):
             fold_group(graph, norm)
         if self._use_native():
             use_native_ops(graph)
-            fuse_residual_adds(graph)
         graph.lint()
 
     def uuid(self) -> bytes:

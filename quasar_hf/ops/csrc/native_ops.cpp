@@ -204,61 +204,6 @@ at::Tensor native_hadamard_rows(const at::Tensor &x, const at::Tensor &signs, in
     return out;
 }
 
-// out = R(float(residual) + float(R(y))) per element, R = residual's dtype (float32 or bfloat16): what
-// aten.add computes for `residual + y.to(R)`, an fp32 sum rounded once to R (to nearest even, as
-// Inductor's kernels round). y is a fresh contiguous tensor of residual's shape; reused when it is of dtype R.
-at::Tensor add_residual(const at::Tensor &residual, at::Tensor y) {
-    TORCH_CHECK(residual.sizes() == y.sizes() && float_or_bf16(residual) && float_or_bf16(y) &&
-                    (y.scalar_type() == residual.scalar_type() || y.scalar_type() == at::kFloat),
-                "residual add: a float32 or bfloat16 residual ", residual.sizes(), " and a linear output of its shape, ",
-                "in its dtype or float32; got ", y.sizes(), " ", y.scalar_type());
-    const at::Tensor r = residual.contiguous();
-    at::Tensor out = y.scalar_type() == r.scalar_type() ? y : at::empty(r.sizes(), r.options());
-    const int64_t count = r.numel();
-    constexpr int64_t kGrain = 16384;  // elements per thread: a decode step's rows run on one
-    if (r.scalar_type() == at::kFloat) {
-        const float *a = r.data_ptr<float>(), *b = y.data_ptr<float>();
-        float *o = out.data_ptr<float>();
-        at::parallel_for(0, count, kGrain, [&](int64_t lo, int64_t hi) {
-            for (int64_t i = lo; i < hi; ++i) o[i] = a[i] + b[i];
-        });
-        return out;
-    }
-    const at::BFloat16 *a = r.data_ptr<at::BFloat16>();
-    at::BFloat16 *o = out.data_ptr<at::BFloat16>();
-    if (y.scalar_type() == at::kFloat) {  // y.to(bfloat16) first, as the graph has it
-        const float *b = y.data_ptr<float>();
-        at::parallel_for(0, count, kGrain, [&](int64_t lo, int64_t hi) {
-            for (int64_t i = lo; i < hi; ++i)
-                o[i] = at::BFloat16(static_cast<float>(a[i]) + static_cast<float>(at::BFloat16(b[i])));
-        });
-    } else {
-        const at::BFloat16 *b = y.data_ptr<at::BFloat16>();
-        at::parallel_for(0, count, kGrain, [&](int64_t lo, int64_t hi) {
-            for (int64_t i = lo; i < hi; ++i) o[i] = at::BFloat16(static_cast<float>(a[i]) + static_cast<float>(b[i]));
-        });
-    }
-    return out;
-}
-
-// quasar::native_w8a8_linear_add: residual + native_w8a8_linear(x, ...).to(residual's dtype), one call for
-// a layer's o_proj (or down_proj) and the residual add after it.
-at::Tensor native_w8a8_linear_add(const at::Tensor &residual, const at::Tensor &x, const at::Tensor &w_packed,
-                                  const at::Tensor &wsum128, const at::Tensor &weight_scale, const std::optional<at::Tensor> &bias,
-                                  const std::optional<at::Tensor> &act_prescale, int64_t out_features) {
-    return add_residual(residual, native_w8a8_linear(x, w_packed, wsum128, weight_scale, bias, act_prescale, out_features));
-}
-
-// quasar::native_rotated_w8a8_linear_add: residual + native_w8a8_linear(native_hadamard_rows(x, ...), ...)
-// .to(residual's dtype): a rotated down_proj, its input's rotation and the residual add in one call.
-at::Tensor native_rotated_w8a8_linear_add(const at::Tensor &residual, const at::Tensor &x, const at::Tensor &signs,
-                                          int64_t blocks, int64_t pow2, double rotation_scale, const at::Tensor &w_packed,
-                                          const at::Tensor &wsum128, const at::Tensor &weight_scale,
-                                          const std::optional<at::Tensor> &bias, int64_t out_features) {
-    const at::Tensor rotated = native_hadamard_rows(x, signs, blocks, pow2, rotation_scale);
-    return add_residual(residual, native_w8a8_linear(rotated, w_packed, wsum128, weight_scale, bias, std::nullopt, out_features));
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(quasar, m) {
@@ -270,10 +215,6 @@ TORCH_LIBRARY_FRAGMENT(quasar, m) {
     m.def("native_rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("native_rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_float) -> Tensor");
     m.def("native_hadamard_rows(Tensor x, Tensor signs, int blocks, int pow2, float scale) -> Tensor");
-    m.def("native_w8a8_linear_add(Tensor residual, Tensor x, Tensor w_packed, Tensor wsum128, Tensor weight_scale, "
-          "Tensor? bias, Tensor? act_prescale, int out_features) -> Tensor");
-    m.def("native_rotated_w8a8_linear_add(Tensor residual, Tensor x, Tensor signs, int blocks, int pow2, "
-          "float rotation_scale, Tensor w_packed, Tensor wsum128, Tensor weight_scale, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quasar, CPU, m) {
@@ -283,6 +224,4 @@ TORCH_LIBRARY_IMPL(quasar, CPU, m) {
     m.impl("native_rowstable_linear", &native_rowstable_linear);
     m.impl("native_rms_norm", &native_rms_norm);
     m.impl("native_hadamard_rows", &native_hadamard_rows);
-    m.impl("native_w8a8_linear_add", &native_w8a8_linear_add);
-    m.impl("native_rotated_w8a8_linear_add", &native_rotated_w8a8_linear_add);
 }
