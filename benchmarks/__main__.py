@@ -37,6 +37,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "benchmarks.attention_kernel:main",
         "the row-stable attention kernel's builds at real models' attention shapes",
     ),
+    "hadamard-kernel": (
+        "benchmarks.hadamard_kernel:main",
+        "the Hadamard rotation kernel's builds at real models' rotated widths",
+    ),
     "lm-head": ("benchmarks.lm_head:main", "the row-stable lm_head kernel's builds vs F.linear at real vocabulary shapes"),
     "per-layer": ("benchmarks.per_layer:main", "W8A8 error per decoder linear: weight-only, activation-only"),
     "per-layer-compare": ("benchmarks.per_layer_compare:main", "two per-layer reports of one model side by side (dB change)"),

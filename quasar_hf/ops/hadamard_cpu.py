@@ -3,7 +3,8 @@
 csrc/hadamard_rows.c applies the same butterflies, +-1 mixes and scaling in the same order as
 the plain-PyTorch oracle in ops/hadamard.py, so the two agree bit for bit on every CPU (each
 element's sequence of fp32 operations is fixed; vectorization only runs elements side by side).
-The AVX2 build (csrc/hadamard_rows_avx2.c) and the portable build compute the same bits.
+The AVX-512 and AVX2 builds (csrc/hadamard_rows_avx512.c, csrc/hadamard_rows_avx2.c) and the portable
+build compute the same bits.
 
 Public API:
     unavailable_reason() -> str | None / is_available() -> bool     never raise
@@ -25,7 +26,11 @@ from .fallback import warn_fallback_once
 from .hadamard import HadamardRotation, rotate_rows_reference
 
 # Variants, best first: (source, extra compiler flags, CPU flags they need). All compute the same bits.
-VARIANTS = (("hadamard_rows_avx2.c", ("-mavx2",), ("avx2",)), ("hadamard_rows.c", (), ()))
+VARIANTS = (
+    ("hadamard_rows_avx512.c", ("-mavx512f",), ("avx512f",)),
+    ("hadamard_rows_avx2.c", ("-mavx2",), ("avx2",)),
+    ("hadamard_rows.c", (), ()),
+)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _MIN_ROWS_PER_THREAD = 64  # decode and verify steps (1-8 rows) stay on one thread
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float

@@ -1,6 +1,7 @@
-/* Shared by csrc/hadamard_rows.c (portable) and csrc/hadamard_rows_avx2.c: the scalar butterflies and
- * +-1 mix (the order `rotate_rows_reference` defines), and the entry point over rows, which calls the
- * including file's `rotate_row`. Its text is part of every kernel's build key in c_build.py. */
+/* Shared by csrc/hadamard_rows.c (portable), csrc/hadamard_rows_avx2.c and csrc/hadamard_rows_avx512.c:
+ * the scalar butterflies and +-1 mix (the order `rotate_rows_reference` defines), and the entry point
+ * over rows, which calls the including file's `rotate_row`. Its text is part of every kernel's build key
+ * in c_build.py. */
 #ifndef QHF_HADAMARD_ROWS_H
 #define QHF_HADAMARD_ROWS_H
 #include "qhf_common.h"

@@ -1,0 +1,124 @@
+"""The Hadamard rotation kernel's builds, side by side, at the rotated widths of real models.
+
+A rotated `down_proj` (QuasarConfig's default `rotate`) rotates its input rows, of the MLP's
+intermediate width, once per layer and step. Every build of `hadamard_cpu.VARIANTS` this CPU runs
+is checked bit for bit against the plain-PyTorch oracle (`rotate_rows_reference`) at each shape and
+then timed interleaved on decode and verify row counts, called directly (ctypes, into a preallocated
+output, one thread: what a step's rotation costs without the op's Python); the ctypes call's few
+microseconds are the same for every build.
+
+    python -m benchmarks hadamard-kernel --name hadamard_kernel_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from benchmarks.build_reports import selected_shapes, write_build_reports
+from benchmarks.kernels import interleaved_medians
+from quasar_hf.bench.report import _table
+from quasar_hf.ops import hadamard_cpu
+from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_reference
+
+# (label, row width): the down_proj input (intermediate size) of the checkpoints the project runs.
+SHAPES = [
+    ("SmolLM2-135M", 1536),
+    ("Gemma 3 270M", 2048),
+    ("Qwen2.5-Coder-0.5B", 4864),
+    ("Llama-3.2-1B", 8192),
+]
+
+
+def _builds() -> dict[str, object]:
+    """source name -> entry point of each build this CPU runs."""
+    builds = {}
+    for source, flags, required in hadamard_cpu.VARIANTS:
+        if hadamard_cpu.missing_cpu_flags(required):
+            continue
+        fn, reason = hadamard_cpu.load_variant(source, flags)
+        if fn is None:
+            raise RuntimeError(f"{source}: {reason}")
+        builds[source] = fn
+    return builds
+
+
+def _direct_call(fn, inputs: list[torch.Tensor], out: torch.Tensor, rotation: HadamardRotation):
+    """call(i): the kernel on inputs[i % len] into `out` (one thread, as a decode or verify step calls it)."""
+    signs = hadamard_cpu.signs(rotation)
+    count, width = out.shape
+    constants = (rotation.blocks, rotation.odd_order, rotation.pow2, signs.data_ptr(), rotation.scale, 1)
+
+    def call(i: int) -> None:
+        if fn(inputs[i % len(inputs)].data_ptr(), width, count, 1, out.data_ptr(), *constants):
+            raise MemoryError("the Hadamard kernel could not allocate its scratch row")
+
+    return call
+
+
+def measure(shapes, rows: tuple[int, ...], samples: int, layers: int) -> dict:
+    """Median microseconds per call of each build, per shape and row count (inputs cycled over `layers` copies)."""
+    builds = _builds()
+    fastest = next(iter(builds))  # VARIANTS lists the builds best first
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for label, width in shapes:
+        rotation = HadamardRotation.for_size(width)
+        for count in rows:
+            inputs = [torch.randn(count, width, generator=gen).bfloat16() for _ in range(layers)]
+            expected = rotate_rows_reference(inputs[0], rotation)
+            for source, fn in builds.items():
+                if not torch.equal(hadamard_cpu._run(fn, inputs[0], rotation), expected):
+                    raise AssertionError(f"{source} disagrees with rotate_rows_reference at {label} x {count} rows")
+            out = torch.empty(count, width)
+            variants = {source: _direct_call(fn, inputs, out, rotation) for source, fn in builds.items()}
+            medians = interleaved_medians(variants, torch.device("cpu"), samples, batch=layers * 10)
+            for source, seconds in medians.items():
+                results.append(
+                    {
+                        "shape": label,
+                        "width": width,
+                        "rotation": f"{rotation.blocks} x H_{rotation.odd_order} (x) H_{rotation.pow2}",
+                        "rows": count,
+                        "build": source,
+                        "us": seconds * 1e6,
+                        "vs_fastest": seconds / medians[fastest],
+                    }
+                )
+    return {"layers": layers, "torch_threads": torch.get_num_threads(), "builds": list(builds), "results": results}
+
+
+def to_markdown(result: dict, command: str) -> str:
+    lines = ["# Hadamard rotation kernel builds (bf16 rows in, fp32 out)", "", f"Command: `{command}`", ""]
+    lines += [
+        f"Inputs cycled over {result['layers']} copies; every build equal to `rotate_rows_reference` bit for bit "
+        "at every shape; median microseconds per call, the kernel called directly (ctypes, one thread, as a step "
+        f"calls it). `x {result['builds'][0]}` = time / that build's.",
+        "",
+    ]
+    rows = [
+        [r["shape"], r["rotation"], r["rows"], r["build"], f"{r['us']:.1f}", f"{r['vs_fastest']:.2f}"] for r in result["results"]
+    ]
+    lines += _table(["shape", "rotation", "rows", "build", "us / call", f"x {result['builds'][0]}"], rows)
+    lines += ["", f"Environment: {result['environment']}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks hadamard-kernel", description=__doc__.split("\n")[0])
+    parser.add_argument("--name", default="hadamard_kernel_builds_cpu", help="report name (benchmarks/NAME.md/.json)")
+    parser.add_argument("--out", default=os.path.dirname(__file__), help="folder for the reports")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 6], help="rows per call")
+    parser.add_argument("--samples", type=int, default=7, help="interleaved samples per build")
+    parser.add_argument("--layers", type=int, default=30, help="input copies cycled")
+    parser.add_argument("--shapes", nargs="+", default=None, help="labels of SHAPES to run (default all)")
+    args = parser.parse_args(argv)
+    shapes = selected_shapes(parser, SHAPES, args.shapes)
+    if min(args.rows) < 1 or args.samples < 1 or args.layers < 1:
+        parser.error("--rows, --samples and --layers must be positive")
+    if not hadamard_cpu.is_available():
+        parser.error(f"the Hadamard CPU kernel is unavailable here: {hadamard_cpu.unavailable_reason()}")
+    result = measure(shapes, tuple(args.rows), args.samples, args.layers)
+    return write_build_reports(result, args.out, args.name, "python -m benchmarks hadamard-kernel", argv, to_markdown)

@@ -1,0 +1,30 @@
+"""`python -m benchmarks hadamard-kernel`: every build checked against the oracle, timed side by side, reports written."""
+
+import json
+
+import pytest
+
+from benchmarks import hadamard_kernel
+from quasar_hf.ops import hadamard_cpu
+
+pytestmark = pytest.mark.skipif(not hadamard_cpu.is_available(), reason="the Hadamard CPU kernel did not build")
+
+
+def test_report_times_every_build_this_cpu_runs(tmp_path):
+    argv = ["--out", str(tmp_path), "--name", "hk", "--shapes", "SmolLM2-135M", "--rows", "1", "3", "--samples", "1"]
+    json_path, md_path = hadamard_kernel.main([*argv, "--layers", "2"])
+    result = json.loads(open(json_path).read())
+    runnable = [v[0] for v in hadamard_cpu.VARIANTS if not hadamard_cpu.missing_cpu_flags(v[2])]
+    assert result["builds"] == runnable and "hadamard_rows.c" in runnable  # the portable build runs everywhere
+    assert len(result["results"]) == 2 * len(runnable)
+    for r in result["results"]:
+        assert r["us"] > 0 and r["rotation"] == "1 x H_12 (x) H_128"
+        assert (r["vs_fastest"] == 1.0) == (r["build"] == runnable[0])
+    assert "hadamard-kernel" in open(md_path).read()
+
+
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(SystemExit):
+        hadamard_kernel.main(["--out", str(tmp_path), "--rows", "0"])
+    with pytest.raises(SystemExit):
+        hadamard_kernel.main(["--out", str(tmp_path), "--shapes", "GPT-9"])
