@@ -2,12 +2,13 @@
 
 A rotated `down_proj` (QuasarConfig's default `rotate`) rotates its input rows, of the MLP's
 intermediate width, once per layer and step. Every build of `hadamard_cpu.VARIANTS` this CPU runs
-is checked bit for bit against the plain-PyTorch oracle (`rotate_rows_reference`) at each shape and
+(and each `--baseline`, a C source of the same entry point, say a build before a change) is checked bit
+for bit against the plain-PyTorch oracle (`rotate_rows_reference`) at each shape and
 then timed interleaved on decode and verify row counts, called directly (ctypes, into a preallocated
 output, one thread: what a step's rotation costs without the op's Python); the ctypes call's few
 microseconds are the same for every build.
 
-    python -m benchmarks hadamard-kernel --name hadamard_kernel_cpu
+    python -m benchmarks hadamard-kernel --baseline BEFORE/hadamard_rows_avx2.c --name hadamard_kernel_cpu
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import os
 
 import torch
 
-from benchmarks.build_reports import selected_shapes, write_build_reports
+from benchmarks.build_reports import check_baselines, selected_shapes, write_build_reports
 from benchmarks.kernels import interleaved_medians
 from quasar_hf.bench.report import _table
 from quasar_hf.ops import hadamard_cpu
+from quasar_hf.ops.c_build import CSRC
 from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_reference
 
 # (label, row width): the down_proj input (intermediate size) of the checkpoints the project runs.
@@ -32,17 +34,28 @@ SHAPES = [
 ]
 
 
-def _builds() -> dict[str, object]:
-    """source name -> entry point of each build this CPU runs."""
+def _builds(baselines: list[str] | None) -> dict[str, object]:
+    """name -> entry point of each build this CPU runs, then of each baseline (a C source of the same entry
+    point, built with the flags of the variant of its file name, or the portable flags)."""
     builds = {}
     for source, flags, required in hadamard_cpu.VARIANTS:
         if hadamard_cpu.missing_cpu_flags(required):
             continue
-        fn, reason = hadamard_cpu.load_variant(source, flags)
-        if fn is None:
-            raise RuntimeError(f"{source}: {reason}")
-        builds[source] = fn
+        builds[source] = _load(source, flags)
+    for baseline in baselines or ():
+        same_name = [v for v in hadamard_cpu.VARIANTS if v[0] == os.path.basename(baseline)]
+        flags, required = same_name[0][1:] if same_name else ((), ())
+        if hadamard_cpu.missing_cpu_flags(required):
+            raise RuntimeError(f"{baseline}: this CPU lacks {required}")
+        builds[f"{os.path.basename(baseline)} (baseline)"] = _load(os.path.abspath(baseline), (*flags, f"-I{CSRC}"))
     return builds
+
+
+def _load(source: str, flags: tuple[str, ...]) -> object:
+    fn, reason = hadamard_cpu.load_variant(source, flags)
+    if fn is None:
+        raise RuntimeError(f"{source}: {reason}")
+    return fn
 
 
 def _direct_call(fn, inputs: list[torch.Tensor], out: torch.Tensor, rotation: HadamardRotation):
@@ -58,9 +71,9 @@ def _direct_call(fn, inputs: list[torch.Tensor], out: torch.Tensor, rotation: Ha
     return call
 
 
-def measure(shapes, rows: tuple[int, ...], samples: int, layers: int) -> dict:
+def measure(shapes, rows: tuple[int, ...], samples: int, layers: int, baselines: list[str] | None = None) -> dict:
     """Median microseconds per call of each build, per shape and row count (inputs cycled over `layers` copies)."""
-    builds = _builds()
+    builds = _builds(baselines)
     fastest = next(iter(builds))  # VARIANTS lists the builds best first
     gen = torch.Generator().manual_seed(0)
     results = []
@@ -114,11 +127,13 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--samples", type=int, default=7, help="interleaved samples per build")
     parser.add_argument("--layers", type=int, default=30, help="input copies cycled")
     parser.add_argument("--shapes", nargs="+", default=None, help="labels of SHAPES to run (default all)")
+    parser.add_argument("--baseline", nargs="+", default=None, help="C sources of the same entry point to time beside them")
     args = parser.parse_args(argv)
     shapes = selected_shapes(parser, SHAPES, args.shapes)
     if min(args.rows) < 1 or args.samples < 1 or args.layers < 1:
         parser.error("--rows, --samples and --layers must be positive")
+    check_baselines(parser, args.baseline)
     if not hadamard_cpu.is_available():
         parser.error(f"the Hadamard CPU kernel is unavailable here: {hadamard_cpu.unavailable_reason()}")
-    result = measure(shapes, tuple(args.rows), args.samples, args.layers)
+    result = measure(shapes, tuple(args.rows), args.samples, args.layers, args.baseline)
     return write_build_reports(result, args.out, args.name, "python -m benchmarks hadamard-kernel", argv, to_markdown)

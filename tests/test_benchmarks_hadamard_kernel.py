@@ -6,17 +6,19 @@ import pytest
 
 from benchmarks import hadamard_kernel
 from quasar_hf.ops import hadamard_cpu
+from quasar_hf.ops.c_build import CSRC
 
 pytestmark = pytest.mark.skipif(not hadamard_cpu.is_available(), reason="the Hadamard CPU kernel did not build")
 
 
-def test_report_times_every_build_this_cpu_runs(tmp_path):
+def test_report_times_every_build_this_cpu_runs_and_a_baseline(tmp_path):
     argv = ["--out", str(tmp_path), "--name", "hk", "--shapes", "SmolLM2-135M", "--rows", "1", "3", "--samples", "1"]
-    json_path, md_path = hadamard_kernel.main([*argv, "--layers", "2"])
+    json_path, md_path = hadamard_kernel.main([*argv, "--layers", "2", "--baseline", str(CSRC / "hadamard_rows.c")])
     result = json.loads(open(json_path).read())
     runnable = [v[0] for v in hadamard_cpu.VARIANTS if not hadamard_cpu.missing_cpu_flags(v[2])]
-    assert result["builds"] == runnable and "hadamard_rows.c" in runnable  # the portable build runs everywhere
-    assert len(result["results"]) == 2 * len(runnable)
+    assert "hadamard_rows.c" in runnable  # the portable build runs everywhere
+    assert result["builds"] == [*runnable, "hadamard_rows.c (baseline)"]
+    assert len(result["results"]) == 2 * len(result["builds"])
     for r in result["results"]:
         assert r["us"] > 0 and r["rotation"] == "1 x H_12 (x) H_128"
         assert (r["vs_fastest"] == 1.0) == (r["build"] == runnable[0])
@@ -28,3 +30,5 @@ def test_bad_arguments_are_named(tmp_path):
         hadamard_kernel.main(["--out", str(tmp_path), "--rows", "0"])
     with pytest.raises(SystemExit):
         hadamard_kernel.main(["--out", str(tmp_path), "--shapes", "GPT-9"])
+    with pytest.raises(SystemExit):
+        hadamard_kernel.main(["--out", str(tmp_path), "--baseline", str(tmp_path / "missing.c")])

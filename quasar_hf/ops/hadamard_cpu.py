@@ -28,7 +28,7 @@ from .hadamard import HadamardRotation, rotate_rows_reference
 # Variants, best first: (source, extra compiler flags, CPU flags they need). All compute the same bits.
 VARIANTS = (
     ("hadamard_rows_avx512.c", ("-mavx512f",), ("avx512f",)),
-    ("hadamard_rows_avx2.c", ("-mavx2",), ("avx2",)),
+    ("hadamard_rows_avx2.c", ("-mavx2", "-mfma"), ("avx2", "fma")),
     ("hadamard_rows.c", (), ()),
 )
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

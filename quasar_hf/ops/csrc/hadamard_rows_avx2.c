@@ -3,7 +3,7 @@
  * operations and their order are those of hadamard_rows.c and `rotate_rows_reference`):
  *   - butterflies h = 1, 2, 4 inside each 8-float register by lane permutes (a + b, a - b), then
  *     h >= 8 on whole registers;
- *   - the +-1 mix as acc + (z with its sign flipped where s = -1): bitwise the same as acc + s * z;
+ *   - the +-1 mix as fma(s, z, acc): bitwise acc + s * z, since s * z = +-z is exact;
  *   - one multiplication by `scale`.
  * Rows of fewer than 8 floats per Sylvester block take the portable loops.
  */
@@ -39,10 +39,9 @@ static void butterflies_avx2(float *z, int64_t n) {
             }
 }
 
-static inline __m256 sign_of(float s) { return _mm256_set1_ps(s < 0.0f ? -0.0f : 0.0f); } /* xor mask */
-
 /* y = H_m^T z per column for one block, n a multiple of 8, m a multiple of 4: 4 output rows x 16
- * columns in registers while p' runs. */
+ * columns in registers while p' runs. With s = +-1 the product s * z is exact, so fma(s, z, acc)
+ * rounds once exactly where acc + s * z does: the same bits, one instruction. */
 static void mix_block_avx2(const float *zc, float *yc, int64_t m, int64_t n, const float *signs, float scale) {
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int64_t p = 0; p < m; p += 4)
@@ -51,18 +50,18 @@ static void mix_block_avx2(const float *zc, float *yc, int64_t m, int64_t n, con
             __m256 acc[4][2];
             const __m256 z0a = _mm256_loadu_ps(zc + q), z0b = two ? _mm256_loadu_ps(zc + q + 8) : _mm256_setzero_ps();
             for (int i = 0; i < 4; i++) {
-                const __m256 s = sign_of(signs[p + i]);
-                acc[i][0] = _mm256_xor_ps(z0a, s);
-                acc[i][1] = _mm256_xor_ps(z0b, s);
+                const __m256 s = _mm256_set1_ps(signs[p + i]);
+                acc[i][0] = _mm256_mul_ps(s, z0a); /* exact: +-z */
+                acc[i][1] = _mm256_mul_ps(s, z0b);
             }
             for (int64_t pp = 1; pp < m; pp++) {
                 const float *zp = zc + pp * n + q;
                 const __m256 za = _mm256_loadu_ps(zp), zb = two ? _mm256_loadu_ps(zp + 8) : _mm256_setzero_ps();
                 const float *srow = signs + pp * m + p;
                 for (int i = 0; i < 4; i++) {
-                    const __m256 s = sign_of(srow[i]);
-                    acc[i][0] = _mm256_add_ps(acc[i][0], _mm256_xor_ps(za, s));
-                    acc[i][1] = _mm256_add_ps(acc[i][1], _mm256_xor_ps(zb, s));
+                    const __m256 s = _mm256_set1_ps(srow[i]);
+                    acc[i][0] = _mm256_fmadd_ps(s, za, acc[i][0]);
+                    acc[i][1] = _mm256_fmadd_ps(s, zb, acc[i][1]);
                 }
             }
             for (int i = 0; i < 4; i++) {

@@ -4,8 +4,8 @@
  * per register instead of the AVX2 build's 8:
  *   - butterflies h = 1, 2, 4, 8 inside each register by lane permutes (a + b, a - b), then h >= 16
  *     on whole registers;
- *   - the +-1 mix as acc + (z with its sign bit flipped where s = -1), bitwise acc + s * z, for 4
- *     output rows x up to 64 columns held in 16 registers;
+ *   - the +-1 mix as fma(s, z, acc), bitwise acc + s * z (s * z = +-z is exact), for 4 output rows x up
+ *     to 64 columns held in 16 registers;
  *   - one multiplication by `scale`.
  * Sylvester blocks of fewer than 16 floats take the portable loops.
  */
@@ -38,29 +38,25 @@ static void butterflies_avx512(float *z, int64_t n) {
             }
 }
 
-static inline __m512i sign_of(float s) { return _mm512_set1_epi32(s < 0.0f ? (int)0x80000000u : 0); } /* xor mask */
-
-static inline __m512 flip(__m512 z, __m512i sign) {
-    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(z), sign));
-}
-
 /* y = H_m^T z per column for one block, n a multiple of 16, m a multiple of 4: 4 output rows x C
- * registers of 16 columns (C <= 4) accumulate while p' runs; every column's sum is its own. */
+ * registers of 16 columns (C <= 4) accumulate while p' runs; every column's sum is its own. With
+ * s = +-1 the product s * z is exact, so fma(s, z, acc) rounds once exactly where acc + s * z does:
+ * the same bits, one instruction. */
 static inline __attribute__((always_inline)) void mix_columns(const float *zc, float *yc, int64_t m, int64_t n,
                                                               const float *signs, __m512 vscale, int64_t p, int64_t q,
                                                               const int C) {
     __m512 acc[4][4];
     for (int c = 0; c < C; c++) {
         const __m512 z0 = _mm512_loadu_ps(zc + q + 16 * c);
-        for (int i = 0; i < 4; i++) acc[i][c] = flip(z0, sign_of(signs[p + i]));
+        for (int i = 0; i < 4; i++) acc[i][c] = _mm512_mul_ps(_mm512_set1_ps(signs[p + i]), z0); /* exact: +-z */
     }
     for (int64_t pp = 1; pp < m; pp++) {
         const float *srow = signs + pp * m + p;
-        __m512i s[4];
-        for (int i = 0; i < 4; i++) s[i] = sign_of(srow[i]);
+        __m512 s[4];
+        for (int i = 0; i < 4; i++) s[i] = _mm512_set1_ps(srow[i]);
         for (int c = 0; c < C; c++) {
             const __m512 z = _mm512_loadu_ps(zc + pp * n + q + 16 * c);
-            for (int i = 0; i < 4; i++) acc[i][c] = _mm512_add_ps(acc[i][c], flip(z, s[i]));
+            for (int i = 0; i < 4; i++) acc[i][c] = _mm512_fmadd_ps(s[i], z, acc[i][c]);
         }
     }
     for (int i = 0; i < 4; i++)
