@@ -17,12 +17,5 @@
 
 static void rotate_row(const void *x, int dtype, float *z, float *out, int64_t blocks, int64_t m, int64_t n,
                        const float *signs, float scale) {
-    const int64_t K = blocks * m * n;
-    load_row(x, dtype, z, K);
-    for (int64_t g = 0; g < blocks * m; g++) butterflies_scalar(z + g * n, n);
-    if (m == 1) {
-        for (int64_t k = 0; k < K; k++) out[k] = z[k] * scale;
-        return;
-    }
-    for (int64_t c = 0; c < blocks; c++) mix_block_scalar(z + c * m * n, out + c * m * n, m, n, signs, scale);
+    rotate_row_using(x, dtype, z, out, blocks, m, n, signs, scale, 0, NULL, NULL);
 }

@@ -56,6 +56,36 @@ static void mix_block_scalar(const float *zc, float *yc, int64_t m, int64_t n, c
     }
 }
 
+/* One row x (K = blocks * m * n) -> out: load into z, butterflies per Sylvester block, then the +-1 mix
+ * (m > 1) or the scaling (m = 1). A build passes its vector butterflies for blocks whose n is a
+ * multiple of `width` and its vector mix (also m % 4 == 0); width 0 (the portable build) or other
+ * shapes take the scalar loops. Every path computes the same bits. */
+typedef void (*butterflies_fn)(float *z, int64_t n);
+typedef void (*mix_fn)(const float *zc, float *yc, int64_t m, int64_t n, const float *signs, float scale);
+static inline void rotate_row_using(const void *x, int dtype, float *z, float *out, int64_t blocks, int64_t m,
+                                    int64_t n, const float *signs, float scale, int64_t width,
+                                    butterflies_fn butterflies, mix_fn mix) {
+    const int64_t K = blocks * m * n;
+    load_row(x, dtype, z, K);
+    const int vector = width > 0 && n % width == 0;
+    for (int64_t g = 0; g < blocks * m; g++) {
+        if (vector)
+            butterflies(z + g * n, n);
+        else
+            butterflies_scalar(z + g * n, n);
+    }
+    if (m == 1) {
+        for (int64_t k = 0; k < K; k++) out[k] = z[k] * scale;
+        return;
+    }
+    for (int64_t c = 0; c < blocks; c++) {
+        if (vector && m % 4 == 0)
+            mix(z + c * m * n, out + c * m * n, m, n, signs, scale);
+        else
+            mix_block_scalar(z + c * m * n, out + c * m * n, m, n, signs, scale);
+    }
+}
+
 int qhf_hadamard_rows(const void *x, int64_t x_stride, int64_t rows, int dtype, float *out, int64_t blocks, int64_t m,
                       int64_t n, const float *signs, float scale, int threads) {
     const int64_t K = blocks * m * n;

@@ -78,23 +78,5 @@ static void mix_block_avx512(const float *zc, float *yc, int64_t m, int64_t n, c
 
 static void rotate_row(const void *x, int dtype, float *z, float *out, int64_t blocks, int64_t m, int64_t n,
                        const float *signs, float scale) {
-    const int64_t K = blocks * m * n;
-    load_row(x, dtype, z, K);
-    const int vector = n % 16 == 0;
-    for (int64_t g = 0; g < blocks * m; g++) {
-        if (vector)
-            butterflies_avx512(z + g * n, n);
-        else
-            butterflies_scalar(z + g * n, n);
-    }
-    if (m == 1) {
-        for (int64_t k = 0; k < K; k++) out[k] = z[k] * scale;
-        return;
-    }
-    for (int64_t c = 0; c < blocks; c++) {
-        if (vector && m % 4 == 0)
-            mix_block_avx512(z + c * m * n, out + c * m * n, m, n, signs, scale);
-        else
-            mix_block_scalar(z + c * m * n, out + c * m * n, m, n, signs, scale);
-    }
+    rotate_row_using(x, dtype, z, out, blocks, m, n, signs, scale, 16, butterflies_avx512, mix_block_avx512);
 }
