@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -188,8 +189,15 @@ def default_compile_config(device: torch.device, post_grad_pass: Any = None) -> 
     return config
 
 
-def compiled_step(model: torch.nn.Module, compile_config: Any) -> Callable:
-    """`model.get_compiled_call(compile_config)` with Dynamo's guards built on recursive dict tags.
+def compiled_step(model: torch.nn.Module, compile_config: Any, name: str = "quasar_step") -> Callable:
+    """`torch.compile` of a call of `model` with `compile_config` (what `model.get_compiled_call` compiles),
+    as a function with a code object of its own, and Dynamo's guards built on recursive dict tags.
+
+    Dynamo keeps its compiled graphs, and counts them against `recompile_limit`, per code object: each
+    compiled step made here has its own budget and frees its graphs with itself, so a caller keeping
+    one step per input shape (speculative/compiled_steps.py) never meets the limit that `generate`'s
+    single compiled call hits after a few batch or cache sizes. `name` names the code object (it shows
+    in Dynamo's logs).
 
     A compiled call first checks its guards: about five per tensor the step reads, some 1,000 tensors
     (weights, packed layouts) in a SmolLM2 step, ~3 ms of it. With recursive dict tags a module whose
@@ -198,7 +206,8 @@ def compiled_step(model: torch.nn.Module, compile_config: Any) -> Callable:
     those dicts changed (an attribute or buffer assigned). Dynamo reads the setting when it builds
     guards, i.e. at a (re)compile inside this call; it is set and restored around each call by hand
     (about 5 us; `config.patch` costs about 25)."""
-    compiled = model.get_compiled_call(compile_config)
+    call = _call_with_own_code(model, name)
+    compiled = torch.compile(call, **compile_config.to_dict())
     dynamo_config = torch._dynamo.config
 
     def step(*args: Any, **kwargs: Any) -> Any:
@@ -209,7 +218,20 @@ def compiled_step(model: torch.nn.Module, compile_config: Any) -> Callable:
         finally:
             dynamo_config.use_recursive_dict_tags_for_guards = before
 
+    step.__wrapped__ = call  # the compiled function (Dynamo's cache entries hang on its __code__)
     return step
+
+
+def _call_with_own_code(module: torch.nn.Module, name: str) -> Callable:
+    """`module(*args, **kwargs)` as a new function whose code object is its own (named `name`)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return module(*args, **kwargs)
+
+    code = call.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):  # Python >= 3.11
+        code = code.replace(co_qualname=name)
+    return types.FunctionType(code, call.__globals__, name, None, call.__closure__)
 
 
 # ---------------------------------------------------------------- configs

@@ -10,7 +10,8 @@ would see alone (masked keys do not change a row-stable step's bits).
 After the eager prefill every step has one of two shapes, [B, 1] (decode) or [B, k + 1] (verify,
 drafts padded to k), so a compiled step runs two graphs and never recompiles once warm. Finished
 rows stay in the batch as idle rows (each sees only its own new token, and its outputs are
-dropped), so the batch size, and with it the graphs, never changes.
+dropped), so the batch size, and with it the graphs, never changes. Rows that pad a batch up to a
+compiled step's size (compiled_steps.batch_bucket) idle from the start.
 """
 
 from __future__ import annotations
@@ -36,21 +37,27 @@ class StaticVerifierCache:
     def __init__(
         self,
         model: torch.nn.Module,
-        batch_size: int,
+        rows: int,
         device: torch.device,
         max_cache_len: int,
         step: Callable | None = None,
         verify_kwargs: dict | None = None,
+        batch_size: int | None = None,
     ) -> None:
+        """`rows` rows are allocated; the first `batch_size` (default: all) are the prompts' and the
+        others idle from the start (padding to a compiled step's batch)."""
         self.model = model
         self.max_cache_len = max_cache_len
         self.step = step if step is not None else model
         self.verify_kwargs = verify_kwargs or {}
         self.cache, self.has_sliding_layers = compat.full_attention_static_cache(model, max_cache_len)
-        self.slot_mask = torch.zeros(batch_size, max_cache_len, dtype=torch.long, device=device)  # [B_all, slots]
-        self.valid_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B_all] kept tokens per row
+        batch_size = rows if batch_size is None else batch_size
+        if not 1 <= batch_size <= rows:
+            raise ValueError(f"a static cache of {rows} rows cannot hold a batch of {batch_size}")
+        self.slot_mask = torch.zeros(rows, max_cache_len, dtype=torch.long, device=device)  # [B_all, slots]
+        self.valid_len = torch.zeros(rows, dtype=torch.long, device=device)  # [B_all] kept tokens per row
         self.rows = torch.arange(batch_size, device=device)  # [B]: the unfinished rows among the B_all allocated
-        self.idle_rows = self.rows[:0]  # [B_all - B]: the finished ones (found once per select_rows, not per step)
+        self.idle_rows = torch.arange(batch_size, rows, device=device)  # [B_all - B]: padding and finished rows
         self.length = 0  # slots in use (where the next step writes)
         self._counter = 0  # where the cache layers will write next
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters

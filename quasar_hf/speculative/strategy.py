@@ -32,6 +32,7 @@ from quasar_hf import compat
 
 from .attention import verification_attention
 from .checks import _check_inputs, _refuse_unsupported
+from .compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for
 from .config import QuasarGenerationConfig
 from .drafters import make_drafter
 from .loop import PreparedGeneration, QuasarGenerateOutput, SpeculativeRun
@@ -116,26 +117,26 @@ def verifier_cache(
     model: torch.nn.Module, prepared: PreparedGeneration, config: QuasarGenerationConfig, verify_kwargs: dict
 ) -> tuple[StaticVerifierCache | None, int | None]:
     """The static verifier cache and the padded draft width when the config asks for one, else (None, None):
-    the loop then keeps a RowAlignedCache. With compile, steps run `model.get_compiled_call` (through
-    `compat.compiled_step`, which builds its guards on dict tags) with the CompileConfig given
-    (quasar's, else generate's `compile_config`, else `ops.graph_passes.compile_config`):
-    the callable plain compiled `generate` runs too, kept on the model, so calls with the same settings
-    share its graphs."""
+    the loop then keeps a RowAlignedCache. With compile, the cache's batch and size are bucketed and its
+    steps run the model's compiled step for that shape (speculative/compiled_steps.py), compiled with
+    the CompileConfig given (quasar's, else generate's `compile_config`, else
+    `ops.graph_passes.compile_config`): calls of the same shapes and settings share its graphs."""
     if config.cache_implementation != "static":
         return None, None
     width = max(config.num_draft_tokens, 1)
-    step = None
-    if config.compile:
-        compile_config = config.compile if not isinstance(config.compile, bool) else None
-        compile_config = compile_config or prepared.generation_config.compile_config  # generate(compile_config=...)
-        if compile_config is None:
-            from quasar_hf.ops.graph_passes import compile_config as quasar_compile_config  # imports Inductor
-
-            compile_config = quasar_compile_config(prepared.input_ids.device)
-        step = compat.compiled_step(model, compile_config)
     batch_size, device = prepared.input_ids.shape[0], prepared.input_ids.device
-    slots = static_cache_slots(prepared.max_length + width + 1)
-    cache = StaticVerifierCache(model, batch_size, device, slots, step, verify_kwargs)
+    tokens = prepared.max_length + width + 1
+    if not config.compile:
+        return StaticVerifierCache(model, batch_size, device, static_cache_slots(tokens), None, verify_kwargs), width
+    compile_config = config.compile if not isinstance(config.compile, bool) else None
+    compile_config = compile_config or prepared.generation_config.compile_config  # generate(compile_config=...)
+    if compile_config is None:
+        from quasar_hf.ops.graph_passes import compile_config as quasar_compile_config  # imports Inductor
+
+        compile_config = quasar_compile_config(device)
+    rows, slots = batch_bucket(batch_size), compiled_cache_slots(tokens)
+    step = compiled_steps_for(model, compile_config).step_for(rows, slots)
+    cache = StaticVerifierCache(model, rows, device, slots, step, verify_kwargs, batch_size=batch_size)
     return cache, width
 
 

@@ -1,0 +1,89 @@
+"""Compiled steps over any sequence of shapes (speculative/compiled_steps.py).
+
+A long-lived process calling compiled `generate(quasar=...)` with changing batch sizes, lengths and
+draft widths never meets Dynamo's recompile limit, and every output equals compiled plain greedy
+decoding (`num_draft_tokens=0`) of the same prompts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from quasar_hf.speculative import compiled_steps
+from quasar_hf.speculative.compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for
+from tests.test_static_steps import AOT_EAGER, left_padded, needs_kernels, quasar_model, repeating_prompt
+
+COMPILED = {"compile": AOT_EAGER}  # Dynamo's graphs and guards (what the limit counts), eager kernels: seconds
+
+
+def batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`size` left-padded prompts of different lengths that repeat themselves (n-gram drafts get accepted)."""
+    return left_padded([repeating_prompt(seed, 12 + 3 * seed) for seed in range(size)])
+
+
+def compiled_greedy(model, ids, mask, new_tokens: int, **quasar) -> torch.Tensor:
+    options = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return model.generate(ids, quasar={**COMPILED, **quasar}, **options)
+
+
+def test_batches_round_to_powers_of_two_and_caches_to_doubling_sizes():
+    assert [batch_bucket(b) for b in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+    assert [compiled_cache_slots(t) for t in (1, 256, 257, 600, 1025)] == [256, 256, 512, 1024, 2048]
+    with pytest.raises(ValueError, match="batch size"):
+        batch_bucket(0)
+
+
+@needs_kernels
+def test_any_sequence_of_batch_sizes_and_lengths_stays_compiled_and_exact(tmp_path):
+    """Batch sizes 1 to 6, then a longer generation (a larger cache), then back: each compiled quasar
+    output equals compiled plain greedy, and no call raises (main raised at the fifth batch size)."""
+    model = quasar_model(tmp_path, "llama", torch.bfloat16)
+    torch._dynamo.reset()
+    accepted_somewhere = False
+    with torch.no_grad():
+        for size, new_tokens in [(1, 8), (2, 8), (3, 8), (4, 8), (5, 8), (6, 8), (2, 300), (1, 8)]:
+            ids, mask = batch(size)
+            plain = compiled_greedy(model, ids, mask, new_tokens, num_draft_tokens=0)
+            options = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            out = model.generate(ids, quasar=COMPILED, eos_token_id=None, return_dict_in_generate=True, **options)
+            assert torch.equal(out.sequences, plain), f"batch {size}, {new_tokens} tokens"
+            accepted_somewhere |= out.quasar_stats.accepted_tokens > 0
+    table = compiled_steps_for(model, AOT_EAGER)
+    assert set(table.steps) == {(1, 256), (2, 256), (4, 256), (8, 256), (2, 512)}
+    assert table.compiled_keys == 5 and accepted_somewhere
+    torch._dynamo.reset()
+
+
+@needs_kernels
+def test_the_oldest_shape_is_dropped_and_compiles_again_with_the_same_tokens(tmp_path):
+    model = quasar_model(tmp_path, "llama", torch.bfloat16)
+    torch._dynamo.reset()
+    table = compiled_steps.CompiledSteps(model, AOT_EAGER, max_shapes=2)
+    model.__dict__[compiled_steps.TABLE_ATTR] = table
+    with torch.no_grad():
+        first = compiled_greedy(model, *batch(1), 8)
+        for size in (2, 3):
+            compiled_greedy(model, *batch(size), 8)
+        assert list(table.steps) == [(2, 256), (4, 256)], "batch 1's steps were dropped"
+        again = compiled_greedy(model, *batch(1), 8)
+    assert torch.equal(again, first) and table.compiled_keys == 4
+    torch._dynamo.reset()
+
+
+@needs_kernels
+def test_more_draft_widths_than_dynamo_allows_one_function_still_run(tmp_path):
+    """num_draft_tokens 1..8 at one shape: a decode graph and eight verify graphs, one more than
+    Dynamo's recompile_limit (8) lets one function hold; the step is rebuilt, and stays exact."""
+    assert torch._dynamo.config.recompile_limit == 8
+    model = quasar_model(tmp_path, "llama", torch.bfloat16)
+    ids, mask = batch(1)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        plain = compiled_greedy(model, ids, mask, 10, num_draft_tokens=0)
+        for width in range(1, 9):
+            assert torch.equal(compiled_greedy(model, ids, mask, 10, num_draft_tokens=width), plain), f"width {width}"
+    table = compiled_steps_for(model, AOT_EAGER)
+    assert list(table.steps) == [(1, 256)] and table.compiled_keys == 2, "one rebuild"
+    torch._dynamo.reset()
