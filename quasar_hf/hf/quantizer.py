@@ -7,12 +7,11 @@ row-stable attention and lm_head and its Quasar methods (`quasar_hf.hf.binding`)
 
 from __future__ import annotations
 
-import os
-
 import torch
 from transformers.quantizers.base import HfQuantizer
 
 from quasar_hf.hf.binding import bind_quasar_methods
+from quasar_hf.hf.checkpoint_checks import check_checkpoint_files, layout_metadata
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.quantize_on_load import (
     fold_norms,
@@ -23,8 +22,6 @@ from quasar_hf.hf.quantize_on_load import (
 )
 from quasar_hf.nn import W8A8Linear, prepare_weights
 from quasar_hf.ops.rowstable_attention import use_rowstable_attention
-
-_EXPECTED_DTYPES = {"weight": "I8", "weight_scale": "F32", "act_prescale": "F32"}
 
 
 class QuasarHfQuantizer(HfQuantizer):
@@ -49,7 +46,7 @@ class QuasarHfQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         if self.pre_quantized:
-            _check_checkpoint_files(checkpoint_files, self.quantization_config)
+            check_checkpoint_files(checkpoint_files, self.quantization_config)
             replace_with_w8a8_skeleton(model, self.quantization_config)
         return model
 
@@ -73,6 +70,10 @@ class QuasarHfQuantizer(HfQuantizer):
     def is_serializable(self, **kwargs) -> bool:
         return True
 
+    def get_state_dict_and_metadata(self, model):
+        """The model's own state dict, and the layout record each shard's header carries (checkpoint_checks)."""
+        return None, layout_metadata(model, self.quantization_config)
+
     @property
     def is_trainable(self) -> bool:
         return False
@@ -83,55 +84,6 @@ class QuasarHfQuantizer(HfQuantizer):
         or a per-row norm, so compiled `quasar=True` gives the tokens of compiled plain greedy decoding
         with the same CompileConfig (tests/test_static_steps.py); compiled need not equal eager."""
         return True
-
-
-def _check_checkpoint_files(checkpoint_files: list[str] | None, config: QuasarConfig) -> None:
-    """Safetensors only, and every quantized tensor present with the right dtype (checked from headers)."""
-    if not checkpoint_files:
-        return
-    pickled = [f for f in checkpoint_files if not str(f).endswith(".safetensors")]
-    if pickled:
-        raise ValueError(
-            f"Quasar checkpoints load from safetensors only (never unpickled); got {pickled}. "
-            "Re-save the model with save_pretrained(safe_serialization=True)."
-        )
-    from safetensors import safe_open
-
-    dtypes: dict[str, str] = {}
-    for path in checkpoint_files:
-        with safe_open(path, framework="pt") as handle:
-            for key in handle.keys():
-                dtypes[key] = handle.get_slice(key).get_dtype()
-    quantized = set(config.quantized_modules or [])
-    stray = sorted(
-        key[: -len(".weight")]
-        for key, dtype in dtypes.items()
-        if dtype == _EXPECTED_DTYPES["weight"]
-        and key.endswith(".weight")
-        and not any(key == f"{name}.weight" or key.endswith(f".{name}.weight") for name in quantized)
-    )
-    if stray:
-        raise ValueError(
-            f"Quasar checkpoint holds int8 weights for {stray[:5]}{' ...' if len(stray) > 5 else ''}, but its config's "
-            "quantization_config.quantized_modules does not list them, so they would load into float layers. "
-            "The config.json was edited or belongs to another save: re-save the model from quasar_hf."
-        )
-    prescaled = set(config.prescaled_modules or [])
-    for name in config.quantized_modules or []:
-        wanted = ["weight", "weight_scale"] + (["act_prescale"] if name in prescaled else [])
-        for suffix in wanted:
-            key = f"{name}.{suffix}"
-            alias = next((k for k in dtypes if k == key or k.endswith("." + key)), None)
-            if alias is None:
-                raise ValueError(
-                    f"Quasar checkpoint is missing tensor {key!r} in {[os.path.basename(f) for f in checkpoint_files]}; "
-                    "the checkpoint is incomplete. Re-save it, or re-quantize the original model."
-                )
-            if dtypes[alias] != _EXPECTED_DTYPES[suffix]:
-                raise ValueError(
-                    f"Quasar checkpoint tensor {key!r} has dtype {dtypes[alias]}, expected {_EXPECTED_DTYPES[suffix]}; "
-                    "the checkpoint was modified or converted. Re-save it from quasar_hf."
-                )
 
 
 def _check_loaded_modules(model: torch.nn.Module) -> None:
