@@ -1,5 +1,5 @@
 """Input checks of the speculative loop that run before any forward: the assistant's vocabulary,
-the drafter value, and empty rows in a batch."""
+the drafter value, empty rows in a batch, and token ids outside the vocabulary."""
 
 from __future__ import annotations
 
@@ -96,3 +96,16 @@ def test_an_empty_row_is_reported_as_empty_not_as_right_padding():
     with pytest.raises(ValueError, match=r"Row\(s\) \[1\] of the batch are empty") as error:
         speculative_generate(verifier, ids, mask, max_new_tokens=4)
     assert "Right padding" not in str(error.value)
+
+
+@pytest.mark.parametrize("bad", [VERIFIER_VOCAB, 10**6, -1])
+def test_an_id_outside_the_vocabulary_is_one_clear_error_before_any_forward(bad):
+    verifier = tiny_model()
+    calls = count_forwards(verifier)
+    ids = repetitive_prompt(3).clone()
+    ids[0, 4] = bad
+    with pytest.raises(ValueError, match=rf"token id {bad} \(row 0, position 4\), outside this model's vocabulary of 256"):
+        speculative_generate(verifier, ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="outside this model's vocabulary"):
+        speculative_generate(verifier, torch.cat([ids, ids]), max_new_tokens=4, quasar_config={"cache_implementation": "static"})
+    assert calls == [0]

@@ -36,6 +36,7 @@ def _check_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
         )
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: speculative generation needs a prompt of at least one token.")
+    _check_token_range(model, input_ids)
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
             raise ValueError(
@@ -51,6 +52,23 @@ def _check_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mas
             raise ValueError(
                 "Right padding detected: decoder-only generation needs left padding (tokenizer.padding_side = 'left')."
             )
+
+
+def _check_token_range(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
+    """Every id indexes the embedding table (else the embedding lookup fails deep inside the forward)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is None or input_ids.numel() == 0:
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= rows:
+        bad = low if low < 0 else high
+        where = (input_ids == bad).nonzero()[0].tolist()
+        raise ValueError(
+            f"input_ids holds token id {bad} (row {where[0]}, position {where[1]}), outside this model's vocabulary "
+            f"of {rows} ids (0..{rows - 1}). Tokenize with the model's own tokenizer, and use an in-vocabulary "
+            "pad_token_id for padding."
+        )
 
 
 def _refuse_unsupported(config: GenerationConfig, model_kwargs: dict) -> None:
