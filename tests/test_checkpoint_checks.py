@@ -177,3 +177,23 @@ def _layout(folder: str) -> str:
 
     with safe_open(f"{folder}/model.safetensors", framework="pt") as handle:
         return handle.metadata()[LAYOUT_KEY]
+
+
+def test_bytes_changed_on_disk_are_refused_naming_the_tensor_unless_checks_are_off(saved, tmp_path, monkeypatch):
+    """Random bytes written into the middle of the tensor data (safetensors has no checksum of its own)."""
+    from quasar_hf.hf.checksums import DIGESTS_KEY, check_file_digests
+
+    folder = edited_copy(saved["rotated"], tmp_path / "flipped", lambda q: None)
+    path = f"{folder}/model.safetensors"
+    assert check_file_digests(path) == len(load_file(path))  # every stored tensor has its digest
+    data = bytearray(open(path, "rb").read())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = (
+        torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)).to(torch.uint8).numpy().tobytes()
+    )
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(ValueError, match=r"model\.safetensors: the bytes of tensor '.+' do not match the SHA-256"):
+        AutoModelForCausalLM.from_pretrained(folder)
+    monkeypatch.setenv("QUASAR_VERIFY_CHECKSUMS", "0")
+    AutoModelForCausalLM.from_pretrained(folder)  # the user's call: loads the changed bytes
+    assert DIGESTS_KEY in open(path, "rb").read(20000).decode("latin-1")

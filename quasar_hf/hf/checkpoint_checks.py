@@ -5,7 +5,8 @@ the module tree): which linears are W8A8, which rotate their input and at what w
 an activation prescale, which decoder linears stay float, and the draft path. At load,
 `check_checkpoint_files` compares every field of `quantization_config` that changes the math with
 that record and with the tensors themselves (names, dtypes, shapes, read from the headers only),
-and refuses a mismatch with a message naming the field and the module. A config edited by hand, a
+and refuses a mismatch with a message naming the field and the module; each tensor's bytes are
+checked against the SHA-256 saved with them (checksums.py). A config edited by hand, a
 hand-merged config or a Hub repo whose config.json was changed apart from its weights then fails
 to load instead of computing garbage.
 
@@ -22,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from quasar_hf.hf.checksums import check_file_digests, checks_enabled
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
 
@@ -66,6 +68,9 @@ def check_checkpoint_files(checkpoint_files: list[str] | None, config: QuasarCon
         )
     tensors, layouts = _read_headers(checkpoint_files)
     _check_quantized_tensors(tensors, config, [os.path.basename(f) for f in checkpoint_files])
+    if checks_enabled():
+        for path in checkpoint_files:
+            check_file_digests(str(path))
     if not layouts:
         logger.warning(
             "This Quasar checkpoint predates the layout record that lets a load check config.json against the "

@@ -12,6 +12,7 @@ from transformers.quantizers.base import HfQuantizer
 
 from quasar_hf.hf.binding import bind_quasar_methods
 from quasar_hf.hf.checkpoint_checks import check_checkpoint_files, layout_metadata
+from quasar_hf.hf.checksums import tensor_digests
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.quantize_on_load import (
     fold_norms,
@@ -71,8 +72,10 @@ class QuasarHfQuantizer(HfQuantizer):
         return True
 
     def get_state_dict_and_metadata(self, model):
-        """The model's own state dict, and the layout record each shard's header carries (checkpoint_checks)."""
-        return None, layout_metadata(model, self.quantization_config)
+        """The model's own state dict, and what each shard's header carries: the layout record
+        (checkpoint_checks) and every tensor's SHA-256 (checksums), both checked at load."""
+        state_dict = model.state_dict()
+        return state_dict, {**layout_metadata(model, self.quantization_config), **tensor_digests(state_dict)}
 
     @property
     def is_trainable(self) -> bool:

@@ -1,0 +1,78 @@
+"""SHA-256 of every saved tensor, kept in the safetensors header and checked at load.
+
+safetensors itself has no checksum: bytes flipped on disk or in a partial download load silently
+and compute wrong logits. A Quasar save records each tensor's digest (`tensor_digests`, from the
+tensors being saved) in the header entry `quasar_sha256`; a load hashes the stored bytes of each
+recorded tensor straight from the file (`check_file_digests`, through mmap: no tensor is built)
+and refuses a mismatch, naming the tensor and the file. Hashing runs at roughly 1 GB/s on one
+core (benchmarks/README.md: load_checksum). Set QUASAR_VERIFY_CHECKSUMS=0 to skip the check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+from collections.abc import Mapping
+
+import torch
+
+DIGESTS_KEY = "quasar_sha256"
+SKIP_ENV = "QUASAR_VERIFY_CHECKSUMS"
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes safetensors stores for `tensor`: its elements, contiguous, little-endian."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def tensor_digests(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The header entry: {DIGESTS_KEY: JSON {tensor name: sha256 hex}} of the tensors being saved."""
+    digests = {name: hashlib.sha256(tensor_bytes(t)).hexdigest() for name, t in state_dict.items() if isinstance(t, torch.Tensor)}
+    return {DIGESTS_KEY: json.dumps(digests, sort_keys=True)}
+
+
+def checks_enabled() -> bool:
+    return os.environ.get(SKIP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def check_file_digests(path: str) -> int:
+    """Hash each tensor of the safetensors file at `path` that its header has a digest for; raise on
+    the first mismatch. Returns how many tensors were checked (0 for a file without digests)."""
+    with open(path, "rb") as handle:
+        header_len = struct.unpack("<Q", handle.read(8))[0]
+        header = json.loads(handle.read(header_len))
+        recorded = (header.get("__metadata__") or {}).get(DIGESTS_KEY)
+        if recorded is None:
+            return 0
+        try:
+            digests = json.loads(recorded)
+        except json.JSONDecodeError:
+            raise ValueError(
+                f"{os.path.basename(path)}: its {DIGESTS_KEY} header entry is not JSON; the file was modified."
+            ) from None
+        start = 8 + header_len
+        if os.fstat(handle.fileno()).st_size <= start:
+            return _check_each(header, digests, memoryview(b""), start, path)
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as data:
+            checked = _check_each(header, digests, data, start, path)
+    return checked
+
+
+def _check_each(header: dict, digests: dict, data: memoryview, start: int, path: str) -> int:
+    checked = 0
+    for name, entry in header.items():
+        if name == "__metadata__" or name not in digests:
+            continue
+        begin, end = entry["data_offsets"]
+        if hashlib.sha256(data[start + begin : start + end]).hexdigest() != digests[name]:
+            raise ValueError(
+                f"{os.path.basename(path)}: the bytes of tensor {name!r} do not match the SHA-256 saved with it, "
+                "so the file was corrupted after it was written (a disk error, an interrupted copy or download). "
+                f"Download or save the checkpoint again (to load it anyway, set {SKIP_ENV}=0)."
+            )
+        checked += 1
+    return checked
