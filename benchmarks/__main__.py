@@ -21,6 +21,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "benchmarks.compiled_steps:main",
         "eager vs compiled decode / verify steps against the bytes floor, and end to end with exactness",
     ),
+    "compiled-shapes": (
+        "benchmarks.compiled_shapes:main",
+        "compiled generation over changing batch sizes and lengths: compile cost per new shape, exactness",
+    ),
     "scaling": ("benchmarks.scaling:main", "quantize cost and step time at real Llama sizes (random weights)"),
     "drafters": ("benchmarks.drafters:main", "drafters compared on a real checkpoint, grounded and open prompts"),
     "fidelity": ("benchmarks.fidelity:main", "W8A8 vs BF16 perplexity, top-1 and KL of QuasarConfig variants on one model"),
@@ -46,6 +50,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
     "per-layer-compare": ("benchmarks.per_layer_compare:main", "two per-layer reports of one model side by side (dB change)"),
     "humaneval": ("quasar_hf.eval.humaneval:main", "HumanEval pass@1: unquantized vs W8A8 vs W8A8 with Quasar decoding"),
     "gpu-check": ("benchmarks.gpu_check:main", "one-call GPU check: kernels, verify step, end to end (--tiny on CPU)"),
+    "load-checksum": (
+        "benchmarks.load_checksum:main",
+        "the SHA-256 check at load beside reading the tensors, at real checkpoint sizes",
+    ),
     "vllm-check": ("benchmarks.vllm_check:main", "serve the compressed-tensors export in vLLM and compare its greedy output"),
 }
 

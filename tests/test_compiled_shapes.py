@@ -87,3 +87,24 @@ def test_more_draft_widths_than_dynamo_allows_one_function_still_run(tmp_path):
     table = compiled_steps_for(model, AOT_EAGER)
     assert list(table.steps) == [(1, 256)] and table.compiled_keys == 2, "one rebuild"
     torch._dynamo.reset()
+
+
+@needs_kernels
+def test_compiled_shapes_measurement_reports_keys_times_and_exactness(tmp_path):
+    import json
+
+    from benchmarks import compiled_shapes
+    from tests.tiny_models import char_tokenizer
+
+    model = quasar_model(tmp_path, "llama", torch.bfloat16)
+    model.save_pretrained(tmp_path / "saved")
+    char_tokenizer().save_pretrained(tmp_path / "saved")
+    torch._dynamo.reset()
+    argv = ["--quantized", str(tmp_path / "saved"), "--calls", "1x4,3x4,4x4", "--backend", "aot_eager", "--out", str(tmp_path)]
+    paths = compiled_shapes.main(argv)
+    torch._dynamo.reset()
+    report = json.loads(open(paths[0]).read())
+    assert [r["key"] for r in report["rows"]] == [[1, 256], [4, 256], [4, 256]]
+    assert [r["new_key"] for r in report["rows"]] == [True, True, False] and report["all_equal"]
+    with pytest.raises(SystemExit):
+        compiled_shapes.main(["--quantized", ".", "--calls", "9x4"])
