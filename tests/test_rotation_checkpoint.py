@@ -56,7 +56,7 @@ def test_rotated_linears_are_recorded_and_reload_bit_identical(rotated_save):
     [
         (lambda q: q["rotation_info"].update(construction="another"), "different rotation"),
         (lambda q: q["rotation_info"]["sizes"].update({"128": [2, 1, 64]}), "different rotation"),
-        (lambda q: q["rotated_modules"].append("model.layers.0.mlp.up_proj.missing"), "not quantized"),
+        (lambda q: q["rotated_modules"].append("model.layers.0.mlp.up_proj.missing"), "rotated_modules lists"),
     ],
 )
 def test_a_checkpoint_whose_rotation_this_code_would_not_rebuild_is_refused(rotated_save, tmp_path, edit, message):
