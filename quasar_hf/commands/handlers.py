@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import time
 
@@ -41,19 +43,55 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         options["rotate"] = args.rotate
     if args.weight_rounding is not None:
         options["weight_rounding"] = args.weight_rounding
+    if args.calibration_dtype is not None:
+        options["calibration_dtype"] = args.calibration_dtype
+    state = resume_folder(args.out)
+    options["resume_dir"] = state
+    print(
+        f"quantizing {args.model}; its progress is saved after every layer in {state}: if this run stops, run the "
+        "same command again to continue from the last finished layer",
+        flush=True,
+    )
     start = time.perf_counter()
-    model = quantize_checkpoint(path, options, args.dtype)
+    try:
+        model = quantize_checkpoint(path, options, args.dtype)
+    except BaseException:  # a failure, Ctrl-C, or an out-of-memory error: say where to pick up
+        done = _finished_layers(state)
+        if done:
+            print(f"stopped after {done} finished decoder layers; run the same command again to resume", file=sys.stderr)
+        raise
     tokenizer = load_tokenizer(path)
     save_quantized(model, tokenizer, args.out)
+    shutil.rmtree(state, ignore_errors=True)  # saved: the state is not needed any more
     qconfig = model.config.quantization_config
     count = len(getattr(qconfig, "quantized_modules", None) or [])
     print(f"quantized {count} linear layers to W8A8 in {time.perf_counter() - start:.1f} s; saved to {args.out}")
+    info = getattr(qconfig, "calibration_info", None) or {}
+    if info.get("math_dtype"):
+        print(f"calibration computed in {info['math_dtype']} ({info.get('math_dtype_reason', '')})")
+    if args.profile and info.get("timing"):
+        from quasar_hf.smoothquant.phase_times import format_timing
+
+        print(format_timing(info["timing"]))
     if args.push_to_hub:
         from quasar_hf.hub.push import push_quasar_model
 
         commit = push_quasar_model(model, args.push_to_hub, tokenizer=tokenizer, token=args.token, private=args.private)
         print(f"pushed to {commit.commit_url}")
     return 0
+
+
+def _finished_layers(state: str) -> int:
+    try:
+        with open(os.path.join(state, "progress.json")) as f:
+            return int(json.load(f).get("next_layer", 0))
+    except (OSError, ValueError):
+        return 0
+
+
+def resume_folder(out: str) -> str:
+    """Where `quantize --out OUT` keeps its per-layer state: OUT.partial beside the output."""
+    return os.path.abspath(out).rstrip(os.sep) + ".partial"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

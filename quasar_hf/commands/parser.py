@@ -96,6 +96,13 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     quantize.add_argument("--seq-len", type=positive_int, default=512, help="tokens per calibration block (default 512)")
     quantize.add_argument("--draft-layers", type=draft_layers_value, help="layers kept for self-drafting: 'auto' or 0,1,2")
     quantize.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the unquantized parts")
+    quantize.add_argument(
+        "--calibration-dtype",
+        choices=("auto", "model", "float32"),
+        default=None,
+        help="what calibration computes in (default auto: float32 on a CPU without native bf16)",
+    )
+    quantize.add_argument("--profile", action="store_true", help="print where the quantization time went, by phase")
     quantize.add_argument("--push-to-hub", metavar="REPO", help="also push the result to this Hub repo")
     quantize.add_argument("--token", help="Hub token for --push-to-hub (default: the stored login)")
     quantize.add_argument("--private", action="store_true", help="create the Hub repo as private")

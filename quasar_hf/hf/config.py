@@ -8,6 +8,8 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from quasar_hf.smoothquant.math_dtype import CALIBRATION_DTYPES
+
 QUASAR_FORMAT_VERSION = "1"
 DEFAULT_ALPHA_GRID = [round(0.1 * i, 1) for i in range(11)]
 _BACKENDS = ("auto", "reference", "torch", "triton", "bitsandbytes", "cpu_fused")
@@ -17,7 +19,7 @@ _WEIGHT_ROUNDINGS = ("nearest", "gptq")
 ROTATABLE = ("down_proj", "o_proj")  # linear inputs no norm produces: where smoothing does least
 DEFAULT_ROTATE = ["down_proj"]  # o_proj: +1.6 dB on SmolLM2 but -2.3 dB on Qwen 0.5B (benchmarks/rotation_sqnr.md)
 # Fields that are run-time inputs only (never written to config.json).
-_RUNTIME_ONLY = ("tokenizer", "calibration_dataset")
+_RUNTIME_ONLY = ("tokenizer", "calibration_dataset", "resume_dir")
 
 
 @dataclass
@@ -50,11 +52,17 @@ class QuasarConfig(QuantizationConfigMixin):
         draft_vocab_size: None (the draft uses the full lm_head), or N: a reduced-vocabulary draft head
             of the N tokens most frequent in the calibration text (drafter="self_reduced"); needs draft_layers.
         tokenizer: tokenizer (or its path) for calibration; defaults to the model's own folder.
+        resume_dir: a folder where quantization saves its state after every decoder layer; a run
+            with the same model and settings that finds a state there continues after its last
+            finished layer, with a bit-identical result (not saved in config.json; not with keep_float).
         keep_float: None, "auto" or a list of full linear names kept in the model's float dtype: "auto"
             keeps the decoder linears with the largest W8A8 error on calibration rows, most damaging
             first, while the bytes they add stay within `keep_float_budget`.
         keep_float_budget: the bytes kept linears may add (float minus int8 bytes), as a fraction of all
             int8 weight bytes.
+        calibration_dtype: what calibration, the alpha search and GPTQ compute in: "auto" (fp32 on a
+            CPU that emulates the model's bf16/fp16, i.e. without AVX512-BF16 or AMX; else the model's
+            dtype), "model" or "float32". The saved checkpoint keeps the model's dtype either way.
         rotate: which decoder linears quantize a Hadamard-rotated input instead of a smoothed one
             (RotatedW8A8Linear): any of "down_proj", "o_proj"; [] for SmoothQuant alone. The rotation
             is online, inside the W8A8 verify path only; the draft path and the shared ends are untouched.
@@ -82,10 +90,12 @@ class QuasarConfig(QuantizationConfigMixin):
     draft_budget: float = 0.5
     draft_vocab_size: int | None = None
     seed: int = 0
+    calibration_dtype: str = "auto"
     keep_float: list[str] | str | None = None
     keep_float_budget: float = 0.05
     rotate: list[str] = field(default_factory=lambda: list(DEFAULT_ROTATE))
     tokenizer: Any = None
+    resume_dir: str | None = None
     version: str = QUASAR_FORMAT_VERSION
     calibration_info: dict | None = None
     searched_alphas: dict | None = None
@@ -145,6 +155,11 @@ class QuasarConfig(QuantizationConfigMixin):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if self.calibration_dtype not in CALIBRATION_DTYPES:
+            raise ValueError(
+                f"calibration_dtype must be one of {list(CALIBRATION_DTYPES)} ('auto': fp32 on a CPU that emulates "
+                f"the model's bf16/fp16, else the model's dtype); got {self.calibration_dtype!r}"
+            )
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}; got {self.backend!r}")
         if self.draft_dtype not in _DRAFT_DTYPES:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
 
 import torch
 from torch import nn
 
 from quasar_hf import compat
-from quasar_hf.hf.config import QuasarConfig
+from quasar_hf.hf.checksums import tensor_bytes
+from quasar_hf.hf.config import QUASAR_FORMAT_VERSION, QuasarConfig
+from quasar_hf.hf.resume_state import ResumeState, fingerprint
 from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially, set_submodule
 from quasar_hf.nn import FoldedRMSNorm, RotatedW8A8Linear, RowStableLinear, RowStableRMSNorm, W8A8Linear
 from quasar_hf.nn.folded_norm import rmsnorm_epsilon
@@ -26,6 +30,9 @@ from quasar_hf.self_draft.path import attach_draft_layers, module_bytes
 from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibration_texts
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
 from quasar_hf.smoothquant.mappings import decoder_layers, resolve_mappings
+from quasar_hf.smoothquant.phase_times import PhaseTimes
+
+logger = logging.getLogger(__name__)
 
 
 def _excluded(name: str, patterns: list[str]) -> bool:
@@ -205,17 +212,22 @@ def quantize_model(
     next layer's calibration: "quantized" (the W8A8 layer's outputs) or "float".
     """
     started = time.perf_counter()
+    times = PhaseTimes()
     arch = resolve_mappings(model, config.smoothquant_mappings)
     names = find_quantizable_linears(model, arch.layers_path, config.modules_to_not_convert)
-    blocks, source = calibration_blocks(model, config)
+    with times.phase("calibration_text"):
+        blocks, source = calibration_blocks(model, config)
     if config.draft_layers is not None:
-        config.draft_info = build_draft_path(model, config, blocks, progress)
-        if config.draft_vocab_size is not None:
-            config.draft_info.update(build_draft_head(model, config.draft_vocab_size, blocks))
+        with times.phase("draft_path"):
+            config.draft_info = build_draft_path(model, config, blocks, progress)
+            if config.draft_vocab_size is not None:
+                config.draft_info.update(build_draft_head(model, config.draft_vocab_size, blocks))
     keep = None
     if config.keep_float is not None:
         keep = KeepFloatSelector(config.keep_float, config.keep_float_budget, model, names)
-    result = quantize_layers_sequentially(model, arch, names, blocks, config, layer_inputs, progress, keep)
+    with times.phase("resume_fingerprint"):
+        resume = resume_state(model, config, blocks, layer_inputs, keep is not None)
+    result = quantize_layers_sequentially(model, arch, names, blocks, config, layer_inputs, progress, keep, times, resume)
     kept = keep.apply(model) if keep is not None else []
     config.keep_float_info = keep.info() if keep is not None else None
 
@@ -230,9 +242,63 @@ def quantize_model(
         "seq_len": int(blocks.shape[1]),
         "tokens": int(blocks.numel()),
         "layer_inputs": layer_inputs,
+        "math_dtype": result.math_dtype,
+        "math_dtype_reason": result.math_dtype_reason,
         "seconds": round(time.perf_counter() - started, 2),
+        "timing": times.summary(),
     }
     return config.calibration_info
+
+
+def resume_state(
+    model: nn.Module, config: QuasarConfig, blocks: torch.Tensor, layer_inputs: str, keeps_float: bool
+) -> ResumeState | None:
+    """The resume folder of this run (config.resume_dir), keyed by everything its result depends on:
+    the settings, the calibration tokens, every weight's bytes, the versions. None without a folder."""
+    if config.resume_dir is None:
+        return None
+    if keeps_float:
+        logger.warning("keep_float selects across all layers at once: this quantization cannot resume, it saves no state")
+        return None
+    weights = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        weights.update(name.encode())
+        weights.update(tensor_bytes(tensor))
+    settings = {k: v for k, v in config.to_dict().items() if k not in _WRITTEN_BY_QUANTIZER}
+    key = fingerprint(
+        {
+            "settings": settings,
+            "calibration_dataset": repr(config.calibration_dataset),
+            "layer_inputs": layer_inputs,
+            "blocks": hashlib.sha256(blocks.numpy().tobytes()).hexdigest(),
+            "weights": weights.hexdigest(),
+            "model": type(model).__name__,
+            "versions": {"format": QUASAR_FORMAT_VERSION, "quasar_hf": _package_version(), "torch": torch.__version__},
+        }
+    )
+    return ResumeState(config.resume_dir, key)
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("quasar-hf")
+    except PackageNotFoundError:
+        return "source"
+
+
+_WRITTEN_BY_QUANTIZER = (
+    "calibration_info",
+    "searched_alphas",
+    "quantized_modules",
+    "prescaled_modules",
+    "rotated_modules",
+    "rotation_info",
+    "draft_info",
+    "keep_float_info",
+    "measured",
+)
 
 
 DRAFT_SEARCH_BLOCKS = 2

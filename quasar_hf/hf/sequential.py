@@ -20,10 +20,12 @@ from tqdm.auto import tqdm
 
 from quasar_hf import compat
 from quasar_hf.hf.config import QuasarConfig
+from quasar_hf.hf.resume_state import ResumeState
 from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear, rotate_weight
 from quasar_hf.ops.hadamard import HadamardRotation
 from quasar_hf.smoothquant.calibration import (
     CalibrationStats,
+    LayerCall,
     capture_layer_inputs,
     recording_linear_inputs,
     run_layer,
@@ -33,6 +35,8 @@ from quasar_hf.smoothquant.keep_float import KeepFloatSelector
 from quasar_hf.smoothquant.layer_search import RunBlocks, search_alphas_on_layer_output
 from quasar_hf.smoothquant.linear_error import column_row_factors
 from quasar_hf.smoothquant.mappings import ArchitectureMappings, SmoothMapping, decoder_layers
+from quasar_hf.smoothquant.math_dtype import calibration_dtype, cast_layer, restore_dtypes
+from quasar_hf.smoothquant.phase_times import PhaseTimes
 from quasar_hf.smoothquant.smoothing import smooth_mapping
 
 # Which activations feed layer i+1 during calibration: "quantized" (layer i after W8A8) or
@@ -47,6 +51,34 @@ class SequentialResult:
     prescales: dict[str, torch.Tensor] = field(default_factory=dict)  # full name -> 1/s [in]
     alphas: dict[str, float] = field(default_factory=dict)  # "layer.smooth" -> alpha
     rotated: list[str] = field(default_factory=list)  # full names of the RotatedW8A8Linears
+    math_dtype: str = ""  # what calibration computed in (math_dtype.calibration_dtype)
+    math_dtype_reason: str = ""
+
+
+def cast_layer_calls(calls: list[list[LayerCall]], dtype: torch.dtype) -> list[list[LayerCall]]:
+    """Every layer call's floating tensors (masks, rotary embeddings) in `dtype`; a tensor that several
+    calls share is cast once and stays shared."""
+    cast: dict[int, torch.Tensor] = {}
+
+    def one(obj):
+        if isinstance(obj, torch.Tensor) and obj.is_floating_point() and obj.dtype != dtype:
+            if id(obj) not in cast:
+                cast[id(obj)] = (obj, obj.to(dtype))  # holding obj: its id cannot be reused meanwhile
+            return cast[id(obj)][1]
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(one(o) for o in obj)
+        if isinstance(obj, dict):
+            return {k: one(v) for k, v in obj.items()}
+        return obj
+
+    return [[LayerCall(one(call.args), one(call.kwargs)) for call in block] for block in calls]
+
+
+def w8a8_biases_to(layer: nn.Module, dtype: torch.dtype) -> None:
+    """W8A8 biases in the model's dtype (what a reload's skeleton holds); their scales stay fp32."""
+    for module in layer.modules():
+        if isinstance(module, W8A8Linear) and module.bias is not None and module.bias.dtype != dtype:
+            module.bias = module.bias.to(dtype)
 
 
 def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -146,10 +178,12 @@ def swap_in_w8a8(
     backend: str,
     stats: CalibrationStats | None = None,
     rotated: set[str] = frozenset(),
+    times: PhaseTimes | None = None,
 ) -> None:
     """Replace each named nn.Linear under `root` by a W8A8Linear quantized from its (smoothed) fp32 weight
     (a RotatedW8A8Linear from W Q for the `rotated` names): nearest rounding, or GPTQ rounding when
     `stats` carries input Hessians (weight_rounding="gptq"; a rotated input's Hessian is Q^T H Q)."""
+    times = times or PhaseTimes()
     for name in list(float_weights):
         linear = root.get_submodule(name)
         weight = float_weights.pop(name)  # drop the fp32 copy as soon as its int8 copy exists
@@ -157,19 +191,23 @@ def swap_in_w8a8(
         rounded, hessian = None, None
         entry = stats.by_module.get(name) if stats is not None else None
         if entry is not None and entry.hessian is not None:
-            column, _ = column_row_factors(linear.weight.detach().float(), weight)  # smoothed input = x / column
-            hessian = smoothed_hessian(entry.hessian, column)
-            entry.hessian = None  # each linear's own copy: free it before the next one's
-            if rotation is not None:
-                hessian = rotated_hessian(hessian, rotation)
+            with times.phase("hessian_transform"):
+                column, _ = column_row_factors(linear.weight.detach().float(), weight)  # smoothed input = x / column
+                hessian = smoothed_hessian(entry.hessian, column)
+                entry.hessian = None  # each linear's own copy: free it before the next one's
+                if rotation is not None:
+                    hessian = rotated_hessian(hessian, rotation)
         if rotation is not None:
-            weight = rotate_weight(weight, rotation).float()
+            with times.phase("rotation"):
+                weight = rotate_weight(weight, rotation).float()
         if hessian is not None:
-            rounded = gptq_round(weight, hessian, consume=True)
-            del hessian
-        cls = RotatedW8A8Linear if rotation is not None else W8A8Linear
-        module = cls.from_weight(weight, linear.bias, prescales.get(name), backend=backend, rounded=rounded)
-        set_submodule(root, name, module)
+            with times.phase("gptq_rounding"):
+                rounded = gptq_round(weight, hessian, consume=True)
+                del hessian
+        with times.phase("swap_in"):
+            cls = RotatedW8A8Linear if rotation is not None else W8A8Linear
+            module = cls.from_weight(weight, linear.bias, prescales.get(name), backend=backend, rounded=rounded)
+            set_submodule(root, name, module)
         del weight, linear
 
 
@@ -183,32 +221,63 @@ def quantize_layers_sequentially(
     layer_inputs: str = DEFAULT_LAYER_INPUTS,
     progress: bool = True,
     keep: KeepFloatSelector | None = None,
+    times: PhaseTimes | None = None,
+    resume: ResumeState | None = None,
 ) -> SequentialResult:
     """Calibrate, smooth and W8A8-quantize the named linears (full names) one decoder layer at a time.
 
     `keep` (QuasarConfig(keep_float=...)) is offered every linear after smoothing and before its
     swap, while the original and the smoothed weights both exist; the caller applies its choice.
+    Each layer computes in `result.math_dtype` (math_dtype.py: fp32 on a CPU that emulates the
+    model's bf16) and gets its own dtype back after its turn; `times` collects the phases' seconds.
+    With `resume`, each finished layer's state is saved, and a saved state of this same run is
+    continued from its next layer (resume_state.py).
     """
     if layer_inputs not in LAYER_INPUTS:
         raise ValueError(f"layer_inputs must be one of {LAYER_INPUTS}; got {layer_inputs!r}")
+    times = times or PhaseTimes()
     layers = decoder_layers(model, arch)
     homes = [_layer_device(layer, i) for i, layer in enumerate(layers)]
-    captured = capture_layer_inputs(model, layers, blocks, progress)
-    hidden, captured.hidden = captured.hidden, []  # per block [1, T, H]; only `hidden` keeps them alive
+    model_dtype = next(layers[0].parameters()).dtype
+    math_dtype, reason = calibration_dtype(model_dtype, _compute_device(homes[0], layers[0]), config.calibration_dtype)
+    with times.phase("capture_inputs"):
+        captured = capture_layer_inputs(model, layers, blocks, progress)
+        hidden, captured.hidden = captured.hidden, []  # per block [1, T, H]; only `hidden` keeps them alive
+        if math_dtype != model_dtype:
+            hidden = [h.to(math_dtype) for h in hidden]
+            captured.calls = cast_layer_calls(captured.calls, math_dtype)
     rows_per_block = max(1, config.calibration_sample_rows // len(hidden))
     generator = torch.Generator().manual_seed(config.seed)
-    result = SequentialResult()
+    result = SequentialResult(math_dtype=str(math_dtype).replace("torch.", ""), math_dtype_reason=reason)
+    first = 0
+    saved = resume.progress() if resume is not None else None
+    if saved is not None:
+        with times.phase("resume_restore"):
+            first = saved["next_layer"]
+            for index in range(first):
+                resume.restore_layer(index, layers[index], config.backend, model_dtype)
+            hidden = resume.restore_run(saved, generator)
+            gathered = saved["gathered"]
+            result.alphas, result.rotated = dict(gathered["alphas"]), list(gathered["rotated"])
+            result.prescales = {name: model.get_submodule(name).act_prescale for name in gathered["prescaled"]}
     desc = "Quasar layer-by-layer calibration" + (" + alpha search" if config.alpha == "auto" else "")
-    for index, layer in enumerate(tqdm(layers, desc=desc, disable=not progress, unit="layer")):
+    bar = tqdm(range(first, len(layers)), desc=desc, disable=not progress, unit="layer", initial=first, total=len(layers))
+    for index in bar:
+        layer = layers[index]
+        times.start_layer()
         prefix = f"{arch.layers_path}.{index}."
         local = [name[len(prefix) :] for name in names if name.startswith(prefix)]
         home = homes[index]
         device = _compute_device(home, layer)
         layer.to(device)
+        restore = cast_layer(layer, math_dtype)
         stats = CalibrationStats(num_blocks=len(hidden), seq_len=int(blocks.shape[1]))
         outputs = []
         gptq = config.weight_rounding == "gptq"
-        with recording_linear_inputs(layer, local, stats, rows_per_block, generator, hessians=gptq):
+        with (
+            times.phase("statistics_forward"),
+            recording_linear_inputs(layer, local, stats, rows_per_block, generator, hessians=gptq),
+        ):
             for block_hidden, calls in zip(hidden, captured.calls):
                 out = run_layer(layer, block_hidden, calls[index], device)
                 if layer_inputs == "float":
@@ -222,27 +291,37 @@ def quantize_layers_sequentially(
 
             layer_output = (run, outputs[: len(few)] if layer_inputs == "float" else run(layer))
         rotated = rotated_paths(local, config.rotate)
-        float_weights, prescales, alphas = smooth_layer(layer, index, local, stats, arch, config, layer_output, rotated)
+        with times.phase("smoothing_alpha_search"):
+            float_weights, prescales, alphas = smooth_layer(layer, index, local, stats, arch, config, layer_output, rotated)
         if keep is not None:
-            for name, weight in float_weights.items():
-                module = layer.get_submodule(name)
-                rotation = HadamardRotation.for_size(weight.shape[1]) if name in rotated else None
-                keep.offer(
-                    prefix + name,
-                    stats.by_module[name].samples,
-                    module.weight,
-                    weight,
-                    module.bias,
-                    prescales.get(name),
-                    rotation,
-                )
-        swap_in_w8a8(layer, float_weights, prescales, config.backend, stats if gptq else None, rotated)
+            with times.phase("keep_float_offers"):
+                for name, weight in float_weights.items():
+                    module = layer.get_submodule(name)
+                    rotation = HadamardRotation.for_size(weight.shape[1]) if name in rotated else None
+                    keep.offer(
+                        prefix + name,
+                        stats.by_module[name].samples,
+                        module.weight.to(model_dtype),  # exact: the model's values, in its dtype
+                        weight,
+                        None if module.bias is None else module.bias.to(model_dtype),
+                        prescales.get(name),
+                        rotation,
+                    )
+        swap_in_w8a8(layer, float_weights, prescales, config.backend, stats if gptq else None, rotated, times)
         del stats
         if layer_inputs == "quantized":
-            outputs = [run_layer(layer, h, calls[index], device) for h, calls in zip(hidden, captured.calls)]
+            with times.phase("next_layer_inputs"):
+                outputs = [run_layer(layer, h, calls[index], device) for h, calls in zip(hidden, captured.calls)]
         hidden = outputs
+        restore_dtypes(restore)
+        w8a8_biases_to(layer, model_dtype)
         layer.to(home)
         result.prescales.update({prefix + p: v for p, v in prescales.items()})
         result.alphas.update(alphas)
         result.rotated.extend(prefix + p for p in sorted(rotated))
+        if resume is not None:
+            with times.phase("resume_save"):
+                gathered = {"alphas": result.alphas, "rotated": result.rotated, "prescaled": sorted(result.prescales)}
+                resume.save_layer(index, layer, hidden, generator, gathered)
+        bar.set_postfix_str(times.postfix(), refresh=False)
     return result

@@ -1,0 +1,68 @@
+"""The arithmetic floor of a quantization: its phases' FLOPs over the fp32 GEMM rate of this machine.
+
+For a Llama-shaped decoder (hidden H, MLP I, KV width Hkv, L layers) calibrated on N tokens in
+blocks of T with `QuasarConfig()` defaults, per layer:
+
+- statistics forward: 2 N (linear weights) + 2 N T H (causal attention: QK^T and PV, half the keys);
+- Hessians (GPTQ): 2 N K^2 per distinct linear input (q/k/v share one, gate/up share one, o, down);
+- alpha search (alpha="auto", linear search): per mapping, a reference and 11 grid products on S
+  sampled rows: 12 x 2 S K N;
+- GPTQ rounding: 2 N_out K^2 + K^3 per linear (updates, and the Cholesky inverse);
+- rotation of a rotated input's Hessian (Q^T H Q): 4 K^3.
+
+Everything else (capture, folding, packing) is small. The rate is a fp32 [T, H] x [H, I] matmul
+timed in the same process with the threads torch uses: the floor is what the phases would take at
+that rate.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+SAMPLED_ROWS = 256  # QuasarConfig.calibration_sample_rows
+ALPHA_GRID = 11
+
+
+def fp32_gemm_gflops(rows: int, hidden: int, inter: int, repeats: int = 5) -> float:
+    """Median GFLOPS of a fp32 [rows, hidden] @ [hidden, inter] matmul (torch's threads)."""
+    a, b = torch.randn(rows, hidden), torch.randn(hidden, inter)
+    a @ b  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - started)
+    return 2 * rows * hidden * inter / sorted(times)[len(times) // 2] / 1e9
+
+
+def phase_gflop(config, tokens: int, seq_len: int, gptq: bool = True, rotate_down: bool = True, alpha_auto: bool = True) -> dict:
+    """GFLOP per phase for the whole model (see the module docstring); `config` is the HF config."""
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", heads) * getattr(config, "head_dim", h // heads)
+    linears = {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h), "gate": (h, inter), "up": (h, inter), "down": (inter, h)}
+    weights = sum(k * n for k, n in linears.values())  # per layer
+    inputs = {"qkv": h, "o": h, "gate_up": h, "down": inter}  # distinct inputs: Hessians and samples
+    per_layer = {
+        "statistics_forward": 2 * tokens * weights + 2 * tokens * seq_len * h,
+        "hessians": (2 * tokens * sum(k * k for k in inputs.values())) if gptq else 0,
+        "alpha_search": (12 * 2 * SAMPLED_ROWS * (h * (h + 2 * kv) + h * h + h * 2 * inter + (0 if rotate_down else inter * h)))
+        if alpha_auto
+        else 0,
+        "gptq_rounding": sum(2 * n * k * k + k**3 for k, n in linears.values()) if gptq else 0,
+        "hessian_rotation": 4 * inter**3 if (gptq and rotate_down) else 0,
+    }
+    return {name: layers * flop / 1e9 for name, flop in per_layer.items()}
+
+
+def floor_seconds(config, tokens: int, seq_len: int, **options) -> dict:
+    """{"gflop": per phase, "fp32_gflops": measured rate, "floor_s": total GFLOP / rate}."""
+    gflop = phase_gflop(config, tokens, seq_len, **options)
+    rate = fp32_gemm_gflops(seq_len, config.hidden_size, config.intermediate_size)
+    return {
+        "gflop": {k: round(v, 1) for k, v in gflop.items()},
+        "fp32_gflops": round(rate, 1),
+        "floor_s": round(sum(gflop.values()) / rate, 1),
+    }

@@ -1,0 +1,142 @@
+"""Quantization that resumes after a kill (hf/resume_state.py), computes in fp32 on CPUs that emulate
+bf16 (smoothquant/math_dtype.py), and reports where its time went (smoothquant/phase_times.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from quasar_hf import QuasarConfig
+from quasar_hf.hf import sequential
+from quasar_hf.smoothquant import math_dtype
+from tests.tiny_models import char_tokenizer, tiny_model
+
+FAST = dict(num_calibration_samples=4, calibration_seq_len=64)
+LAYERS = 5
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("src")
+    tiny_model("qwen2", layers=LAYERS, dtype=torch.bfloat16).save_pretrained(folder)  # q/k/v biases
+    char_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def quantize(source: str, **options):
+    return AutoModelForCausalLM.from_pretrained(source, quantization_config=QuasarConfig(**FAST, **options), dtype=torch.bfloat16)
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_run_killed_at_a_random_layer_resumes_to_bit_identical_weights(source, tmp_path, monkeypatch):
+    whole = quantize(source).state_dict()
+    kill_at = random.Random(1234).randrange(1, LAYERS)  # a layer after at least one finished
+    swaps = {"count": 0}
+    swap = sequential.swap_in_w8a8
+
+    def dying_swap(*args, **kwargs):
+        if swaps["count"] == kill_at:
+            raise Killed(f"killed during layer {kill_at}")
+        swaps["count"] += 1
+        return swap(*args, **kwargs)
+
+    monkeypatch.setattr(sequential, "swap_in_w8a8", dying_swap)
+    with pytest.raises(Killed):
+        quantize(source, resume_dir=str(tmp_path / "state"))
+    monkeypatch.setattr(sequential, "swap_in_w8a8", swap)
+    resumed_model = quantize(source, resume_dir=str(tmp_path / "state"))
+    timing = resumed_model.config.quantization_config.calibration_info["timing"]
+    assert len(timing["per_layer_s"]) == LAYERS - kill_at, "only the unfinished layers ran again"
+    assert "resume_restore" in timing["total_s"]
+    resumed = resumed_model.state_dict()
+    assert resumed.keys() == whole.keys()
+    different = [k for k in whole if not torch.equal(whole[k], resumed[k])]
+    assert not different, different[:5]
+
+
+def test_a_saved_state_of_other_settings_is_not_used(source, tmp_path):
+    quantize(source, resume_dir=str(tmp_path / "state"), alpha=0.5)  # a finished state of another run
+    model = quantize(source, resume_dir=str(tmp_path / "state"))
+    timing = model.config.quantization_config.calibration_info["timing"]
+    assert len(timing["per_layer_s"]) == LAYERS and "resume_restore" not in timing["total_s"]
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, quantize(source).model.layers[0].mlp.down_proj.weight)
+
+
+def test_calibration_math_dtype_follows_the_cpu_and_is_recorded(source, monkeypatch):
+    monkeypatch.setattr(math_dtype, "cpu_has_native_bf16", lambda: False)
+    assert math_dtype.calibration_dtype(torch.bfloat16, torch.device("cpu"))[0] == torch.float32
+    assert math_dtype.calibration_dtype(torch.float16, torch.device("cpu"))[0] == torch.float32
+    assert math_dtype.calibration_dtype(torch.bfloat16, torch.device("cpu"), "model")[0] == torch.bfloat16
+    assert math_dtype.calibration_dtype(torch.bfloat16, torch.device("cuda"))[0] == torch.bfloat16
+    monkeypatch.setattr(math_dtype, "cpu_has_native_bf16", lambda: True)
+    assert math_dtype.calibration_dtype(torch.bfloat16, torch.device("cpu"))[0] == torch.bfloat16
+    with pytest.raises(ValueError, match="calibration_dtype must be one of"):
+        QuasarConfig(calibration_dtype="fp8")
+
+
+def test_fp32_calibration_keeps_the_models_dtype_and_reloads_exactly(source, tmp_path):
+    """Every saved float tensor in bf16 (scales fp32), the same logits after a reload, and the W8A8
+    model no further from the float model than with bf16 calibration (a tiny random model: a
+    mechanics check; benchmarks/README.md has the real checkpoints' fidelity)."""
+    ids = torch.arange(3, 60)[None]
+    with torch.no_grad():
+        reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)(ids).logits
+    errors = {}
+    for choice in ("float32", "model"):
+        model = quantize(source, calibration_dtype=choice)
+        info = model.config.quantization_config.calibration_info
+        assert info["math_dtype"] == ("float32" if choice == "float32" else "bfloat16")
+        floats = {n: t.dtype for n, t in model.state_dict().items() if t.is_floating_point() and "scale" not in n}
+        assert set(floats.values()) == {torch.bfloat16}, floats
+        model.save_pretrained(tmp_path / choice)
+        with torch.no_grad():
+            logits = model(ids).logits.float()
+            assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / choice)(ids).logits.float(), logits)
+        errors[choice] = ((logits - reference).norm() / reference.norm()).item()
+    assert errors["float32"] < 1.1 * errors["model"], errors
+
+
+def test_the_timing_block_names_every_phase(source):
+    from quasar_hf.smoothquant.phase_times import format_timing
+
+    timing = quantize(source, weight_rounding="gptq", rotate=["down_proj"]).config.quantization_config.calibration_info["timing"]
+    phases = set(timing["total_s"])
+    assert {"capture_inputs", "statistics_forward", "smoothing_alpha_search", "gptq_rounding", "rotation", "swap_in"} <= phases
+    assert len(timing["per_layer_s"]) == LAYERS
+    table = format_timing(timing)
+    assert "statistics_forward" in table and f"({LAYERS} layers)" in table
+
+
+def test_the_cli_says_how_to_resume_continues_a_killed_run_and_profiles(source, tmp_path, monkeypatch, capsys):
+    import os
+
+    from quasar_hf.cli import main
+
+    out = tmp_path / "out"
+    argv = ["quantize", source, "--out", str(out), "--num-samples", "2", "--seq-len", "32", "--weight-rounding", "nearest"]
+    swap = sequential.swap_in_w8a8
+    calls = {"count": 0}
+
+    def dying_swap(*args, **kwargs):
+        calls["count"] += 1
+        if calls["count"] == 3:
+            raise Killed("killed during layer 2")
+        return swap(*args, **kwargs)
+
+    monkeypatch.setattr(sequential, "swap_in_w8a8", dying_swap)
+    assert main(argv) == 1
+    printed = capsys.readouterr()
+    assert "run the same command again to continue from the last finished layer" in printed.out
+    assert "stopped after 2 finished decoder layers; run the same command again to resume" in printed.err
+    assert os.path.isfile(f"{out}.partial/progress.json") and not out.exists()
+    monkeypatch.setattr(sequential, "swap_in_w8a8", swap)
+    assert main([*argv, "--profile"]) == 0
+    printed = capsys.readouterr().out
+    assert "resume_restore" in printed and "statistics_forward" in printed and "calibration computed in" in printed
+    assert out.is_dir() and not os.path.exists(f"{out}.partial"), "the state goes once the checkpoint is saved"
