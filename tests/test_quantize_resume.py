@@ -140,3 +140,38 @@ def test_the_cli_says_how_to_resume_continues_a_killed_run_and_profiles(source, 
     printed = capsys.readouterr().out
     assert "resume_restore" in printed and "statistics_forward" in printed and "calibration computed in" in printed
     assert out.is_dir() and not os.path.exists(f"{out}.partial"), "the state goes once the checkpoint is saved"
+
+
+def test_a_process_killed_by_sigkill_resumes_to_the_same_checkpoint(source, tmp_path):
+    """A real kill (SIGKILL, no cleanup) of `quasar-hf quantize` once its first layer is saved, at a
+    seeded random moment after; the rerun's weights equal an uninterrupted run's, tensor for tensor."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    def command(out):
+        options = ["--num-samples", "16", "--seq-len", "128", "--dtype", "bfloat16"]
+        return [sys.executable, "-m", "quasar_hf.cli", "quantize", source, "--out", str(out), *options]
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    subprocess.run(command(tmp_path / "whole"), check=True, capture_output=True, env=env, timeout=600)
+    out = tmp_path / "killed"
+    process = subprocess.Popen(command(out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    progress = f"{out}.partial/progress.json"
+    deadline = time.monotonic() + 300
+    while not os.path.exists(progress) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(random.Random(7).uniform(0.0, 0.2))
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    assert not out.exists() or process.returncode == 0, "killed before the save"
+    assert os.path.isdir(f"{out}.partial")
+    finished = subprocess.run([*command(out), "--profile"], check=True, capture_output=True, text=True, env=env, timeout=600)
+    assert "resume_restore" in finished.stdout, "the rerun continued the saved state"
+    whole, resumed = load_file(str(tmp_path / "whole" / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
