@@ -191,6 +191,27 @@ def markdown(report: dict) -> str:
             f"{row['mean_kl_nats']:.4f} | "
             f"{row['kept_float_bytes'] / 1e6:.1f} | {seconds} | {row.get('load_average_1min', '-')} |"
         )
+    timed = [r for r in report["results"] if r.get("floor")]
+    if timed:
+        lines += [
+            "",
+            "Quantize time against the arithmetic floor (phase FLOPs / fp32 GEMM rate measured in the same process, "
+            "benchmarks/quantize_floor.py):",
+            "",
+            "| code | variant | calibration math | quantize s | floor s | x floor | fp32 GFLOPS | largest phases (s) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        seen = set()
+        for row in timed:
+            if (row["code"], row["variant"]) in seen:
+                continue
+            seen.add((row["code"], row["variant"]))
+            floor = row["floor"]
+            phases = ", ".join(f"{name} {seconds:.1f}" for name, seconds in list(row["phase_s"].items())[:4])
+            lines.append(
+                f"| {row['code']} | {row['variant']} | {row['math_dtype']} | {row['quantize_s']:.1f} | {floor['floor_s']} | "
+                f"{row['quantize_s'] / floor['floor_s']:.2f} | {floor['fp32_gflops']} | {phases} |"
+            )
     if report.get("note"):
         lines += ["", report["note"]]
     lines += ["", "Variant overrides (QuasarConfig fields; `{}` is the default config of the code that ran):", ""]

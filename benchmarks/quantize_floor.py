@@ -8,7 +8,8 @@ blocks of T with `QuasarConfig()` defaults, per layer:
 - alpha search (alpha="auto", linear search): per mapping, a reference and 11 grid products on S
   sampled rows: 12 x 2 S K N;
 - GPTQ rounding: 2 N_out K^2 + K^3 per linear (updates, and the Cholesky inverse);
-- rotation of a rotated input's Hessian (Q^T H Q): 4 K^3.
+- rotation of a rotated input's Hessian (Q^T H Q by fast Hadamard transforms of its rows, twice):
+  about 4 K^2 (log2 K + 1).
 
 Everything else (capture, folding, packing) is small. The rate is a fp32 [T, H] x [H, I] matmul
 timed in the same process with the threads torch uses: the floor is what the phases would take at
@@ -17,6 +18,7 @@ that rate.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -52,7 +54,7 @@ def phase_gflop(config, tokens: int, seq_len: int, gptq: bool = True, rotate_dow
         if alpha_auto
         else 0,
         "gptq_rounding": sum(2 * n * k * k + k**3 for k, n in linears.values()) if gptq else 0,
-        "hessian_rotation": 4 * inter**3 if (gptq and rotate_down) else 0,
+        "hessian_rotation": 4 * inter**2 * (math.log2(inter) + 1) if (gptq and rotate_down) else 0,
     }
     return {name: layers * flop / 1e9 for name, flop in per_layer.items()}
 
