@@ -69,8 +69,24 @@ def test_siblings_share_one_hessian_and_it_sums_all_tokens() -> None:
     handle.remove()
     x = torch.cat(seen)
     torch.testing.assert_close(stats.by_module["self_attn.q_proj"].hessian, x.t() @ x, rtol=1e-5, atol=1e-4)
-    assert torch.equal(stats.by_module["self_attn.q_proj"].hessian, stats.by_module["self_attn.k_proj"].hessian)
-    assert stats.by_module["self_attn.q_proj"].hessian is not stats.by_module["self_attn.k_proj"].hessian
+    k, up = stats.by_module["self_attn.k_proj"], stats.by_module["mlp.up_proj"]
+    assert k.hessian is None and k.hessian_owner == "self_attn.q_proj", "held once, by the first reader"
+    assert up.hessian is None and up.hessian_owner == "mlp.gate_proj"
+    assert stats.by_module["mlp.gate_proj"].hessian is not None and stats.by_module["mlp.gate_proj"].hessian_owner is None
+
+
+def test_siblings_rounded_together_get_what_each_gets_alone() -> None:
+    """gptq_round of [W_q; W_k] with their shared H: each row block equals that weight rounded alone
+    up to the float sums' order (int8 values at most one step apart, nearly all equal)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 64, generator=generator) * torch.linspace(0.2, 3.0, 64)
+    hessian = x.t() @ x
+    wq, wk = torch.randn(64, 64, generator=generator), torch.randn(32, 64, generator=generator)
+    together, scales = gptq_round(torch.cat([wq, wk]), hessian)
+    for part, weight in ((together[:64], wq), (together[64:], wk)):
+        alone, alone_scales = gptq_round(weight, hessian)
+        assert (part.int() - alone.int()).abs().max() <= 1 and (part == alone).float().mean() > 0.99
+    assert torch.equal(scales[:64], gptq_round(wq, hessian)[1])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -182,33 +182,66 @@ def swap_in_w8a8(
 ) -> None:
     """Replace each named nn.Linear under `root` by a W8A8Linear quantized from its (smoothed) fp32 weight
     (a RotatedW8A8Linear from W Q for the `rotated` names): nearest rounding, or GPTQ rounding when
-    `stats` carries input Hessians (weight_rounding="gptq"; a rotated input's Hessian is Q^T H Q)."""
+    `stats` carries input Hessians (weight_rounding="gptq"; a rotated input's Hessian is Q^T H Q).
+
+    Linears that read one input (q/k/v, gate/up) share its Hessian, so GPTQ rounds them as one weight
+    [sum N, K]: one damped inverse, one pass over the K columns. Smoothing scales their columns by the
+    same factors, and GPTQ does not change when H is scaled by a constant, so this is the rounding each
+    would get alone; only the float sums' order differs."""
     times = times or PhaseTimes()
-    for name in list(float_weights):
-        linear = root.get_submodule(name)
-        weight = float_weights.pop(name)  # drop the fp32 copy as soon as its int8 copy exists
-        rotation = HadamardRotation.for_size(weight.shape[1]) if name in rotated else None
-        rounded, hessian = None, None
-        entry = stats.by_module.get(name) if stats is not None else None
-        if entry is not None and entry.hessian is not None:
-            with times.phase("hessian_transform"):
-                column, _ = column_row_factors(linear.weight.detach().float(), weight)  # smoothed input = x / column
-                hessian = smoothed_hessian(entry.hessian, column)
-                entry.hessian = None  # each linear's own copy: free it before the next one's
-                if rotation is not None:
-                    hessian = rotated_hessian(hessian, rotation)
+    for group in _rounding_groups(list(float_weights), stats, rotated):
+        rounded = dict.fromkeys(group)
+        hessian = _group_hessian(root, group, float_weights, stats, rotated, times)
+        rotation = HadamardRotation.for_size(float_weights[group[0]].shape[1]) if group[0] in rotated else None
         if rotation is not None:
             with times.phase("rotation"):
-                weight = rotate_weight(weight, rotation).float()
+                for name in group:
+                    float_weights[name] = rotate_weight(float_weights[name], rotation).float()
         if hessian is not None:
             with times.phase("gptq_rounding"):
-                rounded = gptq_round(weight, hessian, consume=True)
+                ints, scales = gptq_round(torch.cat([float_weights[n] for n in group]), hessian, consume=True)
                 del hessian
+                bounds = torch.tensor([0] + [float_weights[n].shape[0] for n in group]).cumsum(0).tolist()
+                rounded = {n: (ints[a:b], scales[a:b]) for n, a, b in zip(group, bounds[:-1], bounds[1:])}
         with times.phase("swap_in"):
-            cls = RotatedW8A8Linear if rotation is not None else W8A8Linear
-            module = cls.from_weight(weight, linear.bias, prescales.get(name), backend=backend, rounded=rounded)
-            set_submodule(root, name, module)
-        del weight, linear
+            for name in group:
+                linear = root.get_submodule(name)
+                weight = float_weights.pop(name)  # drop the fp32 copy as soon as its int8 copy exists
+                cls = RotatedW8A8Linear if rotation is not None else W8A8Linear
+                module = cls.from_weight(weight, linear.bias, prescales.get(name), backend=backend, rounded=rounded[name])
+                set_submodule(root, name, module)
+                del weight, linear
+
+
+def _rounding_groups(names: list[str], stats: CalibrationStats | None, rotated: set[str]) -> list[list[str]]:
+    """The linears rounded together: those sharing one Hessian (and rotated alike), in `names` order."""
+    groups: dict[tuple, list[str]] = {}
+    for name in names:
+        entry = stats.by_module.get(name) if stats is not None else None
+        shares = entry is not None and (entry.hessian is not None or entry.hessian_owner is not None)
+        owner = (entry.hessian_owner or name) if shares else name
+        groups.setdefault((owner if shares else f"alone:{name}", name in rotated), []).append(name)
+    return list(groups.values())
+
+
+def _group_hessian(
+    root: nn.Module, group: list[str], float_weights: dict, stats: CalibrationStats | None, rotated: set[str], times: PhaseTimes
+) -> torch.Tensor | None:
+    """The group's input Hessian as its (smoothed, rotated) linears see it, or None (nearest rounding)."""
+    entry = stats.by_module.get(group[0]) if stats is not None else None
+    if entry is None:
+        return None
+    owner = stats.by_module.get(entry.hessian_owner) if entry.hessian_owner else entry
+    if owner is None or owner.hessian is None:
+        return None
+    with times.phase("hessian_transform"):
+        first = group[0]
+        column, _ = column_row_factors(root.get_submodule(first).weight.detach().float(), float_weights[first])
+        hessian = smoothed_hessian(owner.hessian, column)  # the smoothed input x / column
+        owner.hessian = None  # every reader of this input is in this group: free it now
+        if first in rotated:
+            hessian = rotated_hessian(hessian, HadamardRotation.for_size(hessian.shape[0]))
+    return hessian
 
 
 @torch.no_grad()

@@ -23,12 +23,15 @@ from tqdm.auto import tqdm
 @dataclass
 class LinearInputStats:
     """Statistics of one linear's input: abs-max per channel [K], sampled rows [S, K] (fp32), and,
-    when asked for (GPTQ rounding), the input Hessian sum_t x_t x_t^T [K, K] (fp32)."""
+    when asked for (GPTQ rounding), the input Hessian sum_t x_t x_t^T [K, K] (fp32). Linears that
+    read the same input (q/k/v, gate/up) share one Hessian: the first of them to run holds it and
+    the others name it in `hessian_owner`."""
 
     absmax: torch.Tensor
     samples: torch.Tensor
     tokens_seen: int = 0
     hessian: torch.Tensor | None = None
+    hessian_owner: str | None = None
 
 
 @dataclass
@@ -40,7 +43,8 @@ class CalibrationStats:
 
 def _make_hook(name: str, stats: CalibrationStats, rows_per_block: int, generator: torch.Generator, shared: dict | None = None):
     """Forward pre-hook adding one linear's input to `stats`. With `shared` (a dict common to the
-    hooks of one recording) it also sums x^T x, computed once for siblings that read the same tensor."""
+    hooks of one recording) it also sums x^T x, computed and held once for siblings that read the
+    same tensor (the first sibling to run owns it)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
         x = args[0] if args else kwargs["input"]
@@ -48,15 +52,15 @@ def _make_hook(name: str, stats: CalibrationStats, rows_per_block: int, generato
         amax = x2.abs().amax(dim=0)  # [K]
         pick = torch.randperm(x2.shape[0], generator=generator)[:rows_per_block]
         sample = x2[pick.to(x2.device)].cpu()
-        xtx = None
+        xtx, owner = None, None
         if shared is not None:
             if shared.get("x") is not x or shared.get("version") != x._version:  # holding x: its id cannot be reused
-                shared.update(x=x, version=x._version, xtx=x2.t() @ x2)  # [K, K], summed where x lives
-            xtx = shared["xtx"]
+                shared.update(x=x, version=x._version, owner=name)
+                xtx = x2.t() @ x2  # [K, K], summed where x lives
+            owner = shared["owner"]
         entry = stats.by_module.get(name)
         if entry is None:
-            hessian = None if xtx is None else xtx.clone()
-            stats.by_module[name] = LinearInputStats(amax.cpu(), sample, x2.shape[0], hessian)
+            stats.by_module[name] = LinearInputStats(amax.cpu(), sample, x2.shape[0], xtx, None if owner == name else owner)
         else:
             torch.maximum(entry.absmax, amax.cpu(), out=entry.absmax)
             entry.samples = torch.cat([entry.samples, sample])
