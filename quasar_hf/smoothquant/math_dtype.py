@@ -57,7 +57,7 @@ def calibration_dtype(model_dtype: torch.dtype, device: torch.device, requested:
     if model_dtype == torch.bfloat16 and cpu_has_native_bf16():
         return model_dtype, "the model's dtype (this CPU has native bf16)"
     name = str(model_dtype).replace("torch.", "")
-    return torch.float32, f"float32: this CPU emulates {name} matrix products (no native {name} flag)"
+    return torch.float32, f"this CPU emulates {name} matrix products (no native {name} flag)"
 
 
 def float_tensors(layer: nn.Module) -> list[tuple[nn.Module, str, bool]]:
