@@ -50,8 +50,6 @@ def quantized(tiny, calibration_file, tmp_path_factory) -> Path:
             str(calibration_file),
             "--dtype",
             "float32",
-            "--rotate",
-            "none",  # the compressed-tensors export below has no rotation
         ]
     )
     assert code == 0
@@ -77,7 +75,8 @@ def test_quantize_writes_a_quasar_checkpoint_with_card(quantized):
     config = json.loads((quantized / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "quasar"
     assert config["quantization_config"]["alpha"] == 0.5
-    assert config["quantization_config"]["rotate"] == [] and config["quantization_config"]["rotated_modules"] == []
+    assert config["quantization_config"]["rotate"] == ["down_proj"]  # the default
+    assert config["quantization_config"]["rotated_modules"] == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
     card = (quantized / "README.md").read_text()
     assert "quasar-hf:model-card" in card and "apply_chat_template" in card  # the tokenizer has a chat template
     assert (quantized / "tokenizer.json").is_file()
@@ -137,10 +136,14 @@ def test_generate_streams(quantized, capsys):
     assert "quasar: 6 tokens" in capsys.readouterr().err
 
 
-def test_export_writes_compressed_tensors(quantized, tmp_path):
+def test_export_writes_compressed_tensors(quantized, tmp_path, capsys):
     assert main(["export", str(quantized), "--format", "compressed-tensors", "--out", str(tmp_path / "ct")]) == 0
     config = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "int-quantized"
+    # the default checkpoint rotates down_proj: exported as an input transform, and said so
+    (scheme,) = config["transform_config"]["config_groups"].values()
+    assert all(name.endswith("mlp.down_proj") for name in scheme["apply"][0]["targets"])
+    assert "input transform" in capsys.readouterr().out
     assert (tmp_path / "ct" / "tokenizer.json").is_file()
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("compressed_tensors", reason="the compressed-tensors library
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
-    return quantize_tiny(make_tiny_checkpoint(tmp_path_factory.mktemp("base")), rotate=[])  # the layout has no rotation
+    return quantize_tiny(make_tiny_checkpoint(tmp_path_factory.mktemp("base")), rotate=[])  # plain W8A8: no transform
 
 
 def w8a8_modules(model):
@@ -111,8 +111,57 @@ def test_refuses_non_quasar_models():
         export_compressed_tensors(model, "/nonexistent/never-written")
 
 
-def test_refuses_rotated_linears(tmp_path):
-    rotated = quantize_tiny(make_tiny_checkpoint(tmp_path / "base"), rotate=["down_proj"])
-    with pytest.raises(ValueError, match=r"Hadamard-rotated input.*rotate=\[\]"):
-        export_compressed_tensors(rotated, tmp_path / "out")
-    assert not (tmp_path / "out" / "model.safetensors").exists()
+@pytest.fixture(scope="module")
+def rotated(tmp_path_factory):
+    return quantize_tiny(make_tiny_checkpoint(tmp_path_factory.mktemp("rotated_base")), rotate=["down_proj"])
+
+
+def test_rotated_linears_export_as_one_shared_input_transform(rotated, tmp_path):
+    report = export_compressed_tensors(rotated, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    names = ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert report.rotated_modules == names
+    ((group, scheme),) = config["transform_config"]["config_groups"].items()
+    assert scheme["type"] == "random-hadamard" and scheme["head_dim"] is None
+    assert scheme["apply"] == [{**scheme["apply"][0], "targets": names, "location": "input", "inverse": False}]
+    tensors = load_file(tmp_path / "model.safetensors")
+    stored = [key for key in tensors if group in key]
+    assert stored == [f"{names[0]}.{group}_input.weight"]  # once per group: loaders share it
+    rotation = rotated.get_submodule(names[0]).rotation
+    assert torch.equal(tensors[stored[0]].double() / rotation.size**0.5, rotation.matrix())
+
+
+def test_compressed_tensors_applies_the_rotation_with_close_logits(rotated, tmp_path):
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+
+    export_compressed_tensors(rotated, tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, unrotated = rotated(ids).logits, loaded(ids).logits
+    # Transformers' compressed-tensors loader (5.x) leaves transform_config alone: without the
+    # rotation the W Q weights meet unrotated inputs (the negative control of this test).
+    assert relative_error(unrotated, ours) > 0.1
+    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["transform_config"]
+    apply_transform_config(loaded, TransformConfig.model_validate(config))
+    transforms = {k: v for k, v in load_file(tmp_path / "model.safetensors").items() if "_input.weight" in k}
+    assert loaded.load_state_dict(transforms, strict=False).unexpected_keys == []
+    with torch.no_grad():
+        theirs = loaded(ids).logits
+    assert relative_error(theirs, ours) < 0.02  # as the unrotated export: activation rounding only
+
+
+@pytest.mark.parametrize("size", [96, 1536, 4864, 6])  # Paley 12 x 8, 12 x 128, 76 x 64, 3 blocks of 2
+def test_transform_matrix_computes_our_rotation(size):
+    from quasar_hf.export.ct_transforms import apply_transform_reference, transform_config_and_tensors
+    from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_float64
+
+    rotation = HadamardRotation.for_size(size)
+    config, tensors = transform_config_and_tensors({"m.down_proj": rotation}, torch.bfloat16)
+    (scheme,) = config["config_groups"].values()
+    (matrix,) = tensors.values()
+    assert matrix.dtype == torch.bfloat16 and set(matrix.unique().tolist()) == {-1.0, 1.0}  # exact in any dtype
+    assert scheme["head_dim"] == (rotation.block if rotation.blocks > 1 else None)
+    x = torch.randn(3, size, generator=torch.Generator().manual_seed(size), dtype=torch.float64)
+    expected = rotate_rows_float64(x, rotation)
+    assert (apply_transform_reference(x, matrix, scheme["head_dim"]) - expected).abs().max() < 1e-12

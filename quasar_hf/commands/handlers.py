@@ -160,6 +160,13 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"folded act_prescale into {len(report.folded_prescale_modules)} weights "
             f"(max relative weight error {report.max_fold_rel_error:.2e})"
         )
+    if report.rotated_modules:
+        print(
+            f"{len(report.rotated_modules)} linears take a Hadamard-rotated input, written as a compressed-tensors "
+            "input transform (quantization_config.transform_config). vLLM applies it; on vLLM's CPU backend "
+            "install quasar-hf beside vLLM (its plugin lets that backend run transforms); Transformers' "
+            "compressed-tensors loader ignores transforms, so load the Quasar checkpoint there (docs/serving.md)"
+        )
     return 0
 
 

@@ -9,6 +9,10 @@ The layout (what llm-compressor writes for a W8A8-INT8 model, and what vLLM's
     format "int-quantized", one config group targeting `Linear`, and an `ignore` list naming
     every Linear kept in high precision (always `lm_head`).
 
+Hadamard-rotated linears (RotatedW8A8Linear, the default for `down_proj`) store W Q as above and
+their rotation as a compressed-tensors input transform (`export/ct_transforms.py`), listed under
+`quantization_config.transform_config`; vLLM and compressed-tensors apply it online.
+
 SmoothQuant factors folded into the RMSNorm weights are already part of the exported norms.
 A W8A8Linear that still carries an unfolded `act_prescale` p computes `(x * p) @ W.T`, which
 equals `x @ (W * p).T`: the exporter folds p into the weight columns and requantizes per
@@ -28,6 +32,7 @@ from torch import nn
 
 from quasar_hf.atomic_folder import atomic_folder
 from quasar_hf.detect import is_quasar_model
+from quasar_hf.export.ct_transforms import transform_config_and_tensors
 from quasar_hf.ops.reference import quantize_weight_per_channel
 
 CT_FORMAT = "int-quantized"
@@ -42,6 +47,7 @@ class ExportReport:
     quantized_modules: list[str] = field(default_factory=list)
     ignored_modules: list[str] = field(default_factory=list)
     folded_prescale_modules: list[str] = field(default_factory=list)
+    rotated_modules: list[str] = field(default_factory=list)  # exported with an input transform
     max_fold_rel_error: float = 0.0  # max over modules of ||W_new - W*p||_F / ||W*p||_F
 
 
@@ -85,11 +91,7 @@ def _export_w8a8(name: str, module: nn.Module, fold: bool, report: ExportReport)
     if extra:
         raise ValueError(f"{name}: unknown W8A8 tensors {sorted(extra)}; this exporter only knows {sorted(W8A8_KEYS)}")
     if getattr(module, "rotation", None) is not None:
-        raise ValueError(
-            f"{name} quantizes a Hadamard-rotated input (RotatedW8A8Linear): the compressed-tensors W8A8 layout "
-            "has no online rotation, so vLLM would compute wrong outputs. Quantize for export with "
-            "QuasarConfig(rotate=[]) (SmoothQuant alone)."
-        )
+        report.rotated_modules.append(name)
     weight_q, weight_scale = module.weight, module.weight_scale.float()
     prescale = getattr(module, "act_prescale", None)
     if prescale is not None:
@@ -108,16 +110,29 @@ def _export_w8a8(name: str, module: nn.Module, fold: bool, report: ExportReport)
     return tensors
 
 
-def collect_tensors(model: nn.Module, fold: bool, report: ExportReport) -> dict[str, torch.Tensor]:
-    """The full exported state dict: compressed W8A8 modules + every other tensor as the model holds it."""
+def float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's float tensors (its embeddings): what loaders build transforms in."""
+    return model.get_input_embeddings().weight.dtype
+
+
+def collect_tensors(model: nn.Module, fold: bool, report: ExportReport) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """(the full exported state dict, the transform_config or None): compressed W8A8 modules, the
+    rotations of rotated ones, and every other tensor as the model holds it."""
     tensors: dict[str, torch.Tensor] = {}
     handled: set[str] = set()
+    rotations = {}
     for name, module in model.named_modules():
         if is_w8a8_module(module):
             tensors.update(_export_w8a8(name, module, fold, report))
             handled.update(f"{name}.{key}" for key, _ in module.named_buffers(recurse=False))
+            if getattr(module, "rotation", None) is not None:
+                rotations[name] = module.rotation
         elif isinstance(module, nn.Linear):
             report.ignored_modules.append(name)
+    transform_config = None
+    if rotations:
+        transform_config, transform_tensors = transform_config_and_tensors(rotations, float_dtype(model))
+        tensors.update(transform_tensors)
     seen_storage: set[int] = set()
     for key, value in model.state_dict().items():
         if key in handled:
@@ -129,13 +144,16 @@ def collect_tensors(model: nn.Module, fold: bool, report: ExportReport) -> dict[
             continue  # tied to the embeddings: saved once, re-tied on load (tie_word_embeddings)
         seen_storage.add(pointer)
         tensors[key] = value.detach().contiguous()
-    return tensors
+    return tensors, transform_config
 
 
-def export_config(model: nn.Module, ignore: list[str]) -> dict:
-    """config.json of the export: the model's own config with a compressed-tensors quantization_config."""
+def export_config(model: nn.Module, ignore: list[str], transform_config: dict | None = None) -> dict:
+    """config.json of the export: the model's own config with a compressed-tensors quantization_config
+    (and its transform_config where linears are rotated)."""
     config = model.config.to_dict()
     config["quantization_config"] = ct_quantization_config(ignore)
+    if transform_config is not None:
+        config["quantization_config"]["transform_config"] = transform_config
     return config
 
 
@@ -169,13 +187,13 @@ def export_compressed_tensors(
     out = Path(out_dir)
     _refuse_source_folder(model, out)
     report = ExportReport(out_dir=str(out))
-    tensors = collect_tensors(model, fold_act_prescale, report)
+    tensors, transform_config = collect_tensors(model, fold_act_prescale, report)
     if not report.quantized_modules:
         raise ValueError("the model says it is a Quasar model but holds no int8 W8A8 modules; nothing to export")
     with atomic_folder(out) as staging:  # a failed export leaves what was in `out` as it was
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         with open(staging / "config.json", "w") as handle:
-            json.dump(export_config(model, report.ignored_modules), handle, indent=2, sort_keys=True)
+            json.dump(export_config(model, report.ignored_modules, transform_config), handle, indent=2, sort_keys=True)
         generation_config = getattr(model, "generation_config", None)
         if generation_config is not None:
             generation_config.save_pretrained(staging)
