@@ -60,12 +60,18 @@ def test_compressed_tensors_decompresses_to_our_weights(quantized, tmp_path):
         assert torch.equal(weight.float(), module.dequantized_weight(torch.float32)), name
 
 
-def test_transformers_loads_the_export_with_close_logits(quantized, tmp_path):
-    export_compressed_tensors(quantized, tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+def export_and_reload(model, folder):
+    """Export `model`, load the folder with Transformers' compressed-tensors support, and run both on
+    the same ids: (loaded model, ids, our logits, its logits)."""
+    export_compressed_tensors(model, folder)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours, theirs = quantized(ids).logits, loaded(ids).logits
+        return loaded, ids, model(ids).logits, loaded(ids).logits
+
+
+def test_transformers_loads_the_export_with_close_logits(quantized, tmp_path):
+    loaded, _, ours, theirs = export_and_reload(quantized, tmp_path)
     # Same int8 weights; activations differ only in CT's fake-quant rounding (amax/127.5, half-to-even)
     # against our amax/127 (which is also vLLM's): a fraction of one int8 step per element.
     assert relative_error(theirs, ours) < 0.02
@@ -134,11 +140,7 @@ def test_rotated_linears_export_as_one_shared_input_transform(rotated, tmp_path)
 def test_compressed_tensors_applies_the_rotation_with_close_logits(rotated, tmp_path):
     from compressed_tensors.transform import TransformConfig, apply_transform_config
 
-    export_compressed_tensors(rotated, tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours, unrotated = rotated(ids).logits, loaded(ids).logits
+    loaded, ids, ours, unrotated = export_and_reload(rotated, tmp_path)
     # Transformers' compressed-tensors loader (5.x) leaves transform_config alone: without the
     # rotation the W Q weights meet unrotated inputs (the negative control of this test).
     assert relative_error(unrotated, ours) > 0.1
