@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.vllm_report import summarize_model, to_markdown
+from benchmarks.vllm_report import first_difference, summarize_model, to_markdown
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = (  # input-grounded rewrites: what n-gram drafting is for
@@ -49,14 +49,6 @@ def vllm_settings() -> dict[str, str]:
     CPUs). Binding is left to vLLM ("auto"): it keeps one core for its engine-core process, whose
     scheduler polls (docs/serving.md has the one run that gave the worker both cores)."""
     return {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first position where two token lists differ (None when equal)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def compare(reference: list[list[int]], other: list[list[int]]) -> dict:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import statistics
 
 
-def _first_difference(a: list[int], b: list[int]) -> int | None:
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where two token lists differ (None when equal)."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i
@@ -26,7 +27,7 @@ def divergence(ours: list[int], theirs: list[int], our_top2, their_top2, our_log
     our_gap: our logit of our token minus our logit of vLLM's token there (>= 0 for a greedy
     choice). their_gap: vLLM's log-probability of its token minus that of ours, when ours is in its
     top 2; otherwise a lower bound (its top-1 minus top-2), flagged `their_gap_is_lower_bound`."""
-    i = _first_difference(ours, theirs)
+    i = first_difference(ours, theirs)
     if i is None:
         return None
     if i >= len(ours) or i >= len(theirs):
@@ -46,7 +47,7 @@ def divergence(ours: list[int], theirs: list[int], our_top2, their_top2, our_log
 
 def gap_noise(ours: list[int], theirs: list[int], our_top2, their_top2) -> list[float]:
     """|our top-2 gap - vLLM's| at the positions both decode alike and rank the same two tokens."""
-    end = _first_difference(ours, theirs)
+    end = first_difference(ours, theirs)
     end = min(len(ours), len(theirs)) if end is None else end
     noise = []
     for j in range(min(end, len(our_top2), len(their_top2))):

@@ -110,11 +110,11 @@ def test_fold_prescale_matches_the_product():
     assert error < 0.01
 
 
-def test_refuses_non_quasar_models():
+def test_refuses_non_quasar_models(tmp_path):
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match="Quasar"):
-        export_compressed_tensors(model, "/nonexistent/never-written")
+        export_compressed_tensors(model, tmp_path / "never-written")
 
 
 @pytest.fixture(scope="module")
