@@ -3,6 +3,7 @@ bf16 (smoothquant/math_dtype.py), and reports where its time went (smoothquant/p
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -100,6 +101,29 @@ def test_fp32_calibration_keeps_the_models_dtype_and_reloads_exactly(source, tmp
             assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / choice)(ids).logits.float(), logits)
         errors[choice] = ((logits - reference).norm() / reference.norm()).item()
     assert errors["float32"] < 1.1 * errors["model"], errors
+
+
+def test_fp32_calibration_records_the_activations_a_bf16_model_passes_on(source, monkeypatch):
+    """Computed in fp32, every recorded input (abs-max and sampled rows) is a bf16 value, as in the
+    deployed bf16 model; the control, with the rounding hooks off, records fp32 values."""
+    recorded = []
+
+    def spy(layer, index, local, stats, *args, **kwargs):
+        recorded.extend(s for entry in stats.by_module.values() for s in (entry.absmax, entry.samples))
+        return smooth_layer(layer, index, local, stats, *args, **kwargs)
+
+    smooth_layer = sequential.smooth_layer
+    monkeypatch.setattr(sequential, "smooth_layer", spy)
+
+    def off_bf16_grid() -> int:
+        return sum(int((t != t.bfloat16().float()).sum()) for t in recorded)
+
+    quantize(source, calibration_dtype="float32")
+    assert recorded and off_bf16_grid() == 0
+    recorded.clear()
+    monkeypatch.setattr(sequential, "activations_rounded_to", lambda *_: contextlib.nullcontext())
+    quantize(source, calibration_dtype="float32")
+    assert off_bf16_grid() > 0
 
 
 def test_the_timing_block_names_every_phase(source):

@@ -32,7 +32,7 @@ from torch import nn
 from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
 
 PROGRESS = "progress.json"
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: fp32 calibration rounds activations to the model dtype
 
 
 def fingerprint(parts: dict) -> str:

@@ -12,6 +12,7 @@ A layer on the CPU is moved to the CUDA device for its turn when one is present,
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +36,7 @@ from quasar_hf.smoothquant.keep_float import KeepFloatSelector
 from quasar_hf.smoothquant.layer_search import RunBlocks, search_alphas_on_layer_output
 from quasar_hf.smoothquant.linear_error import column_row_factors
 from quasar_hf.smoothquant.mappings import ArchitectureMappings, SmoothMapping, decoder_layers
-from quasar_hf.smoothquant.math_dtype import calibration_dtype, cast_layer, restore_dtypes
+from quasar_hf.smoothquant.math_dtype import activations_rounded_to, calibration_dtype, cast_layer, restore_dtypes
 from quasar_hf.smoothquant.phase_times import PhaseTimes
 from quasar_hf.smoothquant.smoothing import smooth_mapping
 
@@ -262,7 +263,8 @@ def quantize_layers_sequentially(
     `keep` (QuasarConfig(keep_float=...)) is offered every linear after smoothing and before its
     swap, while the original and the smoothed weights both exist; the caller applies its choice.
     Each layer computes in `result.math_dtype` (math_dtype.py: fp32 on a CPU that emulates the
-    model's bf16) and gets its own dtype back after its turn; `times` collects the phases' seconds.
+    model's bf16), with every module's inputs and outputs rounded to the model dtype's values (the
+    activations deployment sees), and gets its own dtype back after its turn; `times` collects the phases' seconds.
     With `resume`, each finished layer's state is saved, and a saved state of this same run is
     continued from its next layer (resume_state.py).
     """
@@ -304,48 +306,49 @@ def quantize_layers_sequentially(
         device = _compute_device(home, layer)
         layer.to(device)
         restore = cast_layer(layer, math_dtype)
-        stats = CalibrationStats(num_blocks=len(hidden), seq_len=int(blocks.shape[1]))
-        outputs = []
-        gptq = config.weight_rounding == "gptq"
-        with (
-            times.phase("statistics_forward"),
-            recording_linear_inputs(layer, local, stats, rows_per_block, generator, hessians=gptq),
-        ):
-            for block_hidden, calls in zip(hidden, captured.calls):
-                out = run_layer(layer, block_hidden, calls[index], device)
-                if layer_inputs == "float":
-                    outputs.append(out)
-        layer_output = None
-        if config.alpha == "auto" and config.alpha_search == "layer":
-            few = list(zip(hidden, captured.calls))[: config.alpha_search_blocks]
+        with activations_rounded_to(layer, model_dtype) if math_dtype != model_dtype else contextlib.nullcontext():
+            stats = CalibrationStats(num_blocks=len(hidden), seq_len=int(blocks.shape[1]))
+            outputs = []
+            gptq = config.weight_rounding == "gptq"
+            with (
+                times.phase("statistics_forward"),
+                recording_linear_inputs(layer, local, stats, rows_per_block, generator, hessians=gptq),
+            ):
+                for block_hidden, calls in zip(hidden, captured.calls):
+                    out = run_layer(layer, block_hidden, calls[index], device)
+                    if layer_inputs == "float":
+                        outputs.append(out)
+            layer_output = None
+            if config.alpha == "auto" and config.alpha_search == "layer":
+                few = list(zip(hidden, captured.calls))[: config.alpha_search_blocks]
 
-            def run(module: nn.Module, few=few, index=index, device=device) -> list[torch.Tensor]:
-                return [run_layer(module, h, calls[index], device) for h, calls in few]
+                def run(module: nn.Module, few=few, index=index, device=device) -> list[torch.Tensor]:
+                    return [run_layer(module, h, calls[index], device) for h, calls in few]
 
-            layer_output = (run, outputs[: len(few)] if layer_inputs == "float" else run(layer))
-        rotated = rotated_paths(local, config.rotate)
-        with times.phase("smoothing_alpha_search"):
-            float_weights, prescales, alphas = smooth_layer(layer, index, local, stats, arch, config, layer_output, rotated)
-        if keep is not None:
-            with times.phase("keep_float_offers"):
-                for name, weight in float_weights.items():
-                    module = layer.get_submodule(name)
-                    rotation = HadamardRotation.for_size(weight.shape[1]) if name in rotated else None
-                    keep.offer(
-                        prefix + name,
-                        stats.by_module[name].samples,
-                        module.weight.to(model_dtype),  # exact: the model's values, in its dtype
-                        weight,
-                        None if module.bias is None else module.bias.to(model_dtype),
-                        prescales.get(name),
-                        rotation,
-                    )
-        swap_in_w8a8(layer, float_weights, prescales, config.backend, stats if gptq else None, rotated, times)
-        del stats
-        if layer_inputs == "quantized":
-            with times.phase("next_layer_inputs"):
-                outputs = [run_layer(layer, h, calls[index], device) for h, calls in zip(hidden, captured.calls)]
-        hidden = outputs
+                layer_output = (run, outputs[: len(few)] if layer_inputs == "float" else run(layer))
+            rotated = rotated_paths(local, config.rotate)
+            with times.phase("smoothing_alpha_search"):
+                float_weights, prescales, alphas = smooth_layer(layer, index, local, stats, arch, config, layer_output, rotated)
+            if keep is not None:
+                with times.phase("keep_float_offers"):
+                    for name, weight in float_weights.items():
+                        module = layer.get_submodule(name)
+                        rotation = HadamardRotation.for_size(weight.shape[1]) if name in rotated else None
+                        keep.offer(
+                            prefix + name,
+                            stats.by_module[name].samples,
+                            module.weight.to(model_dtype),  # exact: the model's values, in its dtype
+                            weight,
+                            None if module.bias is None else module.bias.to(model_dtype),
+                            prescales.get(name),
+                            rotation,
+                        )
+            swap_in_w8a8(layer, float_weights, prescales, config.backend, stats if gptq else None, rotated, times)
+            del stats
+            if layer_inputs == "quantized":
+                with times.phase("next_layer_inputs"):
+                    outputs = [run_layer(layer, h, calls[index], device) for h, calls in zip(hidden, captured.calls)]
+            hidden = outputs
         restore_dtypes(restore)
         w8a8_biases_to(layer, model_dtype)
         layer.to(home)

@@ -14,6 +14,8 @@ choice), is recorded in `calibration_info`, and `QuasarConfig(calibration_dtype=
 from __future__ import annotations
 
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 
 import torch
@@ -105,3 +107,40 @@ def cast_floats(obj, dtype: torch.dtype):
     if isinstance(obj, dict):
         return {k: cast_floats(v, dtype) for k, v in obj.items()}
     return obj
+
+
+def _round_floats(obj, dtype: torch.dtype):
+    """Floating tensors inside tuples/lists rounded to `dtype`'s values, kept in their own dtype."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype).to(obj.dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_round_floats(o, dtype) for o in obj)
+    return obj
+
+
+@contextmanager
+def activations_rounded_to(layer: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """While open, every module under `layer` (the layer included) sees its floating inputs and
+    passes on its floating outputs rounded to `dtype`'s values: the activations a model running in
+    `dtype` has, so statistics, Hessians and searched alphas computed in fp32 describe the deployed
+    (e.g. bf16) activations, not fp32 ones it never sees. Inputs cover what modules' forwards compute
+    between modules (attention's output, act(gate) * up). A tensor read by several modules (q/k/v) is
+    rounded once and they all get the same rounded tensor. Modules swapped in while open are not hooked."""
+    last: dict = {}
+
+    def rounded_once(x):
+        if not isinstance(x, torch.Tensor):
+            return _round_floats(x, dtype)
+        if last.get("x") is not x or last.get("version") != x._version:  # holding x: its id cannot be reused
+            last.update(x=x, version=x._version, rounded=_round_floats(x, dtype))
+        return last["rounded"]
+
+    handles = []
+    try:
+        for module in layer.modules():
+            handles.append(module.register_forward_pre_hook(lambda _m, args: tuple(rounded_once(a) for a in args)))
+            handles.append(module.register_forward_hook(lambda _m, _a, out: _round_floats(out, dtype)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
