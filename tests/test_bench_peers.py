@@ -31,6 +31,8 @@ def test_exactness_compares_each_peer_with_its_plain_greedy_run():
         "ao_w8a8_prompt_lookup": [[1, 2, 3], [5]],
         "w8a8_generate": [[9], [8]],
         "quasar_ngram": [[9], [9]],
+        "w8a8_compiled": [[9], [6]],
+        "quasar_ngram_compiled": [[9], [6]],
         "bf16_prompt_lookup": [[7], [7]],
         "some_other_variant": [[7], [7]],
     }
@@ -39,6 +41,7 @@ def test_exactness_compares_each_peer_with_its_plain_greedy_run():
     assert summaries["ao_w8a8"]["same_tokens_as_own_plain_greedy"] == 1.0
     assert summaries["ao_w8a8_prompt_lookup"]["same_tokens_as_own_plain_greedy"] == 0.5
     assert summaries["quasar_ngram"]["same_tokens_as_own_plain_greedy"] == 0.5  # vs the W8A8 model's own generate
+    assert summaries["quasar_ngram_compiled"]["same_tokens_as_own_plain_greedy"] == 1.0  # vs compiled plain, not eager
     assert summaries["bf16_prompt_lookup"]["same_tokens_as_own_plain_greedy"] is None  # bf16_generate did not run
     assert "same_tokens_as_own_plain_greedy" not in summaries["some_other_variant"]
     alone = {"ao_w8a8_prompt_lookup": {}}
@@ -85,3 +88,28 @@ def test_eos_ids_as_generate_stops():
     assert peers._eos_ids(model) == set()
     model.generation_config = type("G", (), {"eos_token_id": [7, 9]})()
     assert peers._eos_ids(model) == {7, 9}
+
+
+def test_compiled_variants_call_generate_with_the_compiled_steps_and_warm_every_prompt(monkeypatch):
+    """Compiled variants pass `quasar={"compile": ...}` to generate and warm up on every prompt (each
+    prompt's cache size may be a new compiled shape), the others on the first prompt only."""
+    from quasar_hf.bench import runner
+
+    calls = []
+
+    class Recorder(torch.nn.Linear):
+        def generate(self, input_ids, max_new_tokens, **kwargs):
+            calls.append((int(input_ids[0, 0]), kwargs.get("quasar"), kwargs.get("prompt_lookup_num_tokens")))
+            return torch.cat([input_ids, input_ids[:, :max_new_tokens]], dim=1)
+
+    model = Recorder(2, 2)
+    model.generation_config = type("GenerationConfig", (), {"eos_token_id": 0})()
+    prompts = [{"id": f"p{i}", "suite": "s", "version": 1, "messages": [{"role": "user", "content": "x"}]} for i in range(3)]
+    monkeypatch.setattr(runner, "render_prompt", lambda item, tok: [int(item["id"][1]) + 1, 7, 7])
+    variants = ["w8a8_compiled", "quasar_ngram_compiled", "bf16_prompt_lookup"]
+    result = runner.run_bench(model, model, None, prompts=prompts, variants=variants, max_new_tokens=2, repeats=1, warmup=1)
+    warm = calls[3 : 3 + 7]  # after the 2-token probes: 3 + 3 compiled warm-ups, 1 plain
+    assert sorted(p for p, quasar, _ in warm if quasar == {"compile": True, "num_draft_tokens": 0}) == [1, 2, 3]
+    assert sorted(p for p, quasar, _ in warm if quasar == {"compile": True}) == [1, 2, 3]
+    assert [p for p, quasar, lookup in warm if lookup] == [1]
+    assert result["variants"]["quasar_ngram_compiled"]["same_tokens_as_own_plain_greedy"] == 1.0

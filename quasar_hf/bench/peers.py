@@ -38,11 +38,14 @@ PLAIN_BASELINE = {
 def own_plain_greedy(name: str) -> str | None:
     """The variant whose greedy tokens `name` must reproduce: plain greedy decoding of the same model.
 
-    quasar_* -> w8a8_generate (the W8A8 model's own `generate`), bf16 lookup / verify loops ->
+    quasar_* -> w8a8_generate (the W8A8 model's own `generate`), compiled ones -> w8a8_compiled
+    (compiled plain greedy: compiled output need not equal eager), bf16 lookup / verify loops ->
     bf16_generate, torchao peers -> ao_w8a8; None for a variant with no such twin.
     """
     if name in PLAIN_BASELINE:
         return PLAIN_BASELINE[name]
+    if name.endswith("_compiled"):
+        return "w8a8_compiled"
     if name.startswith("quasar_") or name == "w8a8_generate":
         return "w8a8_generate"
     if name.startswith("bf16_"):
@@ -133,7 +136,7 @@ def mark_peer_exactness(summaries: dict[str, dict], runs: list[dict]) -> None:
     """Set summaries[name]["same_tokens_as_own_plain_greedy"] for every variant with a plain twin
     (`own_plain_greedy`): the fraction of its runs whose tokens equal the twin's tokens on the same
     prompt (runs: {variant, prompt_index, tokens}, as the runner records them); None when the twin
-    did not run."""
+    did not run. "runs_equal_to_own_plain_greedy" holds the count behind it: [equal, compared]."""
     for name in summaries:
         baseline = own_plain_greedy(name)
         if baseline is None:
@@ -142,6 +145,7 @@ def mark_peer_exactness(summaries: dict[str, dict], runs: list[dict]) -> None:
         mine = [r for r in runs if r["variant"] == name]
         same = [r["tokens"] == plain[r["prompt_index"]] for r in mine if r["prompt_index"] in plain]
         summaries[name]["same_tokens_as_own_plain_greedy"] = sum(same) / len(same) if same else None
+        summaries[name]["runs_equal_to_own_plain_greedy"] = [sum(same), len(same)]
 
 
 def report_names(names: list[str]) -> dict[str, str]:

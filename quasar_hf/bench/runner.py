@@ -7,6 +7,9 @@ Variants (names are stable, they key the JSON report):
   quasar_ngram        the same loop verified by the W8A8 model (the method)
   quasar_<drafter>    the W8A8 model with another drafter of `quasar_hf.speculative`, when present
   w8a8_generate       plain greedy `generate` on the W8A8 model (what quasar_* must reproduce)
+  w8a8_compiled       the same through the compiled steps (`quasar={"compile": True, "num_draft_tokens": 0}`)
+  quasar_ngram_compiled  `quasar={"compile": True}` (must reproduce w8a8_compiled); compiled variants
+                      warm up on every prompt, so no compile time falls in a timed run
   ao_w8a8, ...        peers a user would run instead (`quasar_hf.bench.peers`), when installed
 
 Variants are interleaved (repeat -> prompt -> rotated variant order) so that slow drift of a shared
@@ -38,6 +41,10 @@ from quasar_hf.bench.variants import Generate, greedy_generate
 from quasar_hf.speculative.attention import rowstable_attention_for
 
 DEFAULT_VARIANTS = ("bf16_generate", "bf16_prompt_lookup", "bf16_verify_ngram", "quasar_ngram")
+COMPILED_VARIANTS = {  # name -> the `quasar=` option of model.generate
+    "w8a8_compiled": {"compile": True, "num_draft_tokens": 0},
+    "quasar_ngram_compiled": {"compile": True},
+}
 
 
 # ---------------------------------------------------------------- peak memory
@@ -110,6 +117,10 @@ def build_variants(
             if quantized_model is None:
                 raise ValueError("variant 'w8a8_generate' needs a quantized_model (a W8A8 copy of the model)")
             variants[name] = greedy_generate(quantized_model)
+        elif name in COMPILED_VARIANTS:
+            if quantized_model is None:
+                raise ValueError(f"variant {name!r} needs a quantized_model (a W8A8 copy of the model)")
+            variants[name] = greedy_generate(quantized_model, quasar=COMPILED_VARIANTS[name])
         elif name == "bf16_verify_ngram":
             variants[name] = _speculative(reference_model, "ngram", num_draft_tokens)
         elif name.startswith("quasar_"):
@@ -118,7 +129,8 @@ def build_variants(
             variants[name] = _speculative(quantized_model, name.removeprefix("quasar_"), num_draft_tokens)
         else:
             raise ValueError(
-                f"unknown variant {name!r}: use bf16_generate, bf16_prompt_lookup, bf16_verify_ngram, w8a8_generate, quasar_<drafter> "
+                f"unknown variant {name!r}: use bf16_generate, bf16_prompt_lookup, bf16_verify_ngram, w8a8_generate, "
+                f"quasar_<drafter>, {', '.join(COMPILED_VARIANTS)} "
                 f"or a peer ({', '.join(PLAIN_BASELINE)})"
             )
     return variants
@@ -178,7 +190,7 @@ def run_bench(
     if not items:
         raise ValueError("no prompts to benchmark: pass prompts=[...] or a non-empty suite")
     if quantized_model is None:
-        variants = [v for v in variants if not v.startswith("quasar_") and v != "w8a8_generate"]
+        variants = [v for v in variants if not v.startswith("quasar_") and not v.startswith("w8a8_")]
     names = list(variants)
     generators = build_variants(names, reference_model, quantized_model, num_draft_tokens, gguf)
     device = str(next(reference_model.parameters()).device)
@@ -190,8 +202,8 @@ def run_bench(
     if not names:
         raise RuntimeError(f"every variant failed on the first prompt: {unavailable}")
     for _ in range(warmup):
-        for input_ids in encoded[:1]:
-            for name in names:
+        for name in names:
+            for input_ids in encoded if name in COMPILED_VARIANTS else encoded[:1]:  # each shape compiles once
                 generators[name](input_ids, max_new_tokens)
     runs: list[dict] = []
     step = 0
