@@ -301,19 +301,11 @@ def main(argv: list[str] | None = None) -> list[str]:
         base = {"code": code, "variant": label, "overrides": overrides, "quantize_s": seconds, **weight_bytes(model)}
         info = getattr(model.config.quantization_config, "calibration_info", None) or {}
         if folder is None and info.get("timing"):  # where the time went, and the arithmetic floor beside it
-            from benchmarks.quantize_floor import floor_seconds
+            from benchmarks.quantize_floor import floor_of_quantized
 
-            qconfig = model.config.quantization_config
             base["math_dtype"] = info.get("math_dtype")
             base["phase_s"] = info["timing"]["total_s"]
-            base["floor"] = floor_seconds(
-                model.config,
-                info["tokens"],
-                info["seq_len"],
-                gptq=qconfig.weight_rounding == "gptq",
-                rotate_down="down_proj" in qconfig.rotate,
-                alpha_auto=qconfig.alpha == "auto",
-            )
+            base["floor"] = floor_of_quantized(model)
         base["load_average_1min"] = round(os.getloadavg()[0], 1)  # quantize_s is only comparable at similar load
         for domain, domain_blocks in blocks.items():
             row = {**base, "domain": domain, **compare(model, reference, domain_blocks)}

@@ -68,3 +68,18 @@ def floor_seconds(config, tokens: int, seq_len: int, **options) -> dict:
         "fp32_gflops": round(rate, 1),
         "floor_s": round(sum(gflop.values()) / rate, 1),
     }
+
+
+def floor_of_quantized(model) -> dict:
+    """`floor_seconds` for a model just quantized on load: its HF config, and the calibration tokens
+    and settings its `calibration_info` and `QuasarConfig` record."""
+    qconfig = model.config.quantization_config
+    info = qconfig.calibration_info
+    return floor_seconds(
+        model.config,
+        info["tokens"],
+        info["seq_len"],
+        gptq=qconfig.weight_rounding == "gptq",
+        rotate_down="down_proj" in (qconfig.rotate or []),
+        alpha_auto=qconfig.alpha == "auto",
+    )

@@ -73,6 +73,20 @@ SHAPES: dict[str, dict] = {
         "tie_word_embeddings": False,
         "rope_parameters": {**_LLAMA3_ROPE, **_LLAMA3_ROPE_CTX, "factor": 8.0},
     },
+    # The 1.5B class in Llama layout: Qwen2.5-1.5B's sizes (config.json of Qwen/Qwen2.5-1.5B), without
+    # its q/k/v biases (a few KB): the same bytes, FLOPs and per-layer working set.
+    "qwen2.5-1.5b-shape": {
+        **_LLAMA3,
+        "vocab_size": 151936,
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
     # For the script's own test: same structure, seconds to run.
     "tiny": {
         "vocab_size": 128,
@@ -148,6 +162,7 @@ def measure(folder: Path, steps: int, num_calibration_samples: int | None = None
     from transformers import AutoModelForCausalLM
 
     from benchmarks.kernels import measure_copy_bandwidth, measure_read_bandwidth
+    from benchmarks.quantize_floor import floor_of_quantized
     from quasar_hf import QuasarConfig
     from quasar_hf.nn import W8A8Linear
     from quasar_hf.speculative.kv_state import RowAlignedCache
@@ -158,9 +173,13 @@ def measure(folder: Path, steps: int, num_calibration_samples: int | None = None
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=QuasarConfig(**overrides))
     load_quantize = time.perf_counter() - started
+    info = model.config.quantization_config.calibration_info
     result = {
         "load_and_quantize_seconds": round(load_quantize, 1),
-        "quantize_seconds": model.config.quantization_config.calibration_info["seconds"],
+        "quantize_seconds": info["seconds"],
+        "math_dtype": info.get("math_dtype"),
+        "phase_s": info.get("timing", {}).get("total_s"),
+        "floor": floor_of_quantized(model),
         "quantize_peak_rss_mib": peak_rss_mib(),
         "weight_rounding": model.config.quantization_config.weight_rounding,
         "w8a8_state_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
@@ -266,6 +285,24 @@ def to_markdown(report: dict) -> str:
             f"{r.get('read_gbps', '-')} | {r['floor_ms']} | {r['step_1_ms']} ({r['step_1_x_floor']}) | "
             f"{r['step_6_ms']} ({r['step_6_x_floor']}) | {r.get('step_1_ms_1_thread', '-')} | {r.get('step_6_ms_1_thread', '-')} |"
         )
+    timed = {shape: r for shape, r in report["results"].items() if r.get("floor")}
+    if timed:
+        lines += [
+            "",
+            "Quantize time against its arithmetic floor (phase FLOPs / fp32 GEMM rate measured in the same "
+            "process, benchmarks/quantize_floor.py):",
+            "",
+            "| shape | calibration math | quantize s | floor s | x floor | fp32 GFLOPS | largest phases (s) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for shape, r in timed.items():
+            floor, phases = r["floor"], sorted((r.get("phase_s") or {}).items(), key=lambda kv: -kv[1])[:4]
+            lines.append(
+                f"| {shape} | {r.get('math_dtype', '-')} | {r['quantize_seconds']} | {floor['floor_s']} | "
+                f"{r['quantize_seconds'] / floor['floor_s']:.2f} | {floor['fp32_gflops']} | "
+                + ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases)
+                + " |"
+            )
     env = report["environment"]
     lines += ["", "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()) + ".", ""]
     return "\n".join(lines)
