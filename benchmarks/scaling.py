@@ -299,7 +299,7 @@ def to_markdown(report: dict) -> str:
             floor, phases = r["floor"], sorted((r.get("phase_s") or {}).items(), key=lambda kv: -kv[1])[:4]
             lines.append(
                 f"| {shape} | {r.get('math_dtype', '-')} | {r['quantize_seconds']} | {floor['floor_s']} | "
-                f"{r['quantize_seconds'] / floor['floor_s']:.2f} | {floor['fp32_gflops']} | "
+                f"{r['quantize_seconds'] / floor['floor_s'] if floor['floor_s'] else float('inf'):.2f} | {floor['fp32_gflops']} | "
                 + ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases)
                 + " |"
             )
