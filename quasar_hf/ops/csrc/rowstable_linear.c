@@ -16,7 +16,7 @@
  * split the output features, so every element is still computed by one thread alone. The NB rows
  * are NB short streams (1-4 KB at lm_head widths), too short for the hardware prefetcher: each step
  * prefetches the same k of the rows PF_ROWS ahead into L2, which took SmolLM2's lm_head from 12.7 to
- * 27.2 GB/s on a 2-core AMD EPYC Zen 4 (benchmarks/README.md). A prefetch changes no arithmetic.
+ * 27.2 GB/s on a 2-core AMD EPYC Zen 4 (benchmarks/lm_head_kernels_epyc_zen4.md). A prefetch changes no arithmetic.
  *
  * dtypes (x, w, bias, out share one): 0 = float32, 1 = bfloat16.
  */

@@ -21,7 +21,7 @@
  * streams (1-2 KB each at lm_head widths), too short for the hardware prefetcher, so each chunk
  * step prefetches the same k of the rows PF_ROWS ahead, into L2: into L1, 8 rows ahead, it gave
  * 1.2-1.3x on SmolLM2's and Qwen 0.5B's lm_head on an AVX2 EPYC (Zen 3); into L2, 16 ahead, 1.6x
- * more on a Zen 4 EPYC (benchmarks/README.md). A prefetch changes no arithmetic.
+ * more on a Zen 4 EPYC (benchmarks/lm_head_kernels_epyc_zen4.md). A prefetch changes no arithmetic.
  */
 #include <immintrin.h>
 #include "qhf_common.h"
