@@ -265,7 +265,15 @@ def environment() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        **_package_environment(),
     }
+
+
+def _package_environment() -> dict:
+    """The CPU's name, package versions and the commit, as every `quasar-hf bench` report has them."""
+    from quasar_hf.bench.report import environment as bench_environment
+
+    return {k: v for k, v in bench_environment().items() if k in ("cpu", "versions", "git_commit")}
 
 
 def to_markdown(report: dict) -> str:
