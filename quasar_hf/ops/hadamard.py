@@ -147,13 +147,7 @@ def rotate_rows_reference(x: torch.Tensor, rotation: HadamardRotation) -> torch.
         raise ValueError(f"rotation is for rows of {rotation.size}, got x of shape {tuple(x.shape)}")
     lead = x.shape[:-1]
     c, m, n = rotation.blocks, rotation.odd_order, rotation.pow2
-    z = x.reshape(-1, c, m, n).float()
-    h = 1
-    while h < n:  # butterflies on pairs (j, j + h) inside blocks of 2h: x -> x H_n
-        pairs = z.reshape(-1, c, m, n // (2 * h), 2, h)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        z = torch.stack((a + b, a - b), dim=-2).reshape(-1, c, m, n)
-        h *= 2
+    z = _sylvester_butterflies(x.reshape(-1, c, m, n).float())
     if m > 1:  # y[p] = sum over p' (ascending) of H_m[p', p] z[p']
         signs = rotation.odd_signs().to(z.device)[:, None, :, None]  # [m, 1, m, 1]
         acc = signs[0] * z[:, :, 0:1, :]
@@ -163,13 +157,37 @@ def rotate_rows_reference(x: torch.Tensor, rotation: HadamardRotation) -> torch.
     return (z * rotation.scale).reshape(*lead, rotation.size)
 
 
+def _sylvester_butterflies(z: torch.Tensor) -> torch.Tensor:
+    """z [..., n] -> z H_n (Sylvester, unnormalized): butterflies on pairs (j, j + h) inside blocks of
+    2h, log2(n) passes of additions in a fixed order, in z's dtype."""
+    n = z.shape[-1]
+    lead = z.shape[:-1]
+    h = 1
+    while h < n:
+        pairs = z.reshape(*lead, n // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        z = torch.stack((a + b, a - b), dim=-2).reshape(*lead, n)
+        h *= 2
+    return z
+
+
+FLOAT64_CHUNK_ELEMENTS = 1 << 24  # rows per pass of rotate_rows_float64: ~128 MB of float64 each
+
+
 def rotate_rows_float64(x: torch.Tensor, rotation: HadamardRotation) -> torch.Tensor:
-    """x [..., K] -> float64 x Q by two small matrix products per block (H_n, then H_m): for weights and
-    Hessians prepared offline, where accuracy matters and row-stability does not."""
+    """x [..., K] -> float64 x Q, for weights and Hessians prepared offline, where accuracy matters and
+    row-stability does not. H_n by butterflies (K log2 n additions per row: a dense product would be
+    K n, minutes for an 8192 x 8192 Hessian when n = K = 8192), then H_m on the m axis; rows go in
+    chunks so the temporaries stay near FLOAT64_CHUNK_ELEMENTS."""
     if x.shape[-1] != rotation.size:
         raise ValueError(f"rotation is for rows of {rotation.size}, got x of shape {tuple(x.shape)}")
     c, m, n = rotation.blocks, rotation.odd_order, rotation.pow2
-    z = x.reshape(-1, c, m, n).double()
-    z = z @ sylvester_matrix(n).double().to(z.device)  # x H_n (H_n symmetric)
-    z = torch.einsum("rcpq,ps->rcsq", z, rotation.odd_signs().double().to(z.device))  # H_m^T on the m axis
-    return (z / math.sqrt(rotation.block)).reshape(*x.shape[:-1], rotation.size)
+    rows = x.reshape(-1, rotation.size)
+    out = torch.empty(rows.shape, dtype=torch.float64, device=x.device)
+    signs = rotation.odd_signs().double().to(x.device)
+    step = max(1, FLOAT64_CHUNK_ELEMENTS // rotation.size)
+    for start in range(0, rows.shape[0], step):
+        z = _sylvester_butterflies(rows[start : start + step].double().reshape(-1, c, m, n))  # x H_n
+        z = torch.einsum("rcpq,ps->rcsq", z, signs)  # H_m^T on the m axis
+        out[start : start + step] = (z / math.sqrt(rotation.block)).reshape(-1, rotation.size)
+    return out.reshape(*x.shape[:-1], rotation.size)
