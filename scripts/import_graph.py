@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # Lowest first; units in one layer may import each other. "__init__" is the package's public
 # facade (`from quasar_hf import QuasarConfig`), at the application layer with the CLI and the bench.
 LAYERS: list[tuple[str, ...]] = [
-    ("compat", "locking", "atomic_folder", "detect"),
+    ("compat", "locking", "atomic_folder", "detect", "architectures"),
     ("ops",),
     ("nn",),
     ("smoothquant", "speculative", "hub"),

@@ -8,15 +8,19 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from quasar_hf.architectures import ARCHITECTURES
+from quasar_hf.ops.dispatch import BACKENDS
 from quasar_hf.smoothquant.math_dtype import CALIBRATION_DTYPES
 
 QUASAR_FORMAT_VERSION = "1"
 DEFAULT_ALPHA_GRID = [round(0.1 * i, 1) for i in range(11)]
-_BACKENDS = ("auto", "reference", "torch", "triton", "bitsandbytes", "cpu_fused")
+_BACKENDS = ("auto", *BACKENDS)  # the W8A8 backend table's rows (ops/dispatch.py)
 _DRAFT_DTYPES = ("model", "int8")
 _ALPHA_SEARCHES = ("linear", "layer")
 _WEIGHT_ROUNDINGS = ("nearest", "gptq")
-ROTATABLE = ("down_proj", "o_proj")  # linear inputs no norm produces: where smoothing does least
+# Names `rotate` may list: the last components of the architecture specs' rotatable linears (inputs
+# no norm produces, where smoothing does least): ("down_proj", "o_proj").
+ROTATABLE = tuple(dict.fromkeys(path.rsplit(".", 1)[-1] for spec in ARCHITECTURES.values() for path in spec.rotatable))
 DEFAULT_ROTATE = ["down_proj"]  # o_proj: +1.6 dB on SmolLM2 but -2.3 dB on Qwen 0.5B (benchmarks/rotation_sqnr.md)
 # Fields that are run-time inputs only (never written to config.json).
 _RUNTIME_ONLY = ("tokenizer", "calibration_dataset", "resume_dir")

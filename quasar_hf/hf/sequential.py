@@ -20,6 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from quasar_hf import compat
+from quasar_hf.architectures import ARCHITECTURES
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.resume_state import ResumeState
 from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear, rotate_weight
@@ -121,9 +122,10 @@ def active_mappings(arch: ArchitectureMappings, quantized: set[str], rotated: se
     ]
 
 
-def rotated_paths(names: list[str], rotate: list[str]) -> set[str]:
-    """The paths among `names` (inside one layer) whose last component `rotate` lists ("down_proj", ...)."""
-    return {name for name in names if name.rsplit(".", 1)[-1] in rotate}
+def rotated_paths(names: list[str], rotate: list[str], rotatable: tuple[str, ...] | None = None) -> set[str]:
+    """The paths among `names` (inside one layer) whose last component `rotate` lists ("down_proj", ...),
+    limited to the architecture spec's `rotatable` paths when the model has a spec."""
+    return {name for name in names if name.rsplit(".", 1)[-1] in rotate and (rotatable is None or name in rotatable)}
 
 
 def smooth_layer(
@@ -272,6 +274,8 @@ def quantize_layers_sequentially(
         raise ValueError(f"layer_inputs must be one of {LAYER_INPUTS}; got {layer_inputs!r}")
     times = times or PhaseTimes()
     layers = decoder_layers(model, arch)
+    known = ARCHITECTURES.get(type(model).__name__)
+    rotatable = known.rotatable if known is not None else None  # custom mappings: any linear named in `rotate`
     homes = [_layer_device(layer, i) for i, layer in enumerate(layers)]
     model_dtype = next(layers[0].parameters()).dtype
     math_dtype, reason = calibration_dtype(model_dtype, _compute_device(homes[0], layers[0]), config.calibration_dtype)
@@ -326,7 +330,7 @@ def quantize_layers_sequentially(
                     return [run_layer(module, h, calls[index], device) for h, calls in few]
 
                 layer_output = (run, outputs[: len(few)] if layer_inputs == "float" else run(layer))
-            rotated = rotated_paths(local, config.rotate)
+            rotated = rotated_paths(local, config.rotate, rotatable)
             with times.phase("smoothing_alpha_search"):
                 float_weights, prescales, alphas = smooth_layer(layer, index, local, stats, arch, config, layer_output, rotated)
             if keep is not None:

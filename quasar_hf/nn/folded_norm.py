@@ -31,31 +31,17 @@ import torch
 from torch import nn
 
 from quasar_hf.nn.prepared_module import PreparedModule
-from quasar_hf.nn.rowstable_norm import RowStableRMSNorm, compiled_rms_norm, rms_norm_formula
+from quasar_hf.nn.rowstable_norm import compiled_rms_norm, rms_norm_formula
 from quasar_hf.ops.dispatch import bind_folded_group
 
-# RMSNorm classes computing x * rsqrt(mean(x^2) + eps) * (offset + weight), and their eps attribute
-# (the offset comes from the SmoothQuant mapping: 1 for Gemma's (1 + w) norms).
-FOLDABLE_RMSNORMS = {
-    "LlamaRMSNorm": "variance_epsilon",
-    "MistralRMSNorm": "variance_epsilon",
-    "Qwen2RMSNorm": "variance_epsilon",
-    "Qwen3RMSNorm": "variance_epsilon",
-    "Gemma3RMSNorm": "eps",
-}
 FOLDABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the W8A8 kernels take
 
 
 def rmsnorm_epsilon(norm: nn.Module) -> float | None:
-    """The eps of a foldable RMSNorm module, or None when its class is not known to compute RMSNorm."""
-    if isinstance(norm, RowStableRMSNorm):
-        return norm.formula[0]
-    attribute = FOLDABLE_RMSNORMS.get(type(norm).__name__)
-    eps = getattr(norm, attribute, None) if attribute else None
-    weight = getattr(norm, "weight", None)
-    if not isinstance(eps, (int, float)) or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
-        return None
-    return float(eps)
+    """The eps of a foldable RMSNorm module (a class of the architecture spec's, or a RowStableRMSNorm),
+    or None when its class is not known to compute RMSNorm."""
+    formula = rms_norm_formula(norm)
+    return None if formula is None else formula[0]
 
 
 class FoldedNormOutput(torch.Tensor):

@@ -15,31 +15,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quasar_hf.architectures import NORM_FORMULAS, norm_formula_for_class
 from quasar_hf.ops.reference import transformers_rms_norm_reference
 
-# class name -> (eps attribute, weight offset, scale in fp32 before the cast)
-RMSNORM_FORMULAS = {
-    "LlamaRMSNorm": ("variance_epsilon", 0.0, False),
-    "MistralRMSNorm": ("variance_epsilon", 0.0, False),
-    "Qwen2RMSNorm": ("variance_epsilon", 0.0, False),
-    "Qwen3RMSNorm": ("variance_epsilon", 0.0, False),
-    "Phi3RMSNorm": ("variance_epsilon", 0.0, False),
-    "Gemma3RMSNorm": ("eps", 1.0, True),
-}
+RMSNORM_FORMULAS = NORM_FORMULAS  # class name -> RMSNormFormula (quasar_hf/architectures.py)
 
 
 def rms_norm_formula(norm: nn.Module) -> tuple[float, float, bool] | None:
     """(eps, offset, scale_in_float) of a known RMSNorm module (or a RowStableRMSNorm), else None."""
     if isinstance(norm, RowStableRMSNorm):
         return norm.formula
-    known = RMSNORM_FORMULAS.get(type(norm).__name__)
+    known = norm_formula_for_class(type(norm).__name__)
     if known is None:
         return None
-    attribute, offset, scale_in_float = known
-    eps, weight = getattr(norm, attribute, None), getattr(norm, "weight", None)
+    eps, weight = getattr(norm, known.eps_attribute, None), getattr(norm, "weight", None)
     if not isinstance(eps, (int, float)) or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return None
-    return float(eps), offset, scale_in_float
+    return float(eps), known.offset, known.scale_in_float
 
 
 def compiled_rms_norm(x: torch.Tensor, weight: torch.Tensor, formula: tuple[float, float, bool]) -> torch.Tensor:
