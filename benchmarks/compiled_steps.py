@@ -169,8 +169,7 @@ def guard_check_ms(model, compiled_step, steps: int = 10) -> dict:
 
 
 def pass_variants(model, compile_config) -> dict:
-    """Steps compiled like `compile_config` but with the fold's Python ops, and with no post-grad pass."""
-    from quasar_hf.ops.graph_passes import FoldNormsIntoW8A8Linears
+    """Steps compiled like `compile_config` but with no post-grad pass (each norm and its linears apart)."""
 
     def compiled(custom_pass) -> object:
         options = {k: v for k, v in compile_config.options.items() if k != "post_grad_custom_post_pass"}
@@ -178,7 +177,7 @@ def pass_variants(model, compile_config) -> dict:
             options["post_grad_custom_post_pass"] = custom_pass
         return torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
 
-    return {"compiled_python_ops": compiled(FoldNormsIntoW8A8Linears(native=False)), "compiled_no_pass": compiled(None)}
+    return {"compiled_no_pass": compiled(None)}
 
 
 def end_to_end(model, tokenizer, prompts: int, new_tokens: int, compile_config, gguf: str | None = None) -> dict:

@@ -1,11 +1,10 @@
 """Where a compiled CPU step's time goes: the per-call cost of each `torch.ops.quasar.*` op, against
-the same kernel called directly and through its C++-registered twin, times its calls per step.
+the same kernel called directly (ctypes) and through the C++ library's own name for it, times its
+calls per step.
 
-A compiled step is Inductor's generated code calling our ops as extern kernels. A Python-registered op
-goes through the dispatcher into a Python implementation, then into C; the difference between that
-call and the direct (eager, bound) call of the same kernel is Python and dispatch per call. Where
-ops/native.py's library is had, the compiled CPU step calls the native twin instead (no Python): its
-column is what the step pays. Shapes are the model's own, at M = 1 (decode) and M = 6 (a 5-draft
+A step (eager or compiled) calls our ops; on CPU the dispatcher lands in their C++ implementations
+where ops/native.py's library is had, else in their Python fallbacks (dispatcher, Python, ctypes). The
+W8A8 linear's op column is still the Python op (a compiled step calls the native op instead). Shapes are the model's own, at M = 1 (decode) and M = 6 (a 5-draft
 verification); the folded norm groups of a compiled step are timed here as their separate linears.
 """
 
@@ -69,16 +68,17 @@ def _linear_costs(model: torch.nn.Module, rows: int) -> dict:
 
 
 def _rotation_costs(model: torch.nn.Module, rows: int) -> dict:
-    rotated = [m for m in model.modules() if isinstance(m, RotatedW8A8Linear) and m._rotate is not None]
+    rotated = [m for m in model.modules() if isinstance(m, RotatedW8A8Linear) and m._rotation_op_args is not None]
     if not rotated:
         return {"calls": 0, "op_us": 0.0, "direct_us": 0.0, "native_us": None}
     module = rotated[0]
     x = torch.randn(1, rows, module.in_features, dtype=model.dtype)
-    r = module.rotation
-    signs = module._rotation_op_args[0]  # what a traced forward passes the op (RotatedW8A8Linear.prepare)
-    op = _us(lambda: torch.ops.quasar.hadamard_rows.default(x, signs, r.blocks, r.odd_order, r.pow2))
-    direct = _us(lambda: module._rotate(x))
-    twin = _native(lambda: torch.ops.quasar.native_hadamard_rows.default(x, signs, r.blocks, r.pow2, r.scale))
+    from quasar_hf.ops import hadamard_cpu
+
+    args = module._rotation_op_args  # what the forward passes the op (RotatedW8A8Linear.prepare)
+    op = _us(lambda: torch.ops.quasar.hadamard_rows.default(x, *args))
+    direct = _us(lambda: hadamard_cpu.rotate_rows(x, module.rotation))
+    twin = _native(lambda: torch.ops.quasar.native_hadamard_rows.default(x, *args))
     n = len(rotated)
     return {"calls": n, "op_us": op * n, "direct_us": direct * n, "native_us": None if twin is None else twin * n}
 
@@ -105,8 +105,8 @@ def _attention_costs(model: torch.nn.Module, rows: int, context: int) -> dict:
     k = torch.randn(1, c.num_key_value_heads, context, head_dim, dtype=model.dtype)
     visible = torch.ones(1, rows, context, dtype=torch.bool)
     scale = head_dim**-0.5
-    op = _us(lambda: torch.ops.quasar.rowstable_attention_cpu.default(q, k, k, visible, scale), 100)
-    direct = _us(lambda: attention_cpu._rowstable_attention(q, k, k, visible, scale), 100)
+    op = _us(lambda: torch.ops.quasar.rowstable_attention.default(q, k, k, visible, scale), 100)
+    direct = _us(lambda: attention_cpu.rowstable_attention(q, k, k, visible, scale, kernel=attention_cpu.kernel()), 100)
     twin = _native(lambda: torch.ops.quasar.native_rowstable_attention.default(q, k, k, visible, scale), 100)
     n = c.num_hidden_layers
     return {"calls": n, "op_us": op * n, "direct_us": direct * n, "native_us": None if twin is None else twin * n}

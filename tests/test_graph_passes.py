@@ -1,12 +1,13 @@
-"""The post-grad pass of compiled steps (ops/graph_passes.py) and the native ops it writes (ops/native.py).
+"""The post-grad pass of compiled steps (ops/graph_passes.py) and the C++ implementations of the ops
+(ops/native.py).
 
-- `quasar::w8a8_folded_norm_linears` gives each consumer the bits of eager's folded group (the
-  reference oracle), and passes opcheck.
+- `quasar::w8a8_folded_norm_linears_cpu_packed` gives each consumer the bits of eager's folded group
+  (the reference oracle), and passes opcheck.
 - The pass folds exactly the groups it may (a synthetic FX graph: an act_prescale, another backend or
-  another reader of the norm's output leaves a linear alone), and points each CPU op at its native twin.
-- The native ops compute the Python ops' bits on ragged shapes, M = 1 included.
+  another reader of the norm's output leaves a linear alone), and rewrites nothing else.
+- The C++ implementations compute the ctypes kernels' bits on ragged shapes, M = 1 included.
 - A tiny W8A8 Llama compiled by Inductor with the pass: one folded op per group, verify rows equal
-  decode steps, and the native and Python ops give the same logits.
+  decode steps, every op of the step served by C++ on CPU.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import pytest
 import torch
 import torch.fx
 
-from quasar_hf.ops import cpu_fused, dispatch, native
-from quasar_hf.ops.graph_passes import FoldNormsIntoW8A8Linears, compile_config, fold_group, use_native_ops
+from quasar_hf.ops import attention_cpu, cpu_fused, dispatch, hadamard_cpu, native, rms_norm_cpu, rowstable_linear
+from quasar_hf.ops.cpu_fused_multi import folded_linears_prepacked
+from quasar_hf.ops.graph_passes import FoldNormsIntoW8A8Linears, compile_config, fold_group
 from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_reference
 from quasar_hf.ops.reference import quantize_weight_per_channel, w8a8_folded_group_reference
 
 needs_cpu_fused = pytest.mark.skipif(not cpu_fused.is_available(), reason="the fused CPU W8A8 kernel is unavailable here")
 needs_native = pytest.mark.skipif(
-    not native.is_available(), reason=f"the native ops are unavailable: {native.unavailable_reason()}"
+    not native.is_available(), reason=f"the ops' C++ library is unavailable: {native.unavailable_reason()}"
 )
 ops = torch.ops.quasar
 
@@ -38,57 +40,53 @@ def _weights(sizes=(24, 17, 9), k=40, seed=0):
     return weights
 
 
-def _flat_packed(weights):
+def _group_args(x, norm_weight, eps, offset, weights, emit_normed=False):
+    """The folded op's arguments for `weights` [(int8 [N, K], scale, bias)], packed here."""
     packs = [cpu_fused.pack_weight(w) for w, _, _ in weights]
-    return packs, [t for p in packs for t in (p.data, p.wsum128)]
+    return (
+        x, norm_weight, eps, offset, [p.data for p in packs], [p.wsum128 for p in packs],
+        [s for _, s, _ in weights], [b for _, _, b in weights], [w.shape[0] for w, _, _ in weights], emit_normed,
+    )  # fmt: skip
 
 
 @needs_cpu_fused
 @pytest.mark.parametrize("rows", [1, 6])
 def test_folded_op_gives_the_eager_groups_bits(rows):
     weights = _weights()
-    _, flat = _flat_packed(weights)
     x = torch.randn(1, rows, 40).bfloat16()
     norm_weight = torch.randn(40).bfloat16()
-    args = (
-        x,
-        norm_weight,
-        1e-5,
-        1.0,
-        [w for w, _, _ in weights],
-        [s for _, s, _ in weights],
-        [b for _, _, b in weights],
-        flat,
-        "cpu_fused",
-    )
-    torch.library.opcheck(ops.w8a8_folded_norm_linears.default, args, test_utils=("test_schema", "test_faketensor"))
-    outputs = ops.w8a8_folded_norm_linears(*args)
-    expected = w8a8_folded_group_reference(x, weights, 1.0 + norm_weight.float(), 1e-5)[1:]
-    assert all(torch.equal(y, e) for y, e in zip(outputs, expected, strict=True))
+    for emit_normed in (False, True):  # with it, the norm's own output first (eager FoldedRMSNorm's call)
+        args = _group_args(x, norm_weight, 1e-5, 1.0, weights, emit_normed)
+        torch.library.opcheck(
+            ops.w8a8_folded_norm_linears_cpu_packed.default, args, test_utils=("test_schema", "test_faketensor")
+        )
+        outputs = ops.w8a8_folded_norm_linears_cpu_packed(*args)
+        expected = w8a8_folded_group_reference(x, weights, 1.0 + norm_weight.float(), 1e-5)[0 if emit_normed else 1 :]
+        assert all(torch.equal(y, e) for y, e in zip(outputs, expected, strict=True))
 
 
 @needs_cpu_fused
-def test_folded_op_names_a_backend_it_does_not_run():
-    weights = _weights(sizes=(8,))
-    _, flat = _flat_packed(weights)
-    with pytest.raises(ValueError, match="'cpu_fused' backend only"):
-        ops.w8a8_folded_norm_linears(
-            torch.randn(2, 40), torch.ones(40), 1e-5, 0.0, [weights[0][0]], [weights[0][1]], [None], flat, "torch"
-        )
+def test_folded_op_fake_names_a_weight_that_does_not_fit():
+    args = list(_group_args(torch.randn(2, 40), torch.ones(40), 1e-5, 0.0, _weights(sizes=(8,))))
+    args[-2] = [9]  # rows the packed weight does not hold
+    with pytest.raises(Exception, match=r"weight_scale \[9\]"):  # opcheck wraps the ValueError of the fake
+        torch.library.opcheck(ops.w8a8_folded_norm_linears_cpu_packed.default, args, test_utils=("test_faketensor",))
 
 
 def _group_graph(prescale: bool = False, backend: str = "cpu_fused", other_reader: bool = False):
-    """x -> quasar::rms_norm -> two quasar::w8a8_linear (q, k), as a compiled Llama layer traces."""
+    """x -> quasar::rms_norm -> two W8A8 linear ops (q, k), as a compiled Llama layer traces."""
     graph = torch.fx.Graph()
     x, weight = graph.placeholder("x"), graph.placeholder("norm_weight")
     linear_args = []  # placeholders first, as Dynamo lays out graphs
     for name in ("q", "k"):
         w_q, w_scale, data, sums = (graph.placeholder(f"{name}_{part}") for part in ("weight", "scale", "data", "sums"))
-        w_q.meta["val"] = torch.empty(24 if name == "q" else 8, 40, dtype=torch.int8)  # what the native twin reads
         pre = graph.placeholder(f"{name}_prescale") if prescale else None
-        linear_args.append((w_q, w_scale, None, pre, [data, sums], backend))
+        if backend == "cpu_fused":  # what W8A8Linear calls on "cpu_fused"
+            linear_args.append((ops.w8a8_linear_cpu_packed.default, (data, sums, w_scale, None, pre, 24 if name == "q" else 8)))
+        else:
+            linear_args.append((ops.w8a8_linear.default, (w_q, w_scale, None, pre, [data], backend)))
     norm = graph.call_function(ops.rms_norm.default, (x, weight, 1e-5, 0.0, False))
-    outputs = [graph.call_function(ops.w8a8_linear.default, (norm, *args)) for args in linear_args]
+    outputs = [graph.call_function(op, (norm, *args)) for op, args in linear_args]
     if other_reader:
         outputs.append(graph.call_function(torch.ops.aten.neg.default, (norm,)))
     graph.output(tuple(outputs))
@@ -104,10 +102,7 @@ def test_the_pass_folds_a_norm_and_its_linears_into_one_op():
     norm = next(n for n in graph.nodes if n.target is ops.rms_norm.default)
     assert fold_group(graph, norm) == 2
     graph.lint()
-    assert _targets(graph) == {"quasar.w8a8_folded_norm_linears.default": 1, "<built-in function getitem>": 2}
-    if native.is_available():  # the twins exist once the native library is loaded
-        assert use_native_ops(graph) == 1
-        assert _targets(graph)["quasar.native_folded_norm_linears.default"] == 1
+    assert _targets(graph) == {"quasar.w8a8_folded_norm_linears_cpu_packed.default": 1, "<built-in function getitem>": 2}
 
 
 @pytest.mark.parametrize("case", ["prescale", "backend", "other_reader"])
@@ -121,73 +116,71 @@ def test_the_pass_leaves_what_it_cannot_fold(case):
     if case == "other_reader":  # the linears fold; the other reader keeps reading the norm's own output
         assert folded == 2 and targets["quasar.rms_norm.default"] == 1 and targets["aten.neg.default"] == 1
     else:
-        assert folded == 0 and targets["quasar.w8a8_linear.default"] == 2 and targets["quasar.rms_norm.default"] == 1
+        linear = "quasar.w8a8_linear.default" if case == "backend" else "quasar.w8a8_linear_cpu_packed.default"
+        assert folded == 0 and targets[linear] == 2 and targets["quasar.rms_norm.default"] == 1
 
 
 @needs_native
 @pytest.mark.parametrize("rows", [1, 7])
-def test_native_ops_compute_the_python_ops_bits(rows):
+def test_cpp_w8a8_and_attention_compute_the_ctypes_kernels_bits(rows):
+    """The ops' C++ CPU implementations against the same C kernels called through ctypes."""
     weights = _weights(sizes=(24, 17))
-    packs, flat = _flat_packed(weights)
     x = torch.randn(2, rows, 40).bfloat16()[:, :, :]  # [B, S, K]
     prescale = torch.rand(40) + 0.5
-    for (w_q, w_scale, bias), pack in zip(weights, packs):
-        expected = ops.w8a8_linear(x, w_q, w_scale, bias, prescale, [pack.data, pack.wsum128], "cpu_fused")
-        actual = ops.native_w8a8_linear(x, pack.data, pack.wsum128, w_scale, bias, prescale, w_q.shape[0])
+    for w_q, w_scale, bias in weights:
+        pack = cpu_fused.pack_weight(w_q)
+        expected = cpu_fused.w8a8_linear_cpu_fused(x, w_q, w_scale, bias=bias, act_prescale=prescale, packed=pack)
+        actual = ops.w8a8_linear_cpu_packed(x, pack.data, pack.wsum128, w_scale, bias, prescale, w_q.shape[0])
         assert torch.equal(actual, expected)
-    norm_weight = torch.randn(40).bfloat16()
-    folded = ops.w8a8_folded_norm_linears(x, norm_weight, 1e-6, 0.0, *map(list, zip(*weights)), flat, "cpu_fused")
-    native_folded = ops.native_folded_norm_linears(
-        x,
-        norm_weight,
-        1e-6,
-        0.0,
-        [p.data for p in packs],
-        [p.wsum128 for p in packs],
-        [s for _, s, _ in weights],
-        [b for _, _, b in weights],
-        [24, 17],
-    )
-    assert all(torch.equal(a, b) for a, b in zip(folded, native_folded, strict=True))
+    args = _group_args(x, torch.randn(40).bfloat16(), 1e-6, 0.0, weights, emit_normed=True)
+    packs = [cpu_fused.PackedWeight(d, s, n, 40) for d, s, n in zip(args[4], args[5], args[8])]
+    expected = folded_linears_prepacked(x, weights, packs, args[1].float().contiguous(), 1e-6, emit_normed=True)
+    assert all(torch.equal(a, b) for a, b in zip(ops.w8a8_folded_norm_linears_cpu_packed(*args), expected, strict=True))
     query = torch.randn(2, 6, rows, 16).bfloat16()
     key, value = torch.randn(2, 3, rows + 5, 16).bfloat16(), torch.randn(2, 3, rows + 5, 16).bfloat16()
     visible = torch.rand(2, rows, rows + 5) > 0.4
     visible[..., 0] = True
     for mask, scale in ((visible, 0.3), (None, None)):
-        expected = ops.rowstable_attention_cpu(query, key, value, mask, scale)
-        assert torch.equal(ops.native_rowstable_attention(query, key, value, mask, scale), expected)
+        expected = attention_cpu.rowstable_attention(query, key, value, mask, scale, kernel=attention_cpu.kernel())  # ctypes
+        assert torch.equal(ops.rowstable_attention(query, key, value, mask, scale), expected)  # the op's C++ implementation
 
 
 @needs_native
 @pytest.mark.parametrize("rows", [1, 7])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_native_lm_head_norm_and_rotation_compute_the_python_ops_bits(rows, dtype):
+def test_cpp_lm_head_norm_and_rotation_compute_the_ctypes_kernels_bits(rows, dtype):
+    """The ops' C++ CPU implementations against the same C kernels called through ctypes."""
     x = torch.randn(2, rows, 40).to(dtype)  # [B, S, K], K = 40: ragged for every kernel's vector width
     head, bias = torch.randn(37, 40).to(dtype), torch.randn(37).to(dtype)
     for b in (None, bias):
-        assert torch.equal(ops.native_rowstable_linear(x, head, b), ops.rowstable_linear(x, head, b))
+        assert torch.equal(ops.rowstable_linear(x, head, b), rowstable_linear.rowstable_linear(x, head, b))
     for scale_in_float, offset, weight_dtype in ((False, 0.0, dtype), (True, 1.0, dtype), (False, 0.0, torch.float32)):
         weight = torch.randn(40).to(weight_dtype)
-        expected = ops.rms_norm(x, weight, 1e-6, offset, scale_in_float)
-        actual = ops.native_rms_norm(x, weight, 1e-6, offset, scale_in_float)
+        expected = rms_norm_cpu.rms_norm_rows(x, weight, 1e-6, offset, scale_in_float)
+        actual = ops.rms_norm(x, weight, 1e-6, offset, scale_in_float)
         assert actual.dtype == expected.dtype and torch.equal(actual, expected)
     assert torch.equal(
-        ops.native_rms_norm(x.transpose(0, 1), weight, 1e-6, 0.0, False),
         ops.rms_norm(x.transpose(0, 1), weight, 1e-6, 0.0, False),
+        rms_norm_cpu.rms_norm_rows(x.transpose(0, 1), weight, 1e-6, 0.0, False),
     )
     for width in (40, 12 * 16, 3 * 64, 6):  # H_20 (x) H_2, H_12 (x) H_16, Sylvester alone, blocks of H_2
         r = HadamardRotation.for_size(width)
         rows_x = torch.randn(rows, 3, width).to(dtype).transpose(0, 1)  # not contiguous
-        expected = ops.hadamard_rows(rows_x, None, r.blocks, r.odd_order, r.pow2)
+        expected = hadamard_cpu.rotate_rows(rows_x, r)
         assert torch.equal(expected, rotate_rows_reference(rows_x, r))
-        assert torch.equal(ops.native_hadamard_rows(rows_x, r.odd_signs(), r.blocks, r.pow2, r.scale), expected)
+        assert torch.equal(ops.hadamard_rows(rows_x, r.odd_signs(), r.blocks, r.pow2, r.scale), expected)
+
+
+def _has_cpu_kernel(target: str) -> bool:
+    """True if the op `quasar.<name>.default` has a kernel registered for the CPU dispatch key (C++)."""
+    name = "quasar::" + target.split(".")[1]
+    return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
 
 
 class _Recording(FoldNormsIntoW8A8Linears):
     """The pass, noting which quasar ops each graph holds after it ran."""
 
-    def __init__(self, native: bool = True) -> None:
-        super().__init__(native)
+    def __init__(self) -> None:
         self.after: list[collections.Counter] = []
 
     def __call__(self, graph) -> None:
@@ -200,25 +193,19 @@ def test_inductor_with_the_pass_folds_every_group_and_stays_row_stable(tmp_path)
     from tests.test_compiled_rows import quasar_model, verify_and_decode_rows
 
     model = quasar_model(tmp_path, "llama", torch.bfloat16)
-    logits = {}
-    for use_native in (False, True) if native.is_available() else (False,):
-        recording = _Recording(use_native)
-        options = dict(compile_config(torch.device("cpu")).options, post_grad_custom_post_pass=recording)
-        torch._dynamo.reset()
-        compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
-        with torch.no_grad(), torch._inductor.utils.fresh_cache():  # an on-disk cache hit would skip the pass
-            verify, decode = verify_and_decode_rows(model, compiled)
-        assert torch.equal(verify, decode)
-        assert len(recording.after) >= 2  # the pass ran on the verify and the decode graph
-        prefix = "quasar.native_" if use_native else "quasar.w8a8_"
-        for counts in recording.after:  # 2 layers: 2 folded groups each, o/down linears alone, the final norm
-            assert counts[f"{prefix}folded_norm_linears.default"] == 4
-            assert counts["quasar.native_rms_norm.default" if use_native else "quasar.rms_norm.default"] == 1
-            if use_native:  # no op of the step calls back into Python: the lm_head and rotations included
-                assert all(target.startswith("quasar.native_") for target in counts), counts
-                assert counts["quasar.native_rowstable_linear.default"] == 1
-        logits[use_native] = verify
-    assert all(torch.equal(v, logits[False]) for v in logits.values())
+    recording = _Recording()
+    options = dict(compile_config(torch.device("cpu")).options, post_grad_custom_post_pass=recording)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
+    with torch.no_grad(), torch._inductor.utils.fresh_cache():  # an on-disk cache hit would skip the pass
+        verify, decode = verify_and_decode_rows(model, compiled)
+    assert torch.equal(verify, decode)
+    assert len(recording.after) >= 2  # the pass ran on the verify and the decode graph
+    for counts in recording.after:  # 2 layers: 2 folded groups each, o/down linears alone, the final norm
+        assert counts["quasar.w8a8_folded_norm_linears_cpu_packed.default"] == 4
+        assert counts["quasar.rms_norm.default"] == 1 and counts["quasar.rowstable_linear.default"] == 1
+        if native.is_available():  # no op of the step calls back into Python: each has a C++ CPU kernel
+            assert all(_has_cpu_kernel(target) for target in counts), counts
 
 
 def test_default_compile_config_installs_the_pass():
@@ -235,40 +222,23 @@ def test_without_a_cxx_compiler_the_native_ops_say_why(monkeypatch, tmp_path):
     assert reason is not None and ("building the native ops failed" in reason or "unavailable" in reason)
 
 
-def test_the_pass_keeps_the_python_ops_where_the_native_ones_are_missing(monkeypatch):
-    if native.is_available():  # Inductor's cache key tells the two kinds of graph apart
-        assert FoldNormsIntoW8A8Linears().uuid() != FoldNormsIntoW8A8Linears(native=False).uuid()
-    monkeypatch.setattr(native, "is_available", lambda: False)
-    graph = _group_graph()
-    FoldNormsIntoW8A8Linears()(graph)
-    assert _targets(graph)["quasar.w8a8_folded_norm_linears.default"] == 1
-    assert FoldNormsIntoW8A8Linears().uuid() == FoldNormsIntoW8A8Linears(native=False).uuid()
-
-
 @needs_native
 def test_native_ops_pass_opcheck():
-    """Schema and fake of each C++-registered op against its real output (the fakes live in ops/native.py)."""
+    """Schema and fake of each op with a C++ CPU implementation against its real output."""
     x = torch.randn(2, 3, 40).bfloat16()
     pack = cpu_fused.pack_weight(torch.randint(-128, 128, (24, 40), dtype=torch.int8))
     rotation = HadamardRotation.for_size(40)
     query, key = torch.randn(1, 4, 3, 8).bfloat16(), torch.randn(1, 2, 5, 8).bfloat16()
     cases = {
-        ops.native_w8a8_linear.default: (x, pack.data, pack.wsum128, torch.rand(24), None, None, 24),
-        ops.native_folded_norm_linears.default: (
-            x,
-            torch.randn(40).bfloat16(),
-            1e-6,
-            0.0,
-            [pack.data],
-            [pack.wsum128],
-            [torch.rand(24)],
-            [None],
-            [24],
+        ops.w8a8_linear_cpu_packed.default: (x, pack.data, pack.wsum128, torch.rand(24), None, None, 24),
+        ops.w8a8_folded_norm_linears_cpu_packed.default: _group_args(
+            x, torch.randn(40).bfloat16(), 1e-6, 0.0, _weights(sizes=(24,))
         ),
-        ops.native_rowstable_attention.default: (query, key, key.clone(), None, 0.3),
-        ops.native_rowstable_linear.default: (x, torch.randn(9, 40).bfloat16(), None),
-        ops.native_rms_norm.default: (x, torch.randn(40), 1e-6, 0.0, False),
-        ops.native_hadamard_rows.default: (x, rotation.odd_signs(), rotation.blocks, rotation.pow2, rotation.scale),
+        ops.rowstable_attention.default: (query, key, key.clone(), None, 0.3),
+        ops.rowstable_linear.default: (x, torch.randn(9, 40).bfloat16(), None),
+        ops.rms_norm.default: (x, torch.randn(40), 1e-6, 0.0, False),
+        ops.hadamard_rows.default: (x, rotation.odd_signs(), rotation.blocks, rotation.pow2, rotation.scale),
     }
     for op, args in cases.items():
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"), op  # the C++ implementation serves it
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

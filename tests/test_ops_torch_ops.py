@@ -74,8 +74,9 @@ def test_attention_op_passes_opcheck_and_matches_eager():
     q, k, v = torch.randn(2, 4, 3, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g)
     visible = torch.rand(2, 3, 9, generator=g) > 0.3
     args = (q, k, v, visible, 0.3)
-    torch.library.opcheck(torch.ops.quasar.rowstable_attention_cpu.default, args, test_utils=("test_schema", "test_faketensor"))
-    assert torch.equal(torch.ops.quasar.rowstable_attention_cpu(*args), attention_cpu.rowstable_attention(*args))
+    torch.library.opcheck(torch.ops.quasar.rowstable_attention.default, args, test_utils=("test_schema", "test_faketensor"))
+    ctypes_call = attention_cpu.rowstable_attention(*args, kernel=attention_cpu.kernel())
+    assert torch.equal(torch.ops.quasar.rowstable_attention(*args), ctypes_call)
 
 
 def _tiny_w8a8(dtype=torch.bfloat16):
@@ -102,7 +103,7 @@ def test_tiny_w8a8_model_traces_into_one_graph_with_the_quasar_ops():
         compiled = torch.compile(model.forward, fullgraph=True, backend=backend)(input_ids=ids).logits
     assert sum("quasar.w8a8_linear" in t for t in seen) == 2 * 7
     if attention_cpu.is_available():
-        assert sum("quasar.rowstable_attention_cpu" in t for t in seen) == 2
+        assert sum("quasar.rowstable_attention" in t for t in seen) == 2
     assert torch.equal(compiled, eager)
 
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from quasar_hf import QuasarConfig
-from quasar_hf.ops import attention_cpu
+from quasar_hf.ops import rowstable_attention
 from quasar_hf.ops.rowstable_attention import LONG_PREFILL_ROWS, QUASAR_ATTENTION, use_rowstable_attention
 from quasar_hf.speculative.attention import rowstable_attention_for, verification_attention
 from quasar_hf.speculative.kv_state import RowAlignedCache
@@ -71,8 +71,8 @@ def test_quasar_attention_survives_save_and_reload(w8a8_model, tmp_path):
 
 def test_kernel_runs_decode_and_verify_and_sdpa_runs_long_prefills(w8a8_model, monkeypatch):
     calls = []
-    real = attention_cpu.rowstable_attention
-    monkeypatch.setattr(attention_cpu, "rowstable_attention", lambda q, *a, **k: calls.append(q.shape[2]) or real(q, *a, **k))
+    real = rowstable_attention._attention_op  # the op call every kernel-run attention call makes
+    monkeypatch.setattr(rowstable_attention, "_attention_op", lambda q, *a, **k: calls.append(q.shape[2]) or real(q, *a, **k))
     layers = w8a8_model.config.num_hidden_layers
     prompt = torch.randint(0, 96, (1, LONG_PREFILL_ROWS + 1))
     caches_after(w8a8_model, prompt, [[5], [6, 7, 8]])

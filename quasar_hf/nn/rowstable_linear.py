@@ -2,12 +2,11 @@
 
 A Quasar model's lm_head stays in its float dtype (it is tied to the embeddings and its error
 reaches the logits directly). Replaced by this module, a k-token verify step produces logits
-bit-identical to k one-token decode steps on CPU (`ops/rowstable_linear.py`), so greedy
-`quasar=True` equals plain greedy decoding even at near-ties. The module holds the very same
-Parameters as the Linear it replaces (ties, state dict keys and checkpoints are unchanged).
-Under `torch.compile` (inference) it traces to the opaque op `torch.ops.quasar.rowstable_linear`
-(the same kernel, so compiled rows are row-stable too); compiled with gradients, and elsewhere
-(CUDA, float16), it is `F.linear`. Eager with autograd on, the forward has the same bits and the
+bit-identical to k one-token decode steps on CPU (the op `quasar::rowstable_linear`, eager and
+compiled alike: its C kernel, `ops/rowstable_linear.py`), so greedy `quasar=True` equals plain
+greedy decoding even at near-ties. The module holds the very same Parameters as the Linear it
+replaces (ties, state dict keys and checkpoints are unchanged). Compiled with gradients, and
+elsewhere (CUDA, float16), it is `F.linear`. Eager with autograd on, the forward has the same bits and the
 backward is the plain linear's.
 """
 
@@ -46,7 +45,7 @@ class RowStableLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if _needs_grad(x, self.weight, self.bias):
             return _RowStableLinearFunction.apply(x, self.weight, self.bias)
-        return kernel.rowstable_linear(x, self.weight, self.bias)
+        return torch.ops.quasar.rowstable_linear(x, self.weight, self.bias)
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -60,7 +59,7 @@ class _RowStableLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return kernel.rowstable_linear(x, weight, bias)
+        return torch.ops.quasar.rowstable_linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):

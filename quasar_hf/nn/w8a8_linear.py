@@ -8,11 +8,14 @@ from torch import nn
 
 from quasar_hf.nn.folded_norm import FoldedNormOutput
 from quasar_hf.nn.prepared_module import PreparedModule
-from quasar_hf.ops.dispatch import PreparedW8A8, prepare_w8a8, resolve_backend, w8a8_linear
+from quasar_hf.ops.dispatch import PreparedW8A8, prepare_w8a8, w8a8_linear
 from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_float64
-from quasar_hf.ops.hadamard_cpu import bind_rotation, rotate_rows
+from quasar_hf.ops.hadamard_cpu import rotate_rows
 from quasar_hf.ops.hadamard_cpu import signs as hadamard_signs
 from quasar_hf.ops.reference import quantize_weight_per_channel
+from quasar_hf.ops.validation import is_bound_linear_input, validate_w8a8_inputs
+
+ROTATION_OP_DTYPES = (torch.float32, torch.bfloat16)  # rows `quasar::hadamard_rows` takes (others: the reference)
 
 
 class W8A8Linear(PreparedModule):
@@ -59,7 +62,7 @@ class W8A8Linear(PreparedModule):
         else:
             self.act_prescale = None
         self._prepared: PreparedW8A8 | None = None  # None: not prepared yet, every call dispatches unbound
-        self._op_layout: tuple[str, tuple[torch.Tensor, ...]] | None = None  # what a traced forward reads (prepare)
+        self._op_layout: tuple[str, tuple] | None = None  # (quasar:: op name, its arguments after x): prepare
         self.fed_by: tuple[nn.Module, ...] = ()  # the FoldedRMSNorm whose output this linear reads, if any
 
     @property
@@ -135,32 +138,30 @@ class W8A8Linear(PreparedModule):
         self._prepared = self._op_layout = None  # release the old packed weight first
         if self.weight.device.type != "meta":  # offloaded or not yet loaded: run unprepared
             self._prepared = prepare_w8a8(self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
-            self._op_layout = (self._prepared.backend, self._prepared.packed_tensors)
+            self._op_layout = self._prepared.op
         for norm in self.fed_by:
             if "_parameters" in norm.__dict__:  # a norm still being rebuilt (copy, unpickle) binds itself
                 norm.prepare()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if torch.compiler.is_compiling():  # traced: one `quasar::w8a8_linear` op (ops/torch_ops.py)
-            return self._traced_forward(x)
-        prepared = self._prepared
         if type(x) is FoldedNormOutput:
             y = x.output_of(self)
             if y is not None:
                 return y
-        if prepared is None:  # weights offloaded by accelerate (loaded around this call): unprepared
-            return w8a8_linear(x, self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
-        return prepared.linear(x)
+        return self._linear(x)
 
-    def _traced_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The op a compiled step records. It reads only tensors, tuples and strings of this module (the
-        `_op_layout` tuple, not the PreparedW8A8 object), so Dynamo can skip this module's guards while
-        its dicts are unchanged (compat.compiled_step: recursive dict tags)."""
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        """One call of the prepared `quasar::` op, eager and compiled alike. It reads only tensors,
+        tuples and plain values of this module (the `_op_layout` tuple, not the PreparedW8A8 object),
+        so Dynamo can skip this module's guards while its dicts are unchanged (compat.compiled_step:
+        recursive dict tags)."""
         layout = self._op_layout
-        backend, packed = layout if layout is not None else (resolve_backend(self.backend, self.weight.device), ())
-        return torch.ops.quasar.w8a8_linear(
-            x, self.weight, self.weight_scale, self.bias, self.act_prescale, list(packed), backend
-        )
+        if layout is None:  # weights offloaded by accelerate (loaded around this call): unprepared
+            return w8a8_linear(x, self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
+        name, args = layout
+        if not is_bound_linear_input(x, self.in_features, args[0].device):
+            validate_w8a8_inputs(x, self.weight, self.weight_scale, self.bias, self.act_prescale)  # the precise error
+        return getattr(torch.ops.quasar, name).default(x, *args)
 
     def extra_repr(self) -> str:
         return (
@@ -187,23 +188,22 @@ class RotatedW8A8Linear(W8A8Linear):
             raise ValueError("a RotatedW8A8Linear takes no act_prescale: rotation replaces smoothing on its input")
         super().__init__(in_features, out_features, bias=bias, **kwargs)
         self.rotation = HadamardRotation.for_size(in_features)
-        self._rotate = None  # bound by prepare(): the kernel with its constants looked up once
-        # prepare(): (H_m or None, blocks, odd_order, pow2), what `quasar::hadamard_rows` takes in a traced
-        # forward; H_m is a tensor on CPU (ops/native.py's twin reads it), None elsewhere.
-        self._rotation_op_args: tuple[torch.Tensor | None, int, int, int] | None = None
+        # prepare(): (H_m on the weight's device, blocks, pow2, scale), what `quasar::hadamard_rows` takes
+        self._rotation_op_args: tuple[torch.Tensor, int, int, float] | None = None
 
-    derived = ("_prepared", "_op_layout", "_rotate", "_rotation_op_args")
+    derived = ("_prepared", "_op_layout", "_rotation_op_args")
 
     def prepare(self) -> None:
-        """Prepare the int8 linear (W8A8Linear.prepare), bind the rotation kernel and, for CPU
-        weights, make H_m a tensor a compiled step passes to `quasar::hadamard_rows`."""
+        """Prepare the int8 linear (W8A8Linear.prepare) and the rotation op's arguments."""
         super().prepare()
-        self._rotate = bind_rotation(self.rotation)
         r = self.rotation
-        # A copy per module: a tensor shared by 30 modules gets an aliasing guard, which makes Dynamo
-        # check each module's guards in full at every call instead of comparing its dict tags.
-        signs = hadamard_signs(r).clone() if self.weight.device.type == "cpu" else None
-        self._rotation_op_args = (signs, r.blocks, r.odd_order, r.pow2)
+        if self.weight.device.type != "meta":
+            # A copy per module: a tensor shared by 30 modules gets an aliasing guard, which makes Dynamo
+            # check each module's guards in full at every call instead of comparing its dict tags.
+            signs = hadamard_signs(r).to(self.weight.device, copy=True)
+            self._rotation_op_args = (signs, r.blocks, r.pow2, r.scale)
+        else:
+            self._rotation_op_args = None
 
     @classmethod
     def from_weight(
@@ -220,18 +220,12 @@ class RotatedW8A8Linear(W8A8Linear):
         return super().from_weight(weight, bias, None, backend, rounded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out] in x.dtype
-        if torch.compiler.is_compiling():
-            args = self._rotation_op_args
-            if args is None:  # not prepared (offloaded weights)
-                r = self.rotation
-                args = (None, r.blocks, r.odd_order, r.pow2)
-            rotated = torch.ops.quasar.hadamard_rows(x, *args)
-            return self._traced_forward(rotated).to(x.dtype)  # not super(): that would guard on the class's MRO
-        if self._rotate is not None:
-            rotated = self._rotate(x)  # fp32 [..., in]
-        else:
+        args = self._rotation_op_args
+        if args is not None and x.dtype in ROTATION_OP_DTYPES and x.device == args[0].device:
+            rotated = torch.ops.quasar.hadamard_rows(x, *args)  # fp32 [..., in]
+        else:  # not prepared (offloaded weights), or rows the kernels do not take: the reference's bits
             rotated = rotate_rows(x, self.rotation)
-        return super().forward(rotated).to(x.dtype)
+        return self._linear(rotated).to(x.dtype)  # never fed by a folded norm; not super(): a guard on the MRO
 
     def extra_repr(self) -> str:
         r = self.rotation

@@ -12,9 +12,11 @@ Public API:
     is_available() -> bool / unavailable_reason() -> str | None     never raise
     supports(query, key, value) -> bool                             dtype/device/layout check
     rowstable_attention(query, key, value, visible=None, scale=None) -> [B, Q, H, D]
-Under `torch.compile` `rowstable_attention` traces to the op `torch.ops.quasar.rowstable_attention_cpu`
-(`ops/torch_ops.py`). When the kernel cannot be built, `supports` says False and logs the reason
-once at warning level (callers then run SDPA, slower for verification).
+`rowstable_attention` calls the op `quasar::rowstable_attention` (ops/torch_ops.py), eager and
+compiled alike: on CPU its C++ implementation (ops/native.py) calls this kernel, and without that
+library the op's fallback calls it through ctypes (`kernel()`). When the kernel cannot be built,
+`supports` says False and logs the reason once at warning level (callers then run SDPA, slower for
+verification).
 """
 
 from __future__ import annotations
@@ -83,12 +85,16 @@ def is_available() -> bool:
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """True if these tensors can go to the kernel: CPU, float32 or bfloat16, the layout of
     `reference.attention_layout_ok`, and the kernel built here (if not, the reason is logged once)."""
-    if not (query.device.type == "cpu" and query.dtype in _DTYPE_CODES and attention_layout_ok(query, key, value)):
+    if not _fits(query, key, value):
         return False
     reason = unavailable_reason()
     if reason is not None:
         warn_fallback_once("the row-stable CPU attention kernel", "SDPA", reason)
     return reason is None
+
+
+def _fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    return query.device.type == "cpu" and query.dtype in _DTYPE_CODES and attention_layout_ok(query, key, value)
 
 
 def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -143,33 +149,45 @@ def rowstable_attention(
 
     query [B, H, Q, D], key/value [B, KVH, N, D] with N >= Q; visible: bool [B, Q, N] (True =
     may attend) or None for bottom-right causal (row i sees keys 0 .. N - Q + i).
-    kernel: an entry point from `load_variant` (tests compare builds); default: this CPU's build.
+    kernel: an entry point from `load_variant` called through ctypes (tests compare builds); default:
+    the op `quasar::rowstable_attention`.
     """
-    if kernel is None and torch.compiler.is_compiling():
-        return torch.ops.quasar.rowstable_attention_cpu(query, key, value, visible, None if scale is None else float(scale))
+    if kernel is None:
+        _check_inputs(query, key, value, visible)
+        return torch.ops.quasar.rowstable_attention(query, key, value, visible, None if scale is None else float(scale))
     return _rowstable_attention(query, key, value, visible, scale, kernel)
 
 
-def _rowstable_attention(query, key, value, visible, scale, kernel=None) -> torch.Tensor:
-    """The kernel call behind `rowstable_attention` (and its op): validate, lay out, run."""
-    fn, error = (kernel, None) if kernel is not None else _library()
+def kernel() -> object:
+    """This CPU's build of the kernel (a ctypes entry point); RuntimeError naming why it is unavailable."""
+    fn, error = _library()
     if fn is None:
         raise RuntimeError(f"row-stable CPU attention is unavailable: {error}")
-    if not supports(query, key, value):
+    return fn
+
+
+def _check_inputs(query, key, value, visible) -> None:
+    """ValueError naming what is wrong with these inputs, if anything (the kernel's contract)."""
+    if not _fits(query, key, value):
         raise ValueError(
             "row-stable attention needs CPU tensors of one dtype (float32 or bfloat16), query [B, H, Q, D] and "
             f"key/value [B, KVH, N, D] with H divisible by KVH; got q {tuple(query.shape)} {query.dtype}, "
             f"k {tuple(key.shape)} {key.dtype}, v {tuple(value.shape)} {value.dtype}"
         )
-    batch, heads, q_len, head_dim = query.shape
-    kv_len = key.shape[2]
+    batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
     if kv_len < q_len:
         raise ValueError(f"row-stable attention needs at least as many keys ({kv_len}) as query rows ({q_len})")
+    if visible is not None and (visible.dtype != torch.bool or tuple(visible.shape) != (batch, q_len, kv_len)):
+        raise ValueError(
+            f"visible must be a bool tensor [{batch}, {q_len}, {kv_len}], got {visible.dtype} {tuple(visible.shape)}"
+        )
+
+
+def _rowstable_attention(query, key, value, visible, scale, fn) -> torch.Tensor:
+    """One ctypes call of the kernel `fn`: validate, lay out, run."""
+    _check_inputs(query, key, value, visible)
+    batch, heads, q_len, head_dim = query.shape
     if visible is not None:
-        if visible.dtype != torch.bool or tuple(visible.shape) != (batch, q_len, kv_len):
-            raise ValueError(
-                f"visible must be a bool tensor [{batch}, {q_len}, {kv_len}], got {visible.dtype} {tuple(visible.shape)}"
-            )
         visible = _inner_contiguous(visible).view(torch.uint8)
     out = torch.empty(batch, q_len, heads, head_dim, dtype=query.dtype)
     if out.numel() == 0:

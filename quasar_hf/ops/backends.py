@@ -114,6 +114,12 @@ def bind_cpu_fused(weight_q, weight_scale, bias, act_prescale, packed, on_bad_x)
     return cpu_fused_module().bind_linear(weight_q, weight_scale, bias, act_prescale, packed, on_bad_x)
 
 
+def op_call_cpu_fused(weights: tuple, packed) -> tuple[str, tuple]:
+    """`quasar::w8a8_linear_cpu_packed` and its arguments after x: only what the kernel reads."""
+    weight_q, weight_scale, bias, act_prescale = weights
+    return "w8a8_linear_cpu_packed", (packed.data, packed.wsum128, weight_scale, bias, act_prescale, weight_q.shape[0])
+
+
 def packed_tensors_cpu_fused(packed) -> tuple[torch.Tensor, ...]:
     return (packed.data, packed.wsum128)
 
@@ -155,9 +161,27 @@ def group_triton(weights, norm_scale, packs, norm_eps):
 
 
 def group_cpu_fused(weights, norm_scale, packs, norm_eps):
-    from quasar_hf.ops.cpu_fused_multi import MULTI_MAX, bind_linear_multi
+    """The folded group as calls of `quasar::w8a8_folded_norm_linears_cpu_packed` (one per MULTI_MAX
+    weights), the op compiled steps call too: (normed, y_0, y_1, ...)."""
+    from quasar_hf.ops.cpu_fused_multi import MULTI_MAX
 
-    if len(weights) > MULTI_MAX:  # more than one C call takes: fold each weight on its own
-        singles = [bind_linear_multi([w], norm_scale, [p], norm_eps=norm_eps, emit_normed=True) for w, p in zip(weights, packs)]
-        return lambda x: (singles[0](x)[0], *(one(x)[1] for one in singles))
-    return bind_linear_multi(list(weights), norm_scale, list(packs), norm_eps=norm_eps, emit_normed=True)
+    op = torch.ops.quasar.w8a8_folded_norm_linears_cpu_packed.default
+
+    def args_of(chunk: range) -> tuple:  # after x; norm_scale holds offset + weight (-0.0 + v is v, bit for bit)
+        return (
+            norm_scale, float(norm_eps), -0.0, [packs[i].data for i in chunk], [packs[i].wsum128 for i in chunk],
+            [weights[i][1] for i in chunk], [weights[i][2] for i in chunk], [packs[i].out_features for i in chunk], True,
+        )  # fmt: skip
+
+    if len(weights) <= MULTI_MAX:
+        args = args_of(range(len(weights)))
+        return lambda x: tuple(op(x, *args))
+    chunks = [args_of(range(i, min(i + MULTI_MAX, len(weights)))) for i in range(0, len(weights), MULTI_MAX)]
+
+    def group(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        normed, *outputs = op(x, *chunks[0])
+        for args in chunks[1:]:
+            outputs += op(x, *args)[1:]
+        return (normed, *outputs)
+
+    return group

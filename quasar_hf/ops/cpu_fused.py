@@ -254,8 +254,8 @@ def _weight_args(
 
 
 def _call(fn, x, weight_q, weight_scale, bias, act_prescale, packed: PackedWeight, want_output: bool) -> torch.Tensor:
-    """Lay the (already validated) tensors out for the C entry point and call it."""
-    n, k = weight_q.shape
+    """Lay the (already validated) tensors out for the C entry point and call it (sizes from `packed`)."""
+    n, k = packed.out_features, packed.in_features
     x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]; raw pointers below, so no autograd
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -150,39 +150,43 @@ def folded_linears_prepacked(
     packed: list[PackedWeight],
     norm_scale: torch.Tensor,
     norm_eps: float,
+    emit_normed: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """(y_0, y_1, ...) of linears reading RMSNorm(x), the norm folded into x's quantization, in one C
-    call: the bits of `bind_linear_multi(weights, norm_scale, packed, norm_eps=norm_eps)(x)`.
+    call: the bits of `bind_linear_multi(weights, norm_scale, packed, norm_eps=norm_eps, emit_normed=...)(x)`
+    (with emit_normed, the norm's own output first).
 
-    Per call and without checks, for the `quasar::w8a8_folded_norm_linears` op, whose fake validated
-    the shapes when the step was traced: x a CPU float tensor [..., K]; weights [(int8 [N_s, K],
-    scale [N_s], bias [N_s] or None)], at most MULTI_MAX; packed their pack_weight(); norm_scale
-    fp32 [K] contiguous (the norm's weight, or 1 + weight).
+    Per call and without checks, for the `quasar::w8a8_folded_norm_linears_cpu_packed` op's fallback,
+    whose fake validated the shapes when the step was traced: x a CPU float tensor [..., K]; weights
+    [(int8 [N_s, K] or None, scale [N_s], bias [N_s] or None)], at most MULTI_MAX; packed their
+    pack_weight() (the sizes come from them); norm_scale fp32 [K] contiguous (the norm's weight, or 1 + weight).
     """
     k = x.shape[-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, k)  # [M, K]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     lead, code = x.shape[:-1], _DTYPE_CODES[x.dtype]
-    outs = tuple(torch.empty((*lead, w[0].shape[0]), dtype=x.dtype) for w in weights)  # [..., N_s]
+    outs = tuple(torch.empty((*lead, p.out_features), dtype=x.dtype) for p in packed)  # [..., N_s]
+    normed = torch.empty((*lead, k), dtype=x.dtype) if emit_normed else None  # [..., K]
     if x2.shape[0] == 0:
-        return outs
+        return outs if normed is None else (normed, *outs)
     structs = (_CWeight * len(weights))()
     held = []  # what the structs point into, alive until the call returns
-    for s, ((weight_q, weight_scale, bias), pack) in enumerate(zip(weights, packed, strict=True)):
+    for s, ((_, weight_scale, bias), pack) in enumerate(zip(weights, packed, strict=True)):
         w_scale = _fp32_contiguous(weight_scale)
         bias_c = bias if bias is None or bias.is_contiguous() else bias.contiguous()
         held.append((w_scale, bias_c))
         bias_ptr, bias_code = (None, 0) if bias_c is None else (bias_c.data_ptr(), _DTYPE_CODES[bias_c.dtype])
         structs[s] = _CWeight(
-            pack.data.data_ptr(), pack.wsum128.data_ptr(), w_scale.data_ptr(), bias_ptr, bias_code, weight_q.shape[0]
+            pack.data.data_ptr(), pack.wsum128.data_ptr(), w_scale.data_ptr(), bias_ptr, bias_code, pack.out_features
         )
     threads = max(1, min(torch.get_num_threads(), sum(y.shape[-1] for y in outs) * k // _MIN_BYTES_PER_THREAD))
     pointers = (_P * len(outs))(*(y.data_ptr() for y in outs))
     status = _multi_entry()(
-        x2.data_ptr(), code, x2.shape[0], k, x2.stride(0), norm_scale.data_ptr(), float(norm_eps), None,
-        packed[0].data.shape[1] * 4, len(weights), structs, pointers, code, threads,
+        x2.data_ptr(), code, x2.shape[0], k, x2.stride(0), norm_scale.data_ptr(), float(norm_eps),
+        None if normed is None else normed.data_ptr(), packed[0].data.shape[1] * 4, len(weights), structs, pointers,
+        code, threads,
     )  # fmt: skip
     if status != 0:
         raise MemoryError(f"fused W8A8 kernel could not allocate scratch for {x2.shape[0]}x{k} activations")
-    return outs
+    return outs if normed is None else (normed, *outs)

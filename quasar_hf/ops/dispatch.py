@@ -67,7 +67,9 @@ class Backend:
     packed_tensors(packed) / unpack(weight_q, tensors): the packed layout as tensors and back (the
     `quasar::w8a8_linear` op takes tensors). bind_group(weights, norm_scale, packs, norm_eps) ->
     group(x) -> (normed, y_0, y_1, ...): the RMSNorm fold (None: this backend cannot fold);
-    group_checks_x: the bound group checks x itself.
+    group_checks_x: the bound group checks x itself. op_call(weights, packed) -> (op name, arguments
+    after x): the `quasar::` op a prepared module calls, eager and compiled alike (None: the generic
+    `quasar::w8a8_linear` with this backend's name and packed tensors).
     """
 
     name: str
@@ -80,6 +82,7 @@ class Backend:
     unpack: Callable[[torch.Tensor, list[torch.Tensor]], object] | None = None
     bind_group: Callable[..., Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] | None = None
     group_checks_x: bool = False
+    op_call: Callable[[tuple, object], tuple[str, tuple]] | None = None
 
     def __post_init__(self) -> None:
         if self.run_prepacked is None:
@@ -111,7 +114,7 @@ _TABLE: dict[str, Backend] = {
             packed_tensors=backends.packed_tensors_cpu_fused,
             unpack=backends.unpack_cpu_fused,
             bind_group=backends.group_cpu_fused,
-            group_checks_x=True,
+            op_call=backends.op_call_cpu_fused,
         ),
     )
 }
@@ -258,7 +261,8 @@ class PreparedW8A8:
     """One weight validated, its backend resolved and its layout packed, with `linear(x)` bound.
 
     weights: (weight_q, weight_scale, bias, act_prescale) as prepared; packed_tensors: the packed
-    layout as tensors (what the `quasar::w8a8_linear` op takes under torch.compile). Holds the
+    layout as tensors (what the generic `quasar::w8a8_linear` op takes); op: (name, arguments after
+    x) of the `quasar::` op a module calls for these weights (the backend's `op_call`). Holds the
     tensors it was prepared from: an in-place edit of them needs a new prepare_w8a8.
     """
 
@@ -267,6 +271,7 @@ class PreparedW8A8:
     packed: object | None
     packed_tensors: tuple[torch.Tensor, ...]
     linear: Callable[[torch.Tensor], torch.Tensor]
+    op: tuple[str, tuple]
 
 
 def prepare_w8a8(
@@ -279,11 +284,20 @@ def prepare_w8a8(
     """Validate, resolve the backend, pack and bind once (the work W8A8Linear.prepare does)."""
     validate_weights(weight_q, weight_scale, bias, act_prescale)
     name = resolve_backend(backend, weight_q.device)
+    if weight_q.device.type == "cpu":
+        from quasar_hf.ops import native
+
+        native.is_available()  # the quasar:: ops' C++ CPU implementations, loaded once (else their Python fallbacks)
     entry = _TABLE[name]
     packed = entry.pack(weight_q) if entry.pack is not None else None
     tensors = entry.packed_tensors(packed) if packed is not None and entry.packed_tensors is not None else ()
     linear = bind_w8a8_linear(weight_q, weight_scale, bias, act_prescale, name, packed=packed)
-    return PreparedW8A8(name, (weight_q, weight_scale, bias, act_prescale), packed, tensors, linear)
+    weights = (weight_q, weight_scale, bias, act_prescale)
+    if entry.op_call is not None and packed is not None:
+        op = entry.op_call(weights, packed)
+    else:
+        op = ("w8a8_linear", (*weights, tensors, name))
+    return PreparedW8A8(name, weights, packed, tensors, linear, op)
 
 
 def bind_folded_group(

@@ -1,25 +1,23 @@
-"""The CPU kernels as operators registered in C++ (`csrc/native_ops.cpp`), for compiled steps.
+"""The C++ library of the quasar:: operators' CPU implementations (`csrc/native_ops.cpp`): built, loaded,
+checked and registered once per process.
 
-A compiled step calls each `torch.ops.quasar.*` op registered in Python through the dispatcher,
-back into Python, our layout code and ctypes: 30-80 us per call. The native ops take the same
-tensors and call the same C entry points without Python:
+ops/torch_ops.py defines each operator once, with its fake and its Python implementations: the CUDA
+one and a CPU fallback that calls the same C kernel through ctypes. This library gives the CPU
+dispatch key a C++ implementation instead, so eager modules and compiled graphs, which call the same
+operators, reach the C kernels without Python:
 
-  quasar::native_w8a8_linear(x, w_packed, wsum128, weight_scale, bias?, act_prescale?, out_features)
-      = quasar::w8a8_linear(x, weight_q, weight_scale, bias, act_prescale, [w_packed, wsum128], "cpu_fused")
-  quasar::native_folded_norm_linears(x, norm_weight, eps, offset, w_packed[], wsum128[], weight_scale[],
-      bias?[], out_features[]) = quasar::w8a8_folded_norm_linears(..., "cpu_fused")
-  quasar::native_rowstable_attention(query, key, value, visible?, scale?) = quasar::rowstable_attention_cpu
-  quasar::native_rowstable_linear(x, weight, bias?) = quasar::rowstable_linear (the lm_head)
-  quasar::native_rms_norm(x, weight, eps, offset, scale_in_float) = quasar::rms_norm on CPU
-  quasar::native_hadamard_rows(x, signs, blocks, pow2, scale) = quasar::hadamard_rows(x, signs, blocks, m, pow2)
+  quasar::w8a8_linear_cpu_packed               (the "cpu_fused" W8A8 linear on its packed weight)
+  quasar::w8a8_folded_norm_linears_cpu_packed  (an RMSNorm and the linears it feeds, one C call)
+  quasar::rowstable_attention, quasar::rowstable_linear (the lm_head), quasar::rms_norm,
+  quasar::hadamard_rows
 
-Only `ops/graph_passes.py` writes them into graphs, after the Python ops' fakes checked every shape
-at trace time; model code and eager mode never call them. The library is built at first use with
-the C++ compiler (`$CXX`, else g++) against this torch's headers and linked to the kernel libraries
-the Python ops use (cpu_fused.py, attention_cpu.py, rowstable_linear.py, rms_norm_cpu.py,
-hadamard_cpu.py; same cache as the C kernels), then checked against the Python ops on a smoke test.
-Where it cannot be had, `unavailable_reason()` says why, and compiled steps keep the Python ops (the
-same bits, more overhead).
+It is built at first use with the C++ compiler (`$CXX`, else g++) against this torch's headers and
+linked to the kernel libraries the ctypes fallbacks load (cpu_fused.py, attention_cpu.py,
+rowstable_linear.py, rms_norm_cpu.py, hadamard_cpu.py: the build this CPU's flags chose; same cache as
+the C kernels). Each function is first called under its own `native_` name and compared with the
+fallback on a smoke test; only then are they registered for the operators. Where the library cannot
+be had, `unavailable_reason()` says why, and the operators keep their fallbacks (the same bits, more
+Python per call).
 """
 
 from __future__ import annotations
@@ -88,67 +86,40 @@ def _load() -> str | None:
         build_and_load(SOURCE.name, _flags(), compiler, _link(libraries))
     except (RuntimeError, OSError) as err:
         return f"building the native ops failed: {err}"
-    _register_fakes()
-    return _smoke_test()
-
-
-def _register_fakes() -> None:
-    def linear_fake(x, w_packed, wsum128, weight_scale, bias, act_prescale, out_features):
-        return x.new_empty(*x.shape[:-1], out_features)
-
-    def folded_fake(x, norm_weight, eps, offset, w_packed, wsum128, weight_scale, bias, out_features):
-        return [x.new_empty(*x.shape[:-1], n) for n in out_features]
-
-    def attention_fake(query, key, value, visible, scale):
-        batch, heads, q_len, head_dim = query.shape
-        return query.new_empty(batch, q_len, heads, head_dim)
-
-    torch.library.register_fake("quasar::native_w8a8_linear", linear_fake)
-    torch.library.register_fake("quasar::native_folded_norm_linears", folded_fake)
-    torch.library.register_fake("quasar::native_rowstable_attention", attention_fake)
-
-    def linear_rowstable_fake(x, weight, bias):
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-    def rms_norm_fake(x, weight, eps, offset, scale_in_float):
-        return x.new_empty(x.shape, dtype=rms_norm_cpu.output_dtype(x, weight, scale_in_float))
-
-    def hadamard_fake(x, signs, blocks, pow2, scale):
-        return x.new_empty(x.shape, dtype=torch.float32)
-
-    torch.library.register_fake("quasar::native_rowstable_linear", linear_rowstable_fake)
-    torch.library.register_fake("quasar::native_rms_norm", rms_norm_fake)
-    torch.library.register_fake("quasar::native_hadamard_rows", hadamard_fake)
+    with torch.device("cpu"):  # the first use may fall inside a meta-device context (model loading)
+        reason = _smoke_test()
+    if reason is None:
+        torch.ops.quasar.native_register_cpu_kernels()  # now the CPU implementations of the quasar:: ops
+    return reason
 
 
 def _smoke_test() -> str | None:
-    """Each native op against its Python op on small ragged shapes: the same bits, or why not."""
+    """Each function of the library (under its own `native_` name) against the operator's fallback, which
+    runs the same C kernel through ctypes, on small ragged shapes: the same bits, or why not."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 40, generator=gen).bfloat16()  # [B, S, K], K = 40
-    weights = [torch.randint(-128, 128, (n, 40), generator=gen, dtype=torch.int8) for n in (24, 17)]
+    weights = [torch.randint(-128, 128, (n, 40), generator=gen, dtype=torch.int8) for n in (24, 17)]  # [N, K]
     scales = [torch.rand(n, generator=gen) / 100 for n in (24, 17)]
     biases = [None, torch.randn(17, generator=gen).bfloat16()]
     packs = [cpu_fused.pack_weight(w) for w in weights]
     norm, prescale = torch.randn(40, generator=gen).bfloat16(), torch.rand(40, generator=gen) + 0.5
     ops = torch.ops.quasar
-    expected = ops.w8a8_linear(x, weights[1], scales[1], biases[1], prescale, [packs[1].data, packs[1].wsum128], "cpu_fused")
+    expected = ops.w8a8_linear_cpu_packed(x, packs[1].data, packs[1].wsum128, scales[1], biases[1], prescale, 17)
     actual = ops.native_w8a8_linear(x, packs[1].data, packs[1].wsum128, scales[1], biases[1], prescale, 17)
-    flat = [t for p in packs for t in (p.data, p.wsum128)]
-    folded = ops.w8a8_folded_norm_linears(x, norm, 1e-5, 1.0, weights, scales, biases, flat, "cpu_fused")
-    native_folded = ops.native_folded_norm_linears(
-        x, norm, 1e-5, 1.0, [p.data for p in packs], [p.wsum128 for p in packs], scales, biases, [24, 17]
-    )
+    group = (x, norm, 1e-5, 1.0, [p.data for p in packs], [p.wsum128 for p in packs], scales, biases, [24, 17], True)
+    folded = ops.w8a8_folded_norm_linears_cpu_packed(*group)
+    native_folded = ops.native_folded_norm_linears(*group)
     q, k, v = (torch.randn(1, h, n, 8, generator=gen).bfloat16() for h, n in ((4, 3), (2, 5), (2, 5)))
     visible = torch.rand(1, 3, 5, generator=gen) > 0.3
     visible[..., 0] = True
-    attention = ops.rowstable_attention_cpu(q, k, v, visible, 0.3)
+    attention = ops.rowstable_attention(q, k, v, visible, 0.3)  # the ctypes fallbacks: nothing registered yet
     native_attention = ops.native_rowstable_attention(q, k, v, visible, 0.3)
     head = torch.randn(9, 40, generator=gen).bfloat16()
     logits, native_logits = ops.rowstable_linear(x, head, None), ops.native_rowstable_linear(x, head, None)
     normed = ops.rms_norm(x, norm, 1e-6, 1.0, True)
     native_normed = ops.native_rms_norm(x, norm, 1e-6, 1.0, True)
     rotation = HadamardRotation.for_size(40)  # H_20 (x) H_2: the Paley mix and the butterflies
-    rotated = ops.hadamard_rows(x, None, rotation.blocks, rotation.odd_order, rotation.pow2)
+    rotated = ops.hadamard_rows(x, rotation.odd_signs(), rotation.blocks, rotation.pow2, rotation.scale)
     native_rotated = ops.native_hadamard_rows(x, rotation.odd_signs(), rotation.blocks, rotation.pow2, rotation.scale)
     same = (
         torch.equal(actual, expected)
@@ -170,5 +141,6 @@ def unavailable_reason() -> str | None:
 
 
 def is_available() -> bool:
-    """True if the native ops built, loaded and passed their smoke test (built at the first call)."""
+    """True if the library built, loaded, passed its smoke test and serves the operators on CPU (built
+    and registered at the first call)."""
     return unavailable_reason() is None

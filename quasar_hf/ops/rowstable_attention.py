@@ -26,7 +26,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from quasar_hf import compat
-from quasar_hf.ops import attention_cpu
+from quasar_hf.ops import attention_cpu, native
 
 QUASAR_ATTENTION = "quasar_rowstable"
 QUASAR_SDPA = "quasar_sdpa"
@@ -57,16 +57,23 @@ def _visible_keys(attention_mask: torch.Tensor | None, query: torch.Tensor, key:
 
 
 def rowstable_kernel_for(query, key, value):
-    """The row-stable kernel for these tensors: C on CPU, Triton on CUDA, None where neither applies."""
+    """The op `quasar::rowstable_attention` when it has a kernel for these tensors (C on CPU, Triton on
+    CUDA), else None."""
     if query.device.type == "cpu":
-        return attention_cpu.rowstable_attention if attention_cpu.supports(query, key, value) else None
-    if query.device.type == "cuda":
+        supported = attention_cpu.supports(query, key, value)
+    elif query.device.type == "cuda":
         try:
             from quasar_hf.ops import triton_attention
         except ImportError:
             return None
-        return triton_attention.rowstable_attention_triton if triton_attention.supports(query, key, value) else None
-    return None
+        supported = triton_attention.supports(query, key, value)
+    else:
+        supported = False
+    return _attention_op if supported else None
+
+
+def _attention_op(query, key, value, visible, scale):
+    return torch.ops.quasar.rowstable_attention(query, key, value, visible, None if scale is None else float(scale))
 
 
 def _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs):
@@ -152,5 +159,7 @@ def use_rowstable_attention(model: torch.nn.Module) -> bool:
     if compat.attn_implementation(model) not in ("sdpa", QUASAR_ATTENTION):
         return False
     register_attention()
+    if any(p.device.type == "cpu" for p in model.parameters()):
+        native.is_available()  # load the op's C++ implementation now (without it: its ctypes fallback, the same bits)
     model.set_attn_implementation(QUASAR_ATTENTION)
     return compat.attn_implementation(model) == QUASAR_ATTENTION

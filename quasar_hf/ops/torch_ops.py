@@ -1,29 +1,25 @@
-"""The kernels as PyTorch operators (`torch.ops.quasar.*`) with fake implementations, so
-`torch.compile` traces a Quasar model: each kernel is one opaque node whose output shape the
-fake implementation gives, and Inductor calls the real kernel at run time.
+"""Every kernel as a PyTorch operator (`torch.ops.quasar.*`), defined once here: its schema, its fake
+(the shapes and errors a trace sees), its CUDA implementation and its CPU fallback. Eager modules
+and compiled graphs call these operators alike; on CPU the dispatcher runs the C++ implementation
+ops/native.py registers (the fallbacks run the same C kernels through ctypes where it cannot be built).
 
+  quasar::w8a8_linear_cpu_packed(x, w_packed, wsum128, weight_scale, bias?, act_prescale?, out_features)
+      -> [..., N]   (the "cpu_fused" backend: what its W8A8Linears call)
+  quasar::w8a8_folded_norm_linears_cpu_packed(x, norm_weight, eps, offset, w_packed[], wsum128[],
+      weight_scale[], bias?[], out_features[], emit_normed) -> [normed?, y_0, y_1, ...]   (an RMSNorm and
+      the "cpu_fused" linears it feeds: eager FoldedRMSNorm, and ops/graph_passes.py in compiled steps)
   quasar::w8a8_linear(x, weight_q, weight_scale, bias?, act_prescale?, packed[], backend) -> [..., N]
-  quasar::rowstable_attention_cpu(query, key, value, visible?, scale?) -> [B, Q, H, D]
-  quasar::rowstable_attention_triton(query, key, value, visible?, scale?) -> [B, Q, H, D]
+      (every other backend: the one it names runs, on packed tensors made once when prepared)
+  quasar::rowstable_attention(query, key, value, visible?, scale?) -> [B, Q, H, D]   (CPU: C; CUDA: Triton)
   quasar::rowstable_linear(x, weight, bias?) -> [..., N]   (the float lm_head, RowStableLinear)
-  quasar::hadamard_rows(x, signs?, blocks, odd_order, pow2) -> fp32 [..., K]   (RotatedW8A8Linear's input)
+  quasar::hadamard_rows(x, signs, blocks, pow2, scale) -> fp32 [..., K]   (RotatedW8A8Linear's input)
   quasar::rms_norm(x, weight, eps, offset, scale_in_float) -> [..., K]   (every RMSNorm when compiled;
       on CPU the row-stable C kernel of rms_norm_cpu.py, not the Transformers formula's bits)
-  quasar::w8a8_folded_norm_linears(x, norm_weight, eps, offset, weight_q[], weight_scale[], bias?[],
-      packed[], backend) -> [y_0, y_1, ...]   (what a compiled FoldedRMSNorm and its consumers become:
-      written by ops/graph_passes.py, never by model code; "cpu_fused" only)
 
 Registered with `torch.library.Library` (define + impl + `register_fake`) rather than the
 `torch.library.custom_op` decorator: both give the same operator, but the decorator's Python
-wrapper (autograd and aliasing checks) costs ~20 us per call against ~4 us here, and a compiled
-SmolLM2 verify step calls the linear op 210 times. Eager code never goes through these ops: the
-public functions call the kernels directly and switch to the op only while `torch.compile`
-traces (`torch.compiler.is_compiling()`), so eager per-call cost is unchanged.
-
-The linear op takes the weight's packed layout as tensors (`PreparedW8A8.packed_tensors`, made once
-when the module is prepared) and the resolved backend, so a compiled graph neither repacks nor
-looks anything up per call; with no packed tensors (the functional `w8a8_linear` traced) it packs
-per call. Inference only: no autograd formulas.
+wrapper (autograd and aliasing checks) costs ~20 us per call against ~4 us here. Inference only:
+no autograd formulas.
 """
 
 from __future__ import annotations
@@ -40,14 +36,17 @@ _LIB.define(
     "w8a8_linear(Tensor x, Tensor weight_q, Tensor weight_scale, Tensor? bias, Tensor? act_prescale, Tensor[] packed, "
     "str backend) -> Tensor"
 )
-_LIB.define("rowstable_attention_cpu(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor")
-_LIB.define("rowstable_attention_triton(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor")
+_LIB.define(
+    "w8a8_linear_cpu_packed(Tensor x, Tensor w_packed, Tensor wsum128, Tensor weight_scale, Tensor? bias, "
+    "Tensor? act_prescale, int out_features) -> Tensor"
+)
+_LIB.define("rowstable_attention(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor")
 _LIB.define("rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_LIB.define("hadamard_rows(Tensor x, Tensor? signs, int blocks, int odd_order, int pow2) -> Tensor")
+_LIB.define("hadamard_rows(Tensor x, Tensor signs, int blocks, int pow2, float scale) -> Tensor")
 _LIB.define("rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_float) -> Tensor")
 _LIB.define(
-    "w8a8_folded_norm_linears(Tensor x, Tensor norm_weight, float eps, float offset, Tensor[] weight_q, "
-    "Tensor[] weight_scale, Tensor?[] bias, Tensor[] packed, str backend) -> Tensor[]"
+    "w8a8_folded_norm_linears_cpu_packed(Tensor x, Tensor norm_weight, float eps, float offset, Tensor[] w_packed, "
+    "Tensor[] wsum128, Tensor[] weight_scale, Tensor?[] bias, int[] out_features, bool emit_normed) -> Tensor[]"
 )
 
 
@@ -74,7 +73,37 @@ _LIB.impl("w8a8_linear", _w8a8_linear_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("quasar::w8a8_linear", _w8a8_linear_fake, lib=_LIB)
 
 
-# ---- row-stable attention ------------------------------------------------------------------
+# ---- quasar::w8a8_linear_cpu_packed: the "cpu_fused" backend's layout, what its modules call ---
+
+
+def _w8a8_linear_cpu_packed_fallback(x, w_packed, wsum128, weight_scale, bias, act_prescale, out_features: int):
+    """CPU without the C++ library: the same C kernel through ctypes (ops/cpu_fused.py)."""
+    from quasar_hf.ops import cpu_fused
+
+    packed = cpu_fused.PackedWeight(w_packed, wsum128, out_features, x.shape[-1])
+    return cpu_fused.run_prepacked(x, None, weight_scale, bias, act_prescale, packed)
+
+
+def _w8a8_linear_cpu_packed_fake(x, w_packed, wsum128, weight_scale, bias, act_prescale, out_features: int):
+    k = x.shape[-1]
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or tuple(weight_scale.shape) != (out_features,):
+        raise ValueError(
+            f"w8a8_linear_cpu_packed: float x and weight_scale [{out_features}]; got {x.dtype}, {tuple(weight_scale.shape)}"
+        )
+    if w_packed.dim() != 4 or w_packed.shape[1] * 4 < k or w_packed.shape[1] * 4 >= k + 4:
+        raise ValueError(f"w8a8_linear_cpu_packed: packed weight {tuple(w_packed.shape)} does not take rows of {k}")
+    if (bias is not None and tuple(bias.shape) != (out_features,)) or (
+        act_prescale is not None and tuple(act_prescale.shape) != (k,)
+    ):
+        raise ValueError(f"w8a8_linear_cpu_packed: bias must be [{out_features}] and act_prescale [{k}]")
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+_LIB.impl("w8a8_linear_cpu_packed", _w8a8_linear_cpu_packed_fallback, "CompositeExplicitAutograd")
+torch.library.register_fake("quasar::w8a8_linear_cpu_packed", _w8a8_linear_cpu_packed_fake, lib=_LIB)
+
+
+# ---- row-stable attention: one op, an implementation per device ------------------------------
 
 
 def _attention_fake(query, key, value, visible, scale) -> torch.Tensor:
@@ -82,22 +111,22 @@ def _attention_fake(query, key, value, visible, scale) -> torch.Tensor:
     return query.new_empty(batch, q_len, heads, head_dim)
 
 
-def _attention_cpu_impl(query, key, value, visible, scale) -> torch.Tensor:
+def _attention_fallback_impl(query, key, value, visible, scale) -> torch.Tensor:
+    """CPU without the C++ library: the same C kernel through ctypes (ops/attention_cpu.py)."""
     from quasar_hf.ops import attention_cpu
 
-    return attention_cpu._rowstable_attention(query, key, value, visible, scale)
+    return attention_cpu.rowstable_attention(query, key, value, visible, scale, kernel=attention_cpu.kernel())
 
 
-def _attention_triton_impl(query, key, value, visible, scale) -> torch.Tensor:
+def _attention_cuda_impl(query, key, value, visible, scale) -> torch.Tensor:
     from quasar_hf.ops import triton_attention
 
-    return triton_attention._rowstable_attention_triton(query, key, value, visible, scale)
+    return triton_attention.rowstable_attention_triton(query, key, value, visible, scale)
 
 
-_LIB.impl("rowstable_attention_cpu", _attention_cpu_impl, "CompositeExplicitAutograd")
-_LIB.impl("rowstable_attention_triton", _attention_triton_impl, "CompositeExplicitAutograd")
-torch.library.register_fake("quasar::rowstable_attention_cpu", _attention_fake, lib=_LIB)
-torch.library.register_fake("quasar::rowstable_attention_triton", _attention_fake, lib=_LIB)
+_LIB.impl("rowstable_attention", _attention_fallback_impl, "CompositeExplicitAutograd")
+_LIB.impl("rowstable_attention", _attention_cuda_impl, "CUDA")
+torch.library.register_fake("quasar::rowstable_attention", _attention_fake, lib=_LIB)
 
 
 # ---- row-stable float linear (the lm_head) -------------------------------------------------
@@ -128,16 +157,18 @@ def _bound_rotation(size: int, blocks: int, odd_order: int, pow2: int):
     return hadamard_cpu.bind_rotation(hadamard.HadamardRotation(size, blocks, odd_order, pow2))
 
 
-def _hadamard_rows_impl(x, signs, blocks: int, odd_order: int, pow2: int) -> torch.Tensor:
-    """x Q (ops/hadamard.py). `signs` (H_m, fp32 [m, m], or None) is what the native twin reads
-    (ops/native.py); this op's memo holds the same matrix, so it reads its own."""
-    return _bound_rotation(x.shape[-1], blocks, odd_order, pow2)(x)
+def _hadamard_rows_impl(x, signs, blocks: int, pow2: int, scale: float) -> torch.Tensor:
+    """x Q (ops/hadamard.py), Q = I_blocks (x) (H_m (x) H_pow2) / sqrt(m pow2) with H_m = `signs`: the C
+    kernel through ctypes for CPU rows without the C++ library, the elementwise reference elsewhere
+    (this op's memo holds the same H_m as `signs`)."""
+    return _bound_rotation(x.shape[-1], blocks, signs.shape[0], pow2)(x)
 
 
-def _hadamard_rows_fake(x, signs, blocks: int, odd_order: int, pow2: int) -> torch.Tensor:
+def _hadamard_rows_fake(x, signs, blocks: int, pow2: int, scale: float) -> torch.Tensor:
+    odd_order = signs.shape[0]
     if x.shape[-1] != blocks * odd_order * pow2:
         raise ValueError(f"hadamard_rows: rows of {x.shape[-1]} do not match {blocks} x {odd_order} x {pow2}")
-    if signs is not None and (tuple(signs.shape) != (odd_order, odd_order) or signs.dtype != torch.float32):
+    if tuple(signs.shape) != (odd_order, odd_order) or signs.dtype != torch.float32:
         raise ValueError(f"hadamard_rows: signs must be fp32 [{odd_order}, {odd_order}], got {tuple(signs.shape)} {signs.dtype}")
     return x.new_empty(x.shape, dtype=torch.float32)
 
@@ -169,47 +200,46 @@ _LIB.impl("rms_norm", _rms_norm_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("quasar::rms_norm", _rms_norm_fake, lib=_LIB)
 
 
-# ---- an RMSNorm folded into the W8A8 linears it feeds (written by ops/graph_passes.py) -------
+# ---- an RMSNorm folded into the "cpu_fused" W8A8 linears it feeds (written by ops/graph_passes.py) --
 
 
-def _split_packed(weight_q: list, packed: list) -> list[list]:
-    """The flat `packed` list as one list per weight (each weight packs into the same number of tensors)."""
-    per = len(packed) // len(weight_q) if weight_q else 0
-    if per == 0 or per * len(weight_q) != len(packed):
-        raise ValueError(f"w8a8_folded_norm_linears: {len(packed)} packed tensors do not split over {len(weight_q)} weights")
-    return [packed[i * per : (i + 1) * per] for i in range(len(weight_q))]
-
-
-def _folded_norm_linears_checked(x, norm_weight, weight_q, weight_scale, bias, packed, backend: str) -> None:
+def _folded_cpu_packed_checked(x, norm_weight, w_packed, wsum128, weight_scale, bias, out_features) -> None:
     """The errors eager would raise (at trace time, through the fake), plus this op's own limits."""
     from quasar_hf.ops.cpu_fused_multi import MULTI_MAX
 
-    if backend != "cpu_fused":
-        raise ValueError(f"w8a8_folded_norm_linears runs on the 'cpu_fused' backend only, got {backend!r}")
-    if not 1 <= len(weight_q) <= MULTI_MAX or not len(weight_q) == len(weight_scale) == len(bias):
-        raise ValueError(f"w8a8_folded_norm_linears takes 1 to {MULTI_MAX} weights with one scale and bias (or None) each")
-    for w, s, b in zip(weight_q, weight_scale, bias):
-        validate_w8a8_inputs(x, w, s, b, None)
+    count = len(out_features)
+    if not 1 <= count <= MULTI_MAX or not count == len(w_packed) == len(wsum128) == len(weight_scale) == len(bias):
+        raise ValueError(
+            f"w8a8_folded_norm_linears_cpu_packed takes 1 to {MULTI_MAX} packed weights with sums, a scale and a bias (or None) each"
+        )
+    for packed, sums, scale, b, n in zip(w_packed, wsum128, weight_scale, bias, out_features):
+        _w8a8_linear_cpu_packed_fake(x, packed, sums, scale, b, None, n)
     if tuple(norm_weight.shape) != (x.shape[-1],):
-        raise ValueError(f"w8a8_folded_norm_linears: norm weight {tuple(norm_weight.shape)} does not match rows of {x.shape[-1]}")
-    _split_packed(weight_q, packed)
+        raise ValueError(
+            f"w8a8_folded_norm_linears_cpu_packed: norm weight {tuple(norm_weight.shape)} does not match rows of {x.shape[-1]}"
+        )
 
 
-def _folded_norm_linears_impl(x, norm_weight, eps: float, offset: float, weight_q, weight_scale, bias, packed, backend: str):
+def _folded_cpu_packed_fallback(
+    x, norm_weight, eps: float, offset: float, w_packed, wsum128, weight_scale, bias, out_features, emit_normed: bool
+):
+    """CPU without the C++ library: the same C kernel through ctypes (ops/cpu_fused_multi.py)."""
+    from quasar_hf.ops.cpu_fused import PackedWeight
     from quasar_hf.ops.cpu_fused_multi import folded_linears_prepacked
 
-    if not is_bound_linear_input(x, weight_q[0].shape[1] if weight_q else -1, norm_weight.device) or backend != "cpu_fused":
-        _folded_norm_linears_checked(x, norm_weight, weight_q, weight_scale, bias, packed, backend)
-    entry = dispatch.backend_entry(backend)
-    packs = [entry.unpack(w, p) for w, p in zip(weight_q, _split_packed(weight_q, packed))]
+    k = x.shape[-1]
+    packs = [PackedWeight(p, s, n, k) for p, s, n in zip(w_packed, wsum128, out_features)]
     norm_scale = (offset + norm_weight.float()).contiguous()  # what FoldedRMSNorm.prepare binds: offset + weight
-    return list(folded_linears_prepacked(x, list(zip(weight_q, weight_scale, bias)), packs, norm_scale, eps))
+    weights = [(None, s, b) for s, b in zip(weight_scale, bias)]
+    return list(folded_linears_prepacked(x, weights, packs, norm_scale, eps, emit_normed))
 
 
-def _folded_norm_linears_fake(x, norm_weight, eps: float, offset: float, weight_q, weight_scale, bias, packed, backend: str):
-    _folded_norm_linears_checked(x, norm_weight, weight_q, weight_scale, bias, packed, backend)
-    return [x.new_empty(*x.shape[:-1], w.shape[0]) for w in weight_q]
+def _folded_cpu_packed_fake(
+    x, norm_weight, eps: float, offset: float, w_packed, wsum128, weight_scale, bias, out_features, emit_normed: bool
+):
+    _folded_cpu_packed_checked(x, norm_weight, w_packed, wsum128, weight_scale, bias, out_features)
+    return [x.new_empty(x.shape)] * emit_normed + [x.new_empty(*x.shape[:-1], n) for n in out_features]
 
 
-_LIB.impl("w8a8_folded_norm_linears", _folded_norm_linears_impl, "CompositeExplicitAutograd")
-torch.library.register_fake("quasar::w8a8_folded_norm_linears", _folded_norm_linears_fake, lib=_LIB)
+_LIB.impl("w8a8_folded_norm_linears_cpu_packed", _folded_cpu_packed_fallback, "CompositeExplicitAutograd")
+torch.library.register_fake("quasar::w8a8_folded_norm_linears_cpu_packed", _folded_cpu_packed_fake, lib=_LIB)

@@ -103,7 +103,7 @@ def works_on(device: torch.device) -> bool:
             torch.randn(2, 2, 7, 20, generator=g),
             torch.randn(2, 2, 7, 20, generator=g),
         )
-        out = _rowstable_attention_triton(q.to(device), k.to(device), v.to(device), None, 0.25).cpu()
+        out = rowstable_attention_triton(q.to(device), k.to(device), v.to(device), None, 0.25).cpu()
         return bool(torch.allclose(out, attention_reference(q, k, v, None, 0.25).float(), rtol=1e-4, atol=1e-5))
     except Exception:  # noqa: BLE001 - any failure means: use SDPA with row-by-row verification instead
         return False
@@ -155,15 +155,9 @@ def rowstable_attention_triton(
 
     query [B, H, Q, D], key/value [B, KVH, N, D]; visible bool [B, Q, N] or None (bottom-right causal).
     Under TRITON_INTERPRET=1 it runs on CPU tensors too (that is how it is tested without a GPU).
-    Under `torch.compile` it traces to the op `torch.ops.quasar.rowstable_attention_triton`.
+    It is the CUDA implementation of the op `quasar::rowstable_attention` (ops/torch_ops.py), which
+    model code calls.
     """
-    if torch.compiler.is_compiling():
-        return torch.ops.quasar.rowstable_attention_triton(query, key, value, visible, None if scale is None else float(scale))
-    return _rowstable_attention_triton(query, key, value, visible, scale)
-
-
-def _rowstable_attention_triton(query, key, value, visible, scale) -> torch.Tensor:
-    """The kernel launch behind `rowstable_attention_triton` (and its op)."""
     if triton is None:
         raise RuntimeError("row-stable Triton attention needs the triton package: pip install triton")
     batch, heads, q_len, head_dim = query.shape

@@ -1,15 +1,16 @@
-// The CPU kernels of csrc/ behind torch operators registered in C++ (quasar_hf/ops/native.py builds,
-// loads and checks this library). A compiled step calls a Python-registered op through the
-// dispatcher, back into Python, through our layout code and ctypes: 30-80 us per call, about 180
-// calls per SmolLM2 step. These ops take the same tensors and call the same C entry points (linked
-// from the libraries cpu_fused.py and attention_cpu.py built), so they compute the same bits without
-// Python. ops/graph_passes.py writes them into compiled graphs; their fakes are in native.py, and
-// the fakes' checks (the Python ops' own) are what validates shapes, at trace time.
+// The CPU implementations of the quasar:: operators (quasar_hf/ops/native.py builds, loads and checks
+// this library; ops/torch_ops.py defines the operators, their fakes and the Python implementations
+// used on other devices, or on CPU where this library cannot be built). Eager modules and compiled
+// graphs call the operators alike, and on CPU the dispatcher lands here: the C entry points (linked
+// from the libraries cpu_fused.py, attention_cpu.py, ... built) without Python between the kernels.
+// Each function checks what would make its C kernel read out of bounds; the fakes check the rest
+// at trace time, and eager callers check their inputs before the call.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -56,6 +57,19 @@ std::vector<int64_t> with_last(const at::Tensor &x, int64_t n) {
     return sizes;
 }
 
+// What the C kernel reads of a packed weight (cpu_fused.pack_weight: int8 [Np/16, Kp/4, 16, 4] with K
+// padded to 4 and N to 16, int32 sums [Np]) must be there for rows of x.size(-1) and `n` outputs.
+void check_packed_weight(const at::Tensor &x, const at::Tensor &w_packed, const at::Tensor &wsum128,
+                         const at::Tensor &weight_scale, int64_t n) {
+    const int64_t k = x.dim() > 0 ? x.size(-1) : -1;
+    TORCH_CHECK(x.dim() >= 1 && (float_or_bf16(x) || x.scalar_type() == at::kHalf), "W8A8 linear: float rows x [..., K]");
+    TORCH_CHECK(w_packed.scalar_type() == at::kChar && w_packed.dim() == 4 && w_packed.is_contiguous() &&
+                    w_packed.size(1) * 4 == (k + 3) / 4 * 4 && w_packed.size(0) * 16 >= n && w_packed.size(2) == 16,
+                "W8A8 linear: the packed weight ", w_packed.sizes(), " does not take rows of ", k, " and ", n, " outputs");
+    TORCH_CHECK(wsum128.scalar_type() == at::kInt && wsum128.is_contiguous() && wsum128.numel() >= n && weight_scale.numel() == n,
+                "W8A8 linear: int32 sums [>= ", n, "] and scales [", n, "] expected");
+}
+
 // What FoldedRMSNorm.prepare binds, offset + weight in fp32 (each element an exact conversion and one
 // fp32 add, as torch computes `offset + weight.float()`), without two aten ops per call.
 std::vector<float> fold_scale(const at::Tensor &norm_weight, double offset) {
@@ -70,11 +84,14 @@ std::vector<float> fold_scale(const at::Tensor &norm_weight, double offset) {
     return scale;
 }
 
-// quasar::native_w8a8_linear: quasar::w8a8_linear on the "cpu_fused" backend with its packed tensors.
+// quasar::w8a8_linear_cpu_packed on CPU: the "cpu_fused" backend's kernel on its packed weight.
 at::Tensor native_w8a8_linear(const at::Tensor &x, const at::Tensor &w_packed, const at::Tensor &wsum128,
                               const at::Tensor &weight_scale, const std::optional<at::Tensor> &bias,
                               const std::optional<at::Tensor> &act_prescale, int64_t out_features) {
     const int64_t k = x.size(-1), n = out_features;
+    check_packed_weight(x, w_packed, wsum128, weight_scale, n);
+    TORCH_CHECK((!bias || bias->numel() == n) && (!act_prescale || act_prescale->numel() == k),
+                "w8a8_linear_cpu_packed: bias must be [", n, "] and act_prescale [", k, "]");
     at::Tensor out = at::empty(with_last(x, n), x.options());
     if (out.numel() == 0) return out;
     const at::Tensor rows = rows_of(x, k), scale = fp32_contiguous(weight_scale);
@@ -89,21 +106,29 @@ at::Tensor native_w8a8_linear(const at::Tensor &x, const at::Tensor &w_packed, c
     return out;
 }
 
-// quasar::native_folded_norm_linears: quasar::w8a8_folded_norm_linears ("cpu_fused"), one C call.
+// quasar::w8a8_folded_norm_linears_cpu_packed on CPU: an RMSNorm and the linears it feeds, one C call.
 std::vector<at::Tensor> native_folded_norm_linears(const at::Tensor &x, const at::Tensor &norm_weight, double eps,
                                                    double offset, at::TensorList w_packed, at::TensorList wsum128,
                                                    at::TensorList weight_scale, const c10::List<std::optional<at::Tensor>> &bias,
-                                                   at::IntArrayRef out_features) {
+                                                   at::IntArrayRef out_features, bool emit_normed) {
     const int64_t count = static_cast<int64_t>(out_features.size()), k = x.size(-1);
     TORCH_CHECK(count >= 1 && count <= kMultiMax && static_cast<int64_t>(w_packed.size()) == count &&
                     static_cast<int64_t>(wsum128.size()) == count && static_cast<int64_t>(weight_scale.size()) == count &&
                     static_cast<int64_t>(bias.size()) == count,
                 "native_folded_norm_linears: 1 to ", kMultiMax, " weights, each with packed data, sums, scale and bias");
+    TORCH_CHECK(norm_weight.numel() == k, "w8a8_folded_norm_linears: the norm weight must be [", k, "]");
     std::vector<at::Tensor> outs;
     int64_t total = 0;
     for (int64_t s = 0; s < count; ++s) {
+        check_packed_weight(x, w_packed[s], wsum128[s], weight_scale[s], out_features[s]);
+        TORCH_CHECK(!bias.get(s) || bias.get(s)->numel() == out_features[s], "w8a8_folded_norm_linears: bias ", s, " must be [", out_features[s], "]");
         outs.push_back(at::empty(with_last(x, out_features[s]), x.options()));
         total += out_features[s];
+    }
+    at::Tensor normed;  // the norm's own output, in x's dtype, written by the same call
+    if (emit_normed) {
+        normed = at::empty(x.sizes(), x.options());
+        outs.insert(outs.begin(), normed);
     }
     const at::Tensor rows = rows_of(x, k);
     if (rows.size(0) == 0) return outs;
@@ -117,22 +142,30 @@ std::vector<at::Tensor> native_folded_norm_linears(const at::Tensor &x, const at
         biases.push_back(b ? b->contiguous() : at::Tensor());
         structs[s] = {w_packed[s].data_ptr<int8_t>(), wsum128[s].data_ptr<int32_t>(), scales[s].data_ptr<float>(),
                       b ? biases[s].data_ptr() : nullptr, b ? dtype_code(biases[s]) : 0, out_features[s]};
-        pointers[s] = outs[s].data_ptr();
+        pointers[s] = outs[s + (emit_normed ? 1 : 0)].data_ptr();
     }
     const int code = dtype_code(x);
     const int status = qhf_w8a8_linear_multi(rows.data_ptr(), code, rows.size(0), k, rows.stride(0), norm_scale.data(),
-                                             static_cast<float>(eps), nullptr, w_packed[0].size(1) * 4, static_cast<int>(count),
+                                             static_cast<float>(eps), emit_normed ? normed.data_ptr() : nullptr,
+                                             w_packed[0].size(1) * 4, static_cast<int>(count),
                                              structs, pointers, code, threads_for(total * k));
     TORCH_CHECK(status == 0, "fused W8A8 kernel could not allocate scratch for ", rows.size(0), "x", k, " activations");
     return outs;
 }
 
-// quasar::native_rowstable_attention: quasar::rowstable_attention_cpu (query [B, H, Q, D],
+// quasar::rowstable_attention on CPU (query [B, H, Q, D],
 // key/value [B, KVH, N, D], visible bool [B, Q, N] or None) -> [B, Q, H, D].
-at::Tensor native_rowstable_attention(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
+at::Tensor rowstable_attention_cpu(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
                                       const std::optional<at::Tensor> &visible, std::optional<double> scale) {
+    TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.sizes() == key.sizes() && float_or_bf16(query) &&
+                    key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+                "rowstable_attention: query [B, H, Q, D], key and value [B, KVH, N, D] of one dtype (float32 or bfloat16)");
     const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), head_dim = query.size(3);
     const int64_t kv_heads = key.size(1), kv_len = key.size(2);
+    TORCH_CHECK(key.size(0) == batch && key.size(3) == head_dim && kv_heads > 0 && heads % kv_heads == 0 && kv_len >= q_len,
+                "rowstable_attention rejected shapes q ", query.sizes(), ", k ", key.sizes());
+    TORCH_CHECK(!visible || (visible->scalar_type() == at::kBool && visible->sizes() == at::IntArrayRef({batch, q_len, kv_len})),
+                "rowstable_attention: visible must be bool [", batch, ", ", q_len, ", ", kv_len, "]");
     at::Tensor out = at::empty({batch, q_len, heads, head_dim}, query.options());
     if (out.numel() == 0) return out;
     const at::Tensor q = inner_contiguous(query), k = inner_contiguous(key), v = inner_contiguous(value);
@@ -149,12 +182,14 @@ at::Tensor native_rowstable_attention(const at::Tensor &query, const at::Tensor 
     return out;
 }
 
-// quasar::native_rowstable_linear: quasar::rowstable_linear (x [..., K] @ weight[N, K].T + bias, one dtype,
+// quasar::rowstable_linear on CPU (x [..., K] @ weight[N, K].T + bias, one dtype,
 // float32 or bfloat16; each element independent of the row count).
-at::Tensor native_rowstable_linear(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+at::Tensor rowstable_linear_cpu(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
     const int64_t k = weight.size(1), n = weight.size(0);
     TORCH_CHECK(x.scalar_type() == weight.scalar_type() && float_or_bf16(x) && (!bias || bias->scalar_type() == x.scalar_type()),
-                "native_rowstable_linear: x, weight and bias of one dtype, float32 or bfloat16");
+                "rowstable_linear: x, weight and bias of one dtype, float32 or bfloat16");
+    TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == k && (!bias || bias->numel() == n),
+                "rowstable_linear: x [..., K], weight [N, K] and bias [N]; got x ", x.sizes(), ", weight ", weight.sizes());
     at::Tensor out = at::empty(with_last(x, n), x.options());
     if (out.numel() == 0) return out;
     const at::Tensor rows = rows_of(x, k), w = inner_contiguous(weight);
@@ -168,12 +203,12 @@ at::Tensor native_rowstable_linear(const at::Tensor &x, const at::Tensor &weight
     return out;
 }
 
-// quasar::native_rms_norm: quasar::rms_norm on CPU (csrc/rms_norm_rows.c), contiguous output in x's dtype
+// quasar::rms_norm on CPU (csrc/rms_norm_rows.c), contiguous output in x's dtype
 // when the scale is applied in fp32 (Gemma), else in the promotion of weight and x (Llama).
-at::Tensor native_rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps, double offset, bool scale_in_float) {
+at::Tensor rms_norm_cpu(const at::Tensor &x, const at::Tensor &weight, double eps, double offset, bool scale_in_float) {
     const int64_t k = x.size(-1);
     TORCH_CHECK(float_or_bf16(x) && float_or_bf16(weight) && weight.dim() == 1 && weight.size(0) == k,
-                "native_rms_norm: float32 or bfloat16 rows x [..., K] and weight [K]");
+                "rms_norm: float32 or bfloat16 rows x [..., K] and weight [K]");
     const at::ScalarType dtype = scale_in_float ? x.scalar_type() : at::promote_types(weight.scalar_type(), x.scalar_type());
     at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
     if (out.numel() == 0) return out;
@@ -183,14 +218,14 @@ at::Tensor native_rms_norm(const at::Tensor &x, const at::Tensor &weight, double
     return out;
 }
 
-// quasar::native_hadamard_rows: quasar::hadamard_rows on CPU (csrc/hadamard_rows.h): x [..., K] -> fp32 x Q,
+// quasar::hadamard_rows on CPU (csrc/hadamard_rows.h): x [..., K] -> fp32 x Q,
 // Q = I_blocks (x) (H_m (x) H_pow2) / sqrt(m pow2) with H_m = signs [m, m] (fp32 +-1) and `scale` its
 // fp32 1 / sqrt(m pow2), as ops/hadamard.py's HadamardRotation gives them.
-at::Tensor native_hadamard_rows(const at::Tensor &x, const at::Tensor &signs, int64_t blocks, int64_t pow2, double scale) {
+at::Tensor hadamard_rows_cpu(const at::Tensor &x, const at::Tensor &signs, int64_t blocks, int64_t pow2, double scale) {
     const int64_t m = signs.size(0), k = x.size(-1);
-    TORCH_CHECK(float_or_bf16(x), "native_hadamard_rows: float32 or bfloat16 rows");
+    TORCH_CHECK(float_or_bf16(x), "hadamard_rows: float32 or bfloat16 rows");
     TORCH_CHECK(k == blocks * m * pow2 && signs.scalar_type() == at::kFloat && signs.dim() == 2 && signs.size(1) == m,
-                "native_hadamard_rows: rows of ", k, " do not match ", blocks, " x ", m, " x ", pow2, " (fp32 signs [m, m])");
+                "hadamard_rows: rows of ", k, " do not match ", blocks, " x ", m, " x ", pow2, " (fp32 signs [m, m])");
     at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
     const at::Tensor rows = x.reshape({-1, k}).contiguous(), s = signs.contiguous();
     const int64_t count = rows.size(0);
@@ -204,24 +239,43 @@ at::Tensor native_hadamard_rows(const at::Tensor &x, const at::Tensor &signs, in
     return out;
 }
 
+// Registers the functions above as the CPU implementations of the operators ops/torch_ops.py defines
+// (the dispatcher then prefers them to the Python CompositeExplicitAutograd ones, which stay the
+// fallback of a process without this library). Called by ops/native.py once the smoke test passed,
+// so a miscompiled library never serves an operator; the registrations last for the process.
+void register_cpu_kernels() {
+    static std::unique_ptr<torch::Library> impls;
+    if (impls) return;
+    impls = std::make_unique<torch::Library>(torch::Library::IMPL, "quasar", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    impls->impl("w8a8_linear_cpu_packed", &native_w8a8_linear);
+    impls->impl("w8a8_folded_norm_linears_cpu_packed", &native_folded_norm_linears);
+    impls->impl("rowstable_attention", &rowstable_attention_cpu);
+    impls->impl("rowstable_linear", &rowstable_linear_cpu);
+    impls->impl("rms_norm", &rms_norm_cpu);
+    impls->impl("hadamard_rows", &hadamard_rows_cpu);
+}
+
 }  // namespace
 
+// The library's own operators: each function above under its own name (what the smoke test calls
+// before anything is registered), and the call that registers them.
 TORCH_LIBRARY_FRAGMENT(quasar, m) {
     m.def("native_w8a8_linear(Tensor x, Tensor w_packed, Tensor wsum128, Tensor weight_scale, Tensor? bias, "
           "Tensor? act_prescale, int out_features) -> Tensor");
     m.def("native_folded_norm_linears(Tensor x, Tensor norm_weight, float eps, float offset, Tensor[] w_packed, "
-          "Tensor[] wsum128, Tensor[] weight_scale, Tensor?[] bias, int[] out_features) -> Tensor[]");
+          "Tensor[] wsum128, Tensor[] weight_scale, Tensor?[] bias, int[] out_features, bool emit_normed) -> Tensor[]");
     m.def("native_rowstable_attention(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor");
     m.def("native_rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("native_rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_float) -> Tensor");
     m.def("native_hadamard_rows(Tensor x, Tensor signs, int blocks, int pow2, float scale) -> Tensor");
+    m.def("native_register_cpu_kernels() -> ()", &register_cpu_kernels);
 }
 
 TORCH_LIBRARY_IMPL(quasar, CPU, m) {
     m.impl("native_w8a8_linear", &native_w8a8_linear);
     m.impl("native_folded_norm_linears", &native_folded_norm_linears);
-    m.impl("native_rowstable_attention", &native_rowstable_attention);
-    m.impl("native_rowstable_linear", &native_rowstable_linear);
-    m.impl("native_rms_norm", &native_rms_norm);
-    m.impl("native_hadamard_rows", &native_hadamard_rows);
+    m.impl("native_rowstable_attention", &rowstable_attention_cpu);
+    m.impl("native_rowstable_linear", &rowstable_linear_cpu);
+    m.impl("native_rms_norm", &rms_norm_cpu);
+    m.impl("native_hadamard_rows", &hadamard_rows_cpu);
 }
