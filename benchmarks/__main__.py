@@ -13,6 +13,10 @@ import sys
 MEASUREMENTS: dict[str, tuple[str, str]] = {
     "step": ("benchmarks.step:main", "where a decode / verify step's time goes, against its bytes floor"),
     "ab-step": ("benchmarks.ab_step:main", "two source trees' steps alternated batch by batch (a code change as a ratio)"),
+    "same-bits": (
+        "benchmarks.same_bits:main",
+        "two source trees' eager logits and tokens on saved checkpoints, compared bit for bit",
+    ),
     "compiled-rows": (
         "benchmarks.compiled_rows:main",
         "compiled verify rows vs compiled decode steps over a static cache, per compile mode",

@@ -58,7 +58,7 @@ def _linear_costs(model: torch.nn.Module, rows: int) -> dict:
             measured[key] = (
                 _us(lambda: torch.ops.quasar.w8a8_linear.default(*args)),
                 _us(lambda: prepared.linear(x)),
-                _native(lambda: torch.ops.quasar.native_w8a8_linear.default(*twin_args))
+                _native(lambda: torch.ops.quasar.native_w8a8_linear_cpu_packed.default(*twin_args))
                 if prepared.backend == "cpu_fused"
                 else None,
             )

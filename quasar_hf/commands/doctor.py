@@ -16,10 +16,11 @@ def _version(package: str) -> str:
 
 
 def versions() -> dict[str, str]:
-    """Python, quasar-hf, torch (and its CUDA), transformers, triton, bitsandbytes, the C compiler."""
+    """Python, quasar-hf, torch (and its CUDA), transformers, triton, bitsandbytes, the C and C++ compilers."""
     import torch
 
     from quasar_hf.ops.c_build import find_compiler
+    from quasar_hf.ops.native import cxx_compiler
 
     if torch.cuda.is_available():
         cuda = f"{torch.version.cuda} ({torch.cuda.get_device_name(0)})"
@@ -35,6 +36,7 @@ def versions() -> dict[str, str]:
         "triton": _version("triton"),
         "bitsandbytes": _version("bitsandbytes"),
         "C compiler": find_compiler() or "none found",
+        "C++ compiler": cxx_compiler() or "none found (the ops run their Python implementations)",
     }
 
 
@@ -49,13 +51,15 @@ def doctor_report() -> str:
         ("w8a8_linear", "W8A8 linear backends (* = what backend='auto' uses)"),
         ("attention", "Attention for verification (* = what Quasar models run)"),
         ("lm_head", "Float lm_head of Quasar models (* = what they run; row-stable: verify rows equal decode steps)"),
+        ("op", "quasar:: ops (* = the implementation serving that device; without the C++ one, the Python one)"),
     )
     for kernel, title in titles:
         lines += ["", title]
+        width = max([17] + [len(r.name) for r in rows if r.kernel == kernel])
         for row in (r for r in rows if r.kernel == kernel):
             mark = "*" if row.auto else " "
             state = "usable" if row.usable else f"unavailable: {row.reason}"
-            lines.append(f"  {mark} {row.device:<5} {row.name:<17} {state}")
+            lines.append(f"  {mark} {row.device:<5} {row.name:<{width}} {state}")
     return "\n".join(lines)
 
 

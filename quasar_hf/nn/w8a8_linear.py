@@ -8,6 +8,7 @@ from torch import nn
 
 from quasar_hf.nn.folded_norm import FoldedNormOutput
 from quasar_hf.nn.prepared_module import PreparedModule
+from quasar_hf.ops import native
 from quasar_hf.ops.dispatch import PreparedW8A8, prepare_w8a8, w8a8_linear
 from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_float64
 from quasar_hf.ops.hadamard_cpu import rotate_rows
@@ -136,6 +137,8 @@ class W8A8Linear(PreparedModule):
         """Validate and pack the buffers and bind the kernel once (and rebind the folded norm feeding
         this linear). Needed after an in-place edit of `weight`, `weight_scale`, `bias` or `act_prescale`."""
         self._prepared = self._op_layout = None  # release the old packed weight first
+        if self.weight.device.type == "cpu":
+            native.is_available()  # the ops' C++ CPU implementations, loaded once (else their Python fallbacks)
         if self.weight.device.type != "meta":  # offloaded or not yet loaded: run unprepared
             self._prepared = prepare_w8a8(self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
             self._op_layout = self._prepared.op

@@ -1,4 +1,5 @@
-"""What can run here: every W8A8 backend, row-stable attention and lm_head kernel, with reasons."""
+"""What can run here: every W8A8 backend, row-stable attention and lm_head kernel, and which
+implementation of each quasar:: op serves each device (read from the op table), with reasons."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from quasar_hf.ops.dispatch import BACKENDS, _auto_choice, _unavailable_reason
 class BackendStatus:
     """One row of `backend_report()`: a kernel backend on a device type, usable or not and why."""
 
-    kernel: str  # "w8a8_linear" or "attention"
+    kernel: str  # "w8a8_linear", "attention", "lm_head" or "op"
     name: str
     device: str
     usable: bool
@@ -49,4 +50,21 @@ def backend_report() -> list[BackendStatus]:
     rows.append(BackendStatus("lm_head", "rowstable_cpu", "cpu", lm_head_reason is None, lm_head_reason, lm_head_reason is None))
     rows.append(BackendStatus("lm_head", "f_linear", "cpu", True, None, lm_head_reason is not None))
     rows.append(BackendStatus("lm_head", "f_linear", "cuda", no_cuda is None, no_cuda, no_cuda is None))
+    return rows + op_rows(no_cuda)
+
+
+def op_rows(no_cuda: str | None) -> list[BackendStatus]:
+    """Per op of `torch_ops.OPS`: its C++ CPU implementation (ops/native.py), its Python one (the CPU
+    fallback, which serves when the C++ library cannot be had) and its CUDA one."""
+    from quasar_hf.ops import native
+    from quasar_hf.ops.torch_ops import OPS
+
+    cpp_reason = native.unavailable_reason()
+    rows = []
+    for op in OPS:
+        if op.cpp:
+            rows.append(BackendStatus("op", f"{op.name} c++", "cpu", cpp_reason is None, cpp_reason, cpp_reason is None))
+        rows.append(BackendStatus("op", f"{op.name} python", "cpu", True, None, not op.cpp or cpp_reason is not None))
+        cuda_reason = no_cuda or (None if op.cuda is not None else "no CUDA implementation (the Python one runs)")
+        rows.append(BackendStatus("op", f"{op.name} cuda", "cuda", cuda_reason is None, cuda_reason, cuda_reason is None))
     return rows

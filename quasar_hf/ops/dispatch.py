@@ -284,10 +284,6 @@ def prepare_w8a8(
     """Validate, resolve the backend, pack and bind once (the work W8A8Linear.prepare does)."""
     validate_weights(weight_q, weight_scale, bias, act_prescale)
     name = resolve_backend(backend, weight_q.device)
-    if weight_q.device.type == "cpu":
-        from quasar_hf.ops import native
-
-        native.is_available()  # the quasar:: ops' C++ CPU implementations, loaded once (else their Python fallbacks)
     entry = _TABLE[name]
     packed = entry.pack(weight_q) if entry.pack is not None else None
     tensors = entry.packed_tensors(packed) if packed is not None and entry.packed_tensors is not None else ()

@@ -30,12 +30,12 @@ import torch
 
 from quasar_hf.ops import attention_cpu, cpu_fused, hadamard_cpu, rms_norm_cpu, rowstable_linear
 from quasar_hf.ops.c_build import CSRC, build_and_load
-from quasar_hf.ops.hadamard import HadamardRotation
 
 SOURCE = CSRC / "native_ops.cpp"
 
 
-def _compiler() -> str | None:
+def cxx_compiler() -> str | None:
+    """$CXX, else g++, else c++ on PATH (what builds the library)."""
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
@@ -76,7 +76,7 @@ def _kernel_libraries() -> tuple[tuple[str, ...], str | None]:
 @functools.cache
 def _load() -> str | None:
     """Build and load the library once per process and register the fakes: None, or why not."""
-    compiler = _compiler()
+    compiler = cxx_compiler()
     if compiler is None:
         return "no C++ compiler found (install g++ or set $CXX)"
     libraries, reason = _kernel_libraries()
@@ -94,42 +94,20 @@ def _load() -> str | None:
 
 
 def _smoke_test() -> str | None:
-    """Each function of the library (under its own `native_` name) against the operator's fallback, which
-    runs the same C kernel through ctypes, on small ragged shapes: the same bits, or why not."""
+    """Each op the library implements, under its own `native_` name, against the op as registered so
+    far (its fallback: the same C kernel through ctypes) on the op table's small ragged arguments: the
+    same bits, or why not."""
+    from quasar_hf.ops.torch_ops import OPS
+
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 40, generator=gen).bfloat16()  # [B, S, K], K = 40
-    weights = [torch.randint(-128, 128, (n, 40), generator=gen, dtype=torch.int8) for n in (24, 17)]  # [N, K]
-    scales = [torch.rand(n, generator=gen) / 100 for n in (24, 17)]
-    biases = [None, torch.randn(17, generator=gen).bfloat16()]
-    packs = [cpu_fused.pack_weight(w) for w in weights]
-    norm, prescale = torch.randn(40, generator=gen).bfloat16(), torch.rand(40, generator=gen) + 0.5
-    ops = torch.ops.quasar
-    expected = ops.w8a8_linear_cpu_packed(x, packs[1].data, packs[1].wsum128, scales[1], biases[1], prescale, 17)
-    actual = ops.native_w8a8_linear(x, packs[1].data, packs[1].wsum128, scales[1], biases[1], prescale, 17)
-    group = (x, norm, 1e-5, 1.0, [p.data for p in packs], [p.wsum128 for p in packs], scales, biases, [24, 17], True)
-    folded = ops.w8a8_folded_norm_linears_cpu_packed(*group)
-    native_folded = ops.native_folded_norm_linears(*group)
-    q, k, v = (torch.randn(1, h, n, 8, generator=gen).bfloat16() for h, n in ((4, 3), (2, 5), (2, 5)))
-    visible = torch.rand(1, 3, 5, generator=gen) > 0.3
-    visible[..., 0] = True
-    attention = ops.rowstable_attention(q, k, v, visible, 0.3)  # the ctypes fallbacks: nothing registered yet
-    native_attention = ops.native_rowstable_attention(q, k, v, visible, 0.3)
-    head = torch.randn(9, 40, generator=gen).bfloat16()
-    logits, native_logits = ops.rowstable_linear(x, head, None), ops.native_rowstable_linear(x, head, None)
-    normed = ops.rms_norm(x, norm, 1e-6, 1.0, True)
-    native_normed = ops.native_rms_norm(x, norm, 1e-6, 1.0, True)
-    rotation = HadamardRotation.for_size(40)  # H_20 (x) H_2: the Paley mix and the butterflies
-    rotated = ops.hadamard_rows(x, rotation.odd_signs(), rotation.blocks, rotation.pow2, rotation.scale)
-    native_rotated = ops.native_hadamard_rows(x, rotation.odd_signs(), rotation.blocks, rotation.pow2, rotation.scale)
-    same = (
-        torch.equal(actual, expected)
-        and all(map(torch.equal, folded, native_folded))
-        and torch.equal(attention, native_attention)
-        and torch.equal(logits, native_logits)
-        and torch.equal(normed, native_normed)
-        and torch.equal(rotated, native_rotated)
-    )
-    return None if same else "the native ops disagree with the Python ops on a smoke test (compiler or ABI problem)"
+    for op in (op for op in OPS if op.cpp):
+        args = op.sample(gen)
+        expected = getattr(torch.ops.quasar, op.name)(*args)
+        actual = getattr(torch.ops.quasar, f"native_{op.name}")(*args)
+        pairs = zip(expected, actual, strict=True) if isinstance(expected, list) else [(expected, actual)]
+        if not all(a.dtype == b.dtype and torch.equal(a, b) for a, b in pairs):
+            return f"the C++ {op.name} disagrees with its fallback on a smoke test (compiler or ABI problem)"
+    return None
 
 
 def unavailable_reason() -> str | None:

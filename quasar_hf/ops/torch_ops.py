@@ -25,30 +25,15 @@ no autograd formulas.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from quasar_hf.ops import dispatch
 from quasar_hf.ops.validation import is_bound_linear_input, validate_w8a8_inputs
 
-_LIB = torch.library.Library("quasar", "DEF")
-_LIB.define(
-    "w8a8_linear(Tensor x, Tensor weight_q, Tensor weight_scale, Tensor? bias, Tensor? act_prescale, Tensor[] packed, "
-    "str backend) -> Tensor"
-)
-_LIB.define(
-    "w8a8_linear_cpu_packed(Tensor x, Tensor w_packed, Tensor wsum128, Tensor weight_scale, Tensor? bias, "
-    "Tensor? act_prescale, int out_features) -> Tensor"
-)
-_LIB.define("rowstable_attention(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor")
-_LIB.define("rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_LIB.define("hadamard_rows(Tensor x, Tensor signs, int blocks, int pow2, float scale) -> Tensor")
-_LIB.define("rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_float) -> Tensor")
-_LIB.define(
-    "w8a8_folded_norm_linears_cpu_packed(Tensor x, Tensor norm_weight, float eps, float offset, Tensor[] w_packed, "
-    "Tensor[] wsum128, Tensor[] weight_scale, Tensor?[] bias, int[] out_features, bool emit_normed) -> Tensor[]"
-)
-
+Args = tuple  # an op's positional arguments
 
 # ---- quasar::w8a8_linear -------------------------------------------------------------------
 
@@ -67,10 +52,6 @@ def _w8a8_linear_impl(x, weight_q, weight_scale, bias, act_prescale, packed: lis
 def _w8a8_linear_fake(x, weight_q, weight_scale, bias, act_prescale, packed: list, backend: str) -> torch.Tensor:
     validate_w8a8_inputs(x, weight_q, weight_scale, bias, act_prescale)  # at trace time: the same errors as eager
     return x.new_empty(*x.shape[:-1], weight_q.shape[0])
-
-
-_LIB.impl("w8a8_linear", _w8a8_linear_impl, "CompositeExplicitAutograd")
-torch.library.register_fake("quasar::w8a8_linear", _w8a8_linear_fake, lib=_LIB)
 
 
 # ---- quasar::w8a8_linear_cpu_packed: the "cpu_fused" backend's layout, what its modules call ---
@@ -99,10 +80,6 @@ def _w8a8_linear_cpu_packed_fake(x, w_packed, wsum128, weight_scale, bias, act_p
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-_LIB.impl("w8a8_linear_cpu_packed", _w8a8_linear_cpu_packed_fallback, "CompositeExplicitAutograd")
-torch.library.register_fake("quasar::w8a8_linear_cpu_packed", _w8a8_linear_cpu_packed_fake, lib=_LIB)
-
-
 # ---- row-stable attention: one op, an implementation per device ------------------------------
 
 
@@ -124,11 +101,6 @@ def _attention_cuda_impl(query, key, value, visible, scale) -> torch.Tensor:
     return triton_attention.rowstable_attention_triton(query, key, value, visible, scale)
 
 
-_LIB.impl("rowstable_attention", _attention_fallback_impl, "CompositeExplicitAutograd")
-_LIB.impl("rowstable_attention", _attention_cuda_impl, "CUDA")
-torch.library.register_fake("quasar::rowstable_attention", _attention_fake, lib=_LIB)
-
-
 # ---- row-stable float linear (the lm_head) -------------------------------------------------
 
 
@@ -140,10 +112,6 @@ def _rowstable_linear_impl(x, weight, bias) -> torch.Tensor:
 
 def _rowstable_linear_fake(x, weight, bias) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-_LIB.impl("rowstable_linear", _rowstable_linear_impl, "CompositeExplicitAutograd")
-torch.library.register_fake("quasar::rowstable_linear", _rowstable_linear_fake, lib=_LIB)
 
 
 # ---- Hadamard rotation of activation rows (RotatedW8A8Linear) --------------------------------
@@ -173,10 +141,6 @@ def _hadamard_rows_fake(x, signs, blocks: int, pow2: int, scale: float) -> torch
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
-_LIB.impl("hadamard_rows", _hadamard_rows_impl, "CompositeExplicitAutograd")
-torch.library.register_fake("quasar::hadamard_rows", _hadamard_rows_fake, lib=_LIB)
-
-
 # ---- RMSNorm (RowStableRMSNorm, FoldedRMSNorm under compile) ---------------------------------
 
 
@@ -184,20 +148,21 @@ def _rms_norm_impl(x, weight, eps: float, offset: float, scale_in_float: bool) -
     """CPU: the row-stable C kernel (rms_norm_cpu.py); elsewhere the Transformers formula. Contiguous,
     as the fake says (Gemma's q/k norms read transposed views)."""
     from quasar_hf.ops import rms_norm_cpu
-    from quasar_hf.ops.reference import transformers_rms_norm_reference
 
     if x.device.type == "cpu":
         return rms_norm_cpu.rms_norm_rows(x, weight, eps, offset, scale_in_float)
+    return _rms_norm_formula(x, weight, eps, offset, scale_in_float)
+
+
+def _rms_norm_formula(x, weight, eps: float, offset: float, scale_in_float: bool) -> torch.Tensor:
+    from quasar_hf.ops.reference import transformers_rms_norm_reference
+
     return transformers_rms_norm_reference(x, weight, eps, offset, scale_in_float).contiguous()
 
 
 def _rms_norm_fake(x, weight, eps: float, offset: float, scale_in_float: bool) -> torch.Tensor:
     dtype = x.dtype if scale_in_float else torch.promote_types(weight.dtype, x.dtype)
     return x.new_empty(x.shape, dtype=dtype)
-
-
-_LIB.impl("rms_norm", _rms_norm_impl, "CompositeExplicitAutograd")
-torch.library.register_fake("quasar::rms_norm", _rms_norm_fake, lib=_LIB)
 
 
 # ---- an RMSNorm folded into the "cpu_fused" W8A8 linears it feeds (written by ops/graph_passes.py) --
@@ -241,5 +206,137 @@ def _folded_cpu_packed_fake(
     return [x.new_empty(x.shape)] * emit_normed + [x.new_empty(*x.shape[:-1], n) for n in out_features]
 
 
-_LIB.impl("w8a8_folded_norm_linears_cpu_packed", _folded_cpu_packed_fallback, "CompositeExplicitAutograd")
-torch.library.register_fake("quasar::w8a8_folded_norm_linears_cpu_packed", _folded_cpu_packed_fake, lib=_LIB)
+# ---- small ragged CPU arguments per op: the C++ library's smoke test and opcheck ---------------
+
+
+def _packed(gen: torch.Generator, n: int, k: int = 40):
+    from quasar_hf.ops.cpu_fused import pack_weight
+
+    return pack_weight(torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8))  # int8 [N, K] packed
+
+
+def _rows(gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(2, 3, 40, generator=gen).bfloat16()  # [B, S, K], K = 40: ragged for every vector width
+
+
+def _sample_linear_cpu_packed(gen: torch.Generator) -> Args:
+    pack = _packed(gen, 17)
+    bias, prescale = torch.randn(17, generator=gen).bfloat16(), torch.rand(40, generator=gen) + 0.5
+    return _rows(gen), pack.data, pack.wsum128, torch.rand(17, generator=gen) / 100, bias, prescale, 17
+
+
+def _sample_folded(gen: torch.Generator) -> Args:
+    packs = [_packed(gen, n) for n in (24, 17)]
+    scales, biases = [torch.rand(n, generator=gen) / 100 for n in (24, 17)], [None, torch.randn(17, generator=gen).bfloat16()]
+    x, norm = _rows(gen), torch.randn(40, generator=gen).bfloat16()
+    return x, norm, 1e-5, 1.0, [p.data for p in packs], [p.wsum128 for p in packs], scales, biases, [24, 17], True
+
+
+def _sample_linear(gen: torch.Generator) -> Args:
+    w_q = torch.randint(-127, 128, (17, 40), generator=gen, dtype=torch.int8)
+    return _rows(gen), w_q, torch.rand(17, generator=gen) / 100, None, None, [], "reference"
+
+
+def _sample_attention(gen: torch.Generator) -> Args:
+    q, k, v = (torch.randn(1, h, n, 8, generator=gen).bfloat16() for h, n in ((4, 3), (2, 5), (2, 5)))  # GQA
+    visible = torch.rand(1, 3, 5, generator=gen) > 0.3
+    visible[..., 0] = True
+    return q, k, v, visible, 0.3
+
+
+def _sample_rowstable_linear(gen: torch.Generator) -> Args:
+    return _rows(gen), torch.randn(9, 40, generator=gen).bfloat16(), None
+
+
+def _sample_rms_norm(gen: torch.Generator) -> Args:
+    return _rows(gen), torch.randn(40, generator=gen).bfloat16(), 1e-6, 1.0, True
+
+
+def _sample_hadamard(gen: torch.Generator) -> Args:
+    from quasar_hf.ops.hadamard import HadamardRotation
+
+    r = HadamardRotation.for_size(40)  # H_20 (x) H_2: the Paley mix and the butterflies
+    return _rows(gen), r.odd_signs(), r.blocks, r.pow2, r.scale
+
+
+# ---- the op table --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One quasar:: operator: its schema, fake, Python implementations and oracle, in one place.
+
+    fallback: the CompositeExplicitAutograd implementation, for CPU where csrc/native_ops.cpp is not
+    built (the same C kernel through ctypes) and for devices without an implementation of their own;
+    cuda: the CUDA one (Triton); cpp: csrc/native_ops.cpp implements it (registered for CPU once its
+    smoke test passed, ops/native.py, and callable as `quasar::native_<name>` for that test);
+    reference: the plain-PyTorch oracle its tests compare with; sample(generator): small ragged CPU
+    arguments (the smoke test and opcheck).
+    """
+
+    schema: str
+    fake: Callable[..., object]
+    fallback: Callable[..., object]
+    reference: str
+    sample: Callable[[torch.Generator], Args]
+    cuda: Callable[..., object] | None = None
+    cpp: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.schema.split("(", 1)[0]
+
+
+OPS: tuple[OpSpec, ...] = (
+    OpSpec(
+        "w8a8_linear_cpu_packed(Tensor x, Tensor w_packed, Tensor wsum128, Tensor weight_scale, Tensor? bias, "
+        "Tensor? act_prescale, int out_features) -> Tensor",
+        _w8a8_linear_cpu_packed_fake, _w8a8_linear_cpu_packed_fallback, "reference.w8a8_linear_reference",
+        _sample_linear_cpu_packed, cpp=True,
+    ),
+    OpSpec(
+        "w8a8_folded_norm_linears_cpu_packed(Tensor x, Tensor norm_weight, float eps, float offset, Tensor[] w_packed, "
+        "Tensor[] wsum128, Tensor[] weight_scale, Tensor?[] bias, int[] out_features, bool emit_normed) -> Tensor[]",
+        _folded_cpu_packed_fake, _folded_cpu_packed_fallback, "reference.w8a8_folded_group_reference", _sample_folded,
+        cpp=True,
+    ),
+    OpSpec(
+        "w8a8_linear(Tensor x, Tensor weight_q, Tensor weight_scale, Tensor? bias, Tensor? act_prescale, "
+        "Tensor[] packed, str backend) -> Tensor",
+        _w8a8_linear_fake, _w8a8_linear_impl, "reference.w8a8_linear_reference", _sample_linear,
+    ),
+    OpSpec(
+        "rowstable_attention(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor",
+        _attention_fake, _attention_fallback_impl, "reference.attention_reference", _sample_attention,
+        cuda=_attention_cuda_impl, cpp=True,
+    ),
+    OpSpec(
+        "rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+        _rowstable_linear_fake, _rowstable_linear_impl, "reference.rowstable_linear_reference",
+        _sample_rowstable_linear, cpp=True,
+    ),
+    OpSpec(
+        "rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_float) -> Tensor",
+        _rms_norm_fake, _rms_norm_impl, "reference.rowstable_rms_norm_reference", _sample_rms_norm,
+        cuda=_rms_norm_formula, cpp=True,
+    ),
+    OpSpec(
+        "hadamard_rows(Tensor x, Tensor signs, int blocks, int pow2, float scale) -> Tensor",
+        _hadamard_rows_fake, _hadamard_rows_impl, "hadamard.rotate_rows_reference", _sample_hadamard, cpp=True,
+    ),
+)  # fmt: skip
+
+
+def _register(ops: tuple[OpSpec, ...]) -> torch.library.Library:
+    """Define every op of `ops` in the quasar namespace with its implementations and fake."""
+    library = torch.library.Library("quasar", "DEF")
+    for op in ops:
+        library.define(op.schema)
+        library.impl(op.name, op.fallback, "CompositeExplicitAutograd")
+        if op.cuda is not None:
+            library.impl(op.name, op.cuda, "CUDA")
+        torch.library.register_fake(f"quasar::{op.name}", op.fake, lib=library)
+    return library
+
+
+_LIB = _register(OPS)  # kept for the process: dropping the Library object would unregister the ops

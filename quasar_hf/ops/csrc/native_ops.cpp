@@ -257,12 +257,12 @@ void register_cpu_kernels() {
 
 }  // namespace
 
-// The library's own operators: each function above under its own name (what the smoke test calls
+// The library's own operators: each function above as quasar::native_<op> (what the smoke test calls
 // before anything is registered), and the call that registers them.
 TORCH_LIBRARY_FRAGMENT(quasar, m) {
-    m.def("native_w8a8_linear(Tensor x, Tensor w_packed, Tensor wsum128, Tensor weight_scale, Tensor? bias, "
+    m.def("native_w8a8_linear_cpu_packed(Tensor x, Tensor w_packed, Tensor wsum128, Tensor weight_scale, Tensor? bias, "
           "Tensor? act_prescale, int out_features) -> Tensor");
-    m.def("native_folded_norm_linears(Tensor x, Tensor norm_weight, float eps, float offset, Tensor[] w_packed, "
+    m.def("native_w8a8_folded_norm_linears_cpu_packed(Tensor x, Tensor norm_weight, float eps, float offset, Tensor[] w_packed, "
           "Tensor[] wsum128, Tensor[] weight_scale, Tensor?[] bias, int[] out_features, bool emit_normed) -> Tensor[]");
     m.def("native_rowstable_attention(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor");
     m.def("native_rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
@@ -272,8 +272,8 @@ TORCH_LIBRARY_FRAGMENT(quasar, m) {
 }
 
 TORCH_LIBRARY_IMPL(quasar, CPU, m) {
-    m.impl("native_w8a8_linear", &native_w8a8_linear);
-    m.impl("native_folded_norm_linears", &native_folded_norm_linears);
+    m.impl("native_w8a8_linear_cpu_packed", &native_w8a8_linear);
+    m.impl("native_w8a8_folded_norm_linears_cpu_packed", &native_folded_norm_linears);
     m.impl("native_rowstable_attention", &rowstable_attention_cpu);
     m.impl("native_rowstable_linear", &rowstable_linear_cpu);
     m.impl("native_rms_norm", &rms_norm_cpu);

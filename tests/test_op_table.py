@@ -1,0 +1,84 @@
+"""The op table (quasar_hf/ops/torch_ops.py): every quasar:: op passes opcheck on its sample arguments,
+the C++ library serves the CPU key of each op it implements, and without a C++ compiler the ops keep
+their Python implementations and give a W8A8 model the same bits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from quasar_hf.ops import cpu_fused, native
+from quasar_hf.ops.torch_ops import OPS
+
+needs_cpu_fused = pytest.mark.skipif(not cpu_fused.is_available(), reason="the fused CPU W8A8 kernel is unavailable here")
+
+
+def test_every_registered_op_is_in_the_table():
+    registered = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("quasar::") and "::native_" not in n}
+    assert registered == {f"quasar::{op.name}" for op in OPS}
+
+
+@needs_cpu_fused
+@pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
+def test_every_op_passes_opcheck_on_its_sample(op):
+    args = op.sample(torch.Generator().manual_seed(0))
+    torch.library.opcheck(getattr(torch.ops.quasar, op.name).default, args, test_utils=("test_schema", "test_faketensor"))
+    if op.cpp and native.is_available():  # the C++ implementation serves CPU tensors
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"quasar::{op.name}", "CPU")
+
+
+# A subprocess whose C++ compiler is missing: the library cannot be built, the ops run their Python
+# implementations (the same C kernels through ctypes), and a tiny W8A8 model's logits come out as here.
+NO_CXX = textwrap.dedent(
+    """
+    import sys, torch
+    from quasar_hf.ops import native
+    from tests.test_op_table import tiny_logits
+    print("reason", native.unavailable_reason())
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("quasar::rowstable_attention", "CPU")
+    torch.save(tiny_logits(), sys.argv[1])
+    """
+)
+
+
+def tiny_logits() -> torch.Tensor:
+    """Logits of a tiny bf16 Llama with W8A8 linears, a folded norm group, rotation, row-stable attention and lm_head."""
+    from quasar_hf import QuasarConfig
+    from quasar_hf.hf.quantize_on_load import fold_norms, use_rowstable_lm_head, use_rowstable_norms
+    from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
+    from quasar_hf.nn.w8a8_linear import rotate_weight
+    from quasar_hf.ops.hadamard import HadamardRotation
+    from quasar_hf.ops.rowstable_attention import use_rowstable_attention
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear) and name == "down_proj":
+                rotation = HadamardRotation.for_size(child.in_features)
+                setattr(module, name, RotatedW8A8Linear.from_weight(rotate_weight(child.weight.float(), rotation)))
+            elif isinstance(child, torch.nn.Linear) and name != "lm_head":
+                setattr(module, name, W8A8Linear.from_linear(child))
+    fold_norms(model, QuasarConfig())
+    use_rowstable_norms(model)
+    use_rowstable_lm_head(model)
+    use_rowstable_attention(model)
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@needs_cpu_fused
+@pytest.mark.skipif(not native.is_available(), reason=f"the ops' C++ library is unavailable: {native.unavailable_reason()}")
+def test_without_a_cxx_compiler_the_python_implementations_give_the_same_bits(tmp_path):
+    out = tmp_path / "logits.pt"
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-g++"), "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-c", NO_CXX, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "reason building the" in done.stdout, done.stdout
+    assert torch.equal(torch.load(out), tiny_logits())
