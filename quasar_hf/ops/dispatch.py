@@ -66,8 +66,8 @@ class Backend:
     `is_bound_linear_input` does, calls on_bad_x(x) (which raises) when that fails, and handles empty x.
     packed_tensors(packed) / unpack(weight_q, tensors): the packed layout as tensors and back (the
     `quasar::w8a8_linear` op takes tensors). bind_group(weights, norm_scale, packs, norm_eps) ->
-    group(x) -> (normed, y_0, y_1, ...): the RMSNorm fold (None: this backend cannot fold);
-    group_checks_x: the bound group checks x itself. op_call(weights, packed) -> (op name, arguments
+    group(x) -> (normed, y_0, y_1, ...): the RMSNorm fold (None: this backend cannot fold; x is
+    checked before it is called). op_call(weights, packed) -> (op name, arguments
     after x): the `quasar::` op a prepared module calls, eager and compiled alike (None: the generic
     `quasar::w8a8_linear` with this backend's name and packed tensors).
     """
@@ -81,7 +81,6 @@ class Backend:
     packed_tensors: Callable[[object], tuple[torch.Tensor, ...]] | None = None
     unpack: Callable[[torch.Tensor, list[torch.Tensor]], object] | None = None
     bind_group: Callable[..., Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] | None = None
-    group_checks_x: bool = False
     op_call: Callable[[tuple, object], tuple[str, tuple]] | None = None
 
     def __post_init__(self) -> None:
@@ -321,8 +320,6 @@ def bind_folded_group(
     weights = [p.weights[:3] for p in prepared]
     scale = norm_scale.detach().float().contiguous()
     group = entry.bind_group(weights, scale, [p.packed for p in prepared], float(norm_eps))
-    if entry.group_checks_x:
-        return group
     sizes = [w.shape[0] for w, _, _ in weights]
 
     def checked(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
