@@ -5,8 +5,9 @@ Every build this CPU runs (on an AVX-512 CPU both the AVX-512 and the AVX2 build
 interleaved on a decode or verify call: Q query rows over a static cache of `--slots` slots of
 which `--written` hold keys (each row sees them causally), K/V cycled over `--layers` copies as a
 step's layers would be. The current source's builds are checked bit for bit against its portable
-build first, baselines against the fp64 oracle (their bits may differ). Times include the ctypes
-call from Python (a few microseconds, the same for every build).
+build first, baselines against the fp64 oracle (their bits may differ). Each build is loaded alone
+(benchmarks/c_kernels.py); times include the ctypes call from Python (a few microseconds, the same
+for every build).
 
     python -m benchmarks attention-kernel --baseline BEFORE.c --name attention_kernel_cpu
 """
@@ -18,11 +19,10 @@ import os
 
 import torch
 
+from benchmarks import c_kernels
 from benchmarks.build_reports import check_baselines, selected_shapes, write_build_reports
 from benchmarks.kernels import interleaved_medians
 from quasar_hf.bench.report import _table
-from quasar_hf.ops import attention_cpu
-from quasar_hf.ops.c_build import CSRC, PORTABLE_CFLAGS, missing_cpu_flags
 from quasar_hf.ops.reference import attention_reference
 
 # (label, query heads, kv heads, head size): the attention of the checkpoints the project runs.
@@ -32,33 +32,29 @@ SHAPES = [
     ("Llama-3.2-1B", 32, 8, 64),
     ("Gemma 3 270M", 4, 1, 256),
 ]
-BUILD_FLAGS = [("avx512", ("-mavx512f",), ("avx512f",)), ("avx2", ("-mavx2", "-mfma"), ("avx2", "fma"))]
 
 
 def _load(flags: tuple[str, ...], source: str) -> object:
-    fn, error = attention_cpu.load_variant((*PORTABLE_CFLAGS, *flags), source)
-    if fn is None:
-        raise RuntimeError(f"{source} {flags}: {error}")
-    return fn
+    return c_kernels.load_entry(source, "qhf_rowstable_attention", flags)
 
 
 def _builds(baselines: list[str] | None) -> dict[str, object]:
     """name -> entry point of each build this CPU runs, of the current source and of each baseline."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, *shape, generator=gen).bfloat16() for shape in ((6, 5, 64), (2, 70, 64), (2, 70, 64)))
-    portable = attention_cpu.rowstable_attention(q, k, v, kernel=_load((), "rowstable_attention.c"))
+    portable = c_kernels.attention(_load((), "rowstable_attention.c"), q, k, v, None)
     reference = attention_reference(q, k, v)
     builds = {}
-    for label, flags, required in BUILD_FLAGS:
-        if missing_cpu_flags(required):
+    for label, source, flags in c_kernels.runnable_builds("attention"):
+        if label == "portable":
             continue
-        fn = _load(flags, "rowstable_attention.c")
-        if not torch.equal(attention_cpu.rowstable_attention(q, k, v, kernel=fn), portable):
+        fn = _load(flags, source)
+        if not torch.equal(c_kernels.attention(fn, q, k, v, None), portable):
             raise AssertionError(f"the {label} build disagrees with the portable build")
         builds[label] = fn
         for baseline in baselines or ():
-            old = _load((*flags, f"-I{CSRC}"), os.path.abspath(baseline))  # its includes from csrc/
-            err = (attention_cpu.rowstable_attention(q, k, v, kernel=old).double() - reference).abs()
+            old = _load(flags, os.path.abspath(baseline))  # its includes from csrc/
+            err = (c_kernels.attention(old, q, k, v, None).double() - reference).abs()
             if not bool((err <= reference.abs() * 2.0**-8 + 1e-6).all()):
                 raise AssertionError(f"{baseline} ({label}) disagrees with the fp64 reference")
             builds[f"{label} {os.path.basename(baseline)} (baseline)"] = old
@@ -90,7 +86,7 @@ def measure(shapes, rows: tuple[int, ...], samples: int, baselines, slots: int, 
             q, kv, visible, out = _call_inputs(heads, kv_heads, dim, q_len, slots, written, layers)
             scale = dim**-0.5
             variants = {
-                name: (lambda i, fn=fn: attention_cpu._call(fn, q, *kv[i % layers], visible, scale, out))
+                name: (lambda i, fn=fn: c_kernels.attention(fn, q, *kv[i % layers], visible, scale, out))
                 for name, fn in builds.items()
             }
             medians = interleaved_medians(variants, torch.device("cpu"), samples, batch=layers * 10)

@@ -1,12 +1,12 @@
 """The Hadamard rotation kernel's builds, side by side, at the rotated widths of real models.
 
 A rotated `down_proj` (QuasarConfig's default `rotate`) rotates its input rows, of the MLP's
-intermediate width, once per layer and step. Every build of `hadamard_cpu.VARIANTS` this CPU runs
+intermediate width, once per layer and step. Every build of the kernel this CPU runs (csrc/kernel_builds.def)
 (and each `--baseline`, a C source of the same entry point, say a build before a change) is checked bit
 for bit against the plain-PyTorch oracle (`rotate_rows_reference`) at each shape and
-then timed interleaved on decode and verify row counts, called directly (ctypes, into a preallocated
-output, one thread: what a step's rotation costs without the op's Python); the ctypes call's few
-microseconds are the same for every build.
+then timed interleaved on decode and verify row counts, each build loaded alone and called directly
+(benchmarks/c_kernels.py: ctypes, into a preallocated output, one thread: what a step's rotation
+costs without the op's dispatch); the ctypes call's few microseconds are the same for every build.
 
     python -m benchmarks hadamard-kernel --baseline BEFORE/hadamard_rows_avx2.c --name hadamard_kernel_cpu
 """
@@ -18,11 +18,11 @@ import os
 
 import torch
 
+from benchmarks import c_kernels
 from benchmarks.build_reports import check_baselines, selected_shapes, write_build_reports
 from benchmarks.kernels import interleaved_medians
 from quasar_hf.bench.report import _table
 from quasar_hf.ops import hadamard_cpu
-from quasar_hf.ops.c_build import CSRC
 from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_reference
 
 # (label, row width): the down_proj input (intermediate size) of the checkpoints the project runs.
@@ -35,46 +35,33 @@ SHAPES = [
 
 
 def _builds(baselines: list[str] | None) -> dict[str, object]:
-    """name -> entry point of each build this CPU runs, then of each baseline (a C source of the same entry
-    point, built with the flags of the variant of its file name, or the portable flags)."""
-    builds = {}
-    for source, flags, required in hadamard_cpu.VARIANTS:
-        if hadamard_cpu.missing_cpu_flags(required):
-            continue
-        builds[source] = _load(source, flags)
+    """name (its source) -> entry point of each build this CPU runs, best first, then of each baseline (a C
+    source of the same entry point, built with the flags of the build of its file name, or portable flags)."""
+    builds = {source: _load(source, flags) for _, source, flags in c_kernels.runnable_builds("hadamard")}
+    table = [r for r in c_kernels.kernel_build_table() if r.kernel == "hadamard"]
     for baseline in baselines or ():
-        same_name = [v for v in hadamard_cpu.VARIANTS if v[0] == os.path.basename(baseline)]
-        flags, required = same_name[0][1:] if same_name else ((), ())
-        if hadamard_cpu.missing_cpu_flags(required):
+        same_name = [r for r in table if r.source == os.path.basename(baseline)]
+        flags, required = (same_name[0].cflags, same_name[0].cpu_flags) if same_name else ((), ())
+        if c_kernels.missing_cpu_flags(required):
             raise RuntimeError(f"{baseline}: this CPU lacks {required}")
-        builds[f"{os.path.basename(baseline)} (baseline)"] = _load(os.path.abspath(baseline), (*flags, f"-I{CSRC}"))
+        builds[f"{os.path.basename(baseline)} (baseline)"] = _load(os.path.abspath(baseline), flags)
     return builds
 
 
 def _load(source: str, flags: tuple[str, ...]) -> object:
-    fn, reason = hadamard_cpu.load_variant(source, flags)
-    if fn is None:
-        raise RuntimeError(f"{source}: {reason}")
-    return fn
+    return c_kernels.load_entry(source, "qhf_hadamard_rows", flags)
 
 
 def _direct_call(fn, inputs: list[torch.Tensor], out: torch.Tensor, rotation: HadamardRotation):
     """call(i): the kernel on inputs[i % len] into `out` (one thread, as a decode or verify step calls it)."""
     signs = hadamard_cpu.signs(rotation)
-    count, width = out.shape
-    constants = (rotation.blocks, rotation.odd_order, rotation.pow2, signs.data_ptr(), rotation.scale, 1)
-
-    def call(i: int) -> None:
-        if fn(inputs[i % len(inputs)].data_ptr(), width, count, 1, out.data_ptr(), *constants):
-            raise MemoryError("the Hadamard kernel could not allocate its scratch row")
-
-    return call
+    return lambda i: c_kernels.hadamard(fn, inputs[i % len(inputs)], rotation, signs, out)
 
 
 def measure(shapes, rows: tuple[int, ...], samples: int, layers: int, baselines: list[str] | None = None) -> dict:
     """Median microseconds per call of each build, per shape and row count (inputs cycled over `layers` copies)."""
     builds = _builds(baselines)
-    fastest = next(iter(builds))  # VARIANTS lists the builds best first
+    fastest = next(iter(builds))  # the build table lists the builds best first
     gen = torch.Generator().manual_seed(0)
     results = []
     for label, width in shapes:
@@ -83,7 +70,7 @@ def measure(shapes, rows: tuple[int, ...], samples: int, layers: int, baselines:
             inputs = [torch.randn(count, width, generator=gen).bfloat16() for _ in range(layers)]
             expected = rotate_rows_reference(inputs[0], rotation)
             for source, fn in builds.items():
-                if not torch.equal(hadamard_cpu._run(fn, inputs[0], rotation), expected):
+                if not torch.equal(c_kernels.hadamard(fn, inputs[0], rotation, hadamard_cpu.signs(rotation)), expected):
                     raise AssertionError(f"{source} disagrees with rotate_rows_reference at {label} x {count} rows")
             out = torch.empty(count, width)
             variants = {source: _direct_call(fn, inputs, out, rotation) for source, fn in builds.items()}

@@ -21,12 +21,13 @@ import os
 import torch
 import torch.nn.functional as F
 
+from benchmarks import c_kernels
 from benchmarks.build_reports import check_baselines, selected_shapes, write_build_reports
 from benchmarks.kernels import interleaved_medians, measure_read_bandwidth
 from quasar_hf.bench.report import _table
-from quasar_hf.ops.c_build import CSRC, missing_cpu_flags
 from quasar_hf.ops.reference import rowstable_linear_reference
-from quasar_hf.ops.rowstable_linear import VARIANTS, _run, load_variant
+
+VARIANTS = [(r.source, r.cflags, r.cpu_flags) for r in c_kernels.kernel_build_table() if r.kernel == "rowstable_linear"]
 
 # (label, vocabulary N, hidden K): the lm_heads of the checkpoints the project runs end to end.
 SHAPES = [
@@ -50,17 +51,15 @@ def _builds(baselines: list[str] | None) -> dict[str, object]:
     builds = {}
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(7, 100, generator=gen).bfloat16(), torch.randn(37, 100, generator=gen).bfloat16()
-    sources = [(source, flags) for source, flags, required in VARIANTS if not missing_cpu_flags(required)]
+    sources = [(source, flags) for source, flags, required in VARIANTS if not c_kernels.missing_cpu_flags(required)]
     for baseline in baselines or ():
         wide = _uses_avx512(baseline)
-        if wide and missing_cpu_flags(VARIANTS[0][2]):
+        if wide and c_kernels.missing_cpu_flags(VARIANTS[0][2]):
             continue  # an AVX-512 baseline on a CPU without AVX-512
-        sources.append((os.path.abspath(baseline), (*(VARIANTS[0][1] if wide else ("-mavx2", "-mfma")), f"-I{CSRC}")))
+        sources.append((os.path.abspath(baseline), VARIANTS[0][1] if wide else ("-mavx2", "-mfma")))
     for source, flags in sources:
-        fn, error = load_variant(source, flags)
-        if fn is None:
-            raise RuntimeError(f"{source}: {error}")
-        if not torch.equal(_run(fn, x, w, None), rowstable_linear_reference(x, w)):
+        fn = c_kernels.load_entry(source, "qhf_rowstable_linear", flags)
+        if not torch.equal(c_kernels.rowstable_linear(fn, x, w, None), rowstable_linear_reference(x, w)):
             raise AssertionError(f"{source} disagrees with the reference")
         builds[os.path.basename(source).removesuffix(".c") + (" (baseline)" if os.path.isabs(source) else "")] = fn
     return builds
@@ -83,7 +82,8 @@ def measure(
         for m in rows:
             x = torch.randn(m, k).bfloat16()
             variants = {
-                name: (lambda i, fn=fn, x=x, ws=weights: _run(fn, x, ws[i % len(ws)], None)) for name, fn in builds.items()
+                name: (lambda i, fn=fn, x=x, ws=weights: c_kernels.rowstable_linear(fn, x, ws[i % len(ws)], None))
+                for name, fn in builds.items()
             }
             variants["F.linear (torch)"] = lambda i, x=x, ws=weights: F.linear(x, ws[i % len(ws)])
             medians = interleaved_medians(variants, torch.device("cpu"), samples, batch=copies)

@@ -1,10 +1,10 @@
 """Where a compiled CPU step's time goes: the per-call cost of each `torch.ops.quasar.*` op, against
-the same kernel called directly (ctypes) and through the C++ library's own name for it, times its
-calls per step.
+the package's Python entry point for the same kernel ("direct": the bound linear, `rotate_rows`,
+...) and the C++ library's own name for it (`native_<op>`), times its calls per step.
 
 A step (eager or compiled) calls our ops; on CPU the dispatcher lands in their C++ implementations
-where ops/native.py's library is had, else in their Python fallbacks (dispatcher, Python, ctypes). The
-W8A8 linear's op column is still the Python op (a compiled step calls the native op instead). Shapes are the model's own, at M = 1 (decode) and M = 6 (a 5-draft
+where ops/native.py's library is had, else in their plain-PyTorch fallbacks. The W8A8 linear's op
+column is the generic `quasar::w8a8_linear` (a step calls the packed op instead). Shapes are the model's own, at M = 1 (decode) and M = 6 (a 5-draft
 verification); the folded norm groups of a compiled step are timed here as their separate linears.
 """
 
@@ -106,7 +106,7 @@ def _attention_costs(model: torch.nn.Module, rows: int, context: int) -> dict:
     visible = torch.ones(1, rows, context, dtype=torch.bool)
     scale = head_dim**-0.5
     op = _us(lambda: torch.ops.quasar.rowstable_attention.default(q, k, k, visible, scale), 100)
-    direct = _us(lambda: attention_cpu.rowstable_attention(q, k, k, visible, scale, kernel=attention_cpu.kernel()), 100)
+    direct = _us(lambda: attention_cpu.rowstable_attention(q, k, k, visible, scale), 100)
     twin = _native(lambda: torch.ops.quasar.native_rowstable_attention.default(q, k, k, visible, scale), 100)
     n = c.num_hidden_layers
     return {"calls": n, "op_us": op * n, "direct_us": direct * n, "native_us": None if twin is None else twin * n}

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import hadamard_kernel
+from benchmarks import c_kernels, hadamard_kernel
 from quasar_hf.ops import hadamard_cpu
 from quasar_hf.ops.c_build import CSRC
 
@@ -15,7 +15,7 @@ def test_report_times_every_build_this_cpu_runs_and_a_baseline(tmp_path):
     argv = ["--out", str(tmp_path), "--name", "hk", "--shapes", "SmolLM2-135M", "--rows", "1", "3", "--samples", "1"]
     json_path, md_path = hadamard_kernel.main([*argv, "--layers", "2", "--baseline", str(CSRC / "hadamard_rows.c")])
     result = json.loads(open(json_path).read())
-    runnable = [v[0] for v in hadamard_cpu.VARIANTS if not hadamard_cpu.missing_cpu_flags(v[2])]
+    runnable = [source for _, source, _ in c_kernels.runnable_builds("hadamard")]
     assert "hadamard_rows.c" in runnable  # the portable build runs everywhere
     assert result["builds"] == [*runnable, "hadamard_rows.c (baseline)"]
     assert len(result["results"]) == 2 * len(result["builds"])

@@ -100,14 +100,12 @@ def test_backends_without_a_fold_or_mixed_groups_get_none():
         assert dispatch.bind_folded_group([prepared[0], other], scale, 1e-5) is None  # two backends
 
 
-@needs_kernel
 def test_bad_norm_eps_is_refused():
-    from quasar_hf.ops.cpu_fused_multi import bind_linear_multi
-
     q, s = quantize_weight_per_channel(torch.randn(16, 32))
+    prepared = [dispatch.prepare_w8a8(q, s, None, None, "reference")]
     for eps in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="norm_eps"):
-            bind_linear_multi([(q, s, None)], torch.ones(32), norm_eps=eps)
+            dispatch.bind_folded_group(prepared, torch.ones(32), eps)
 
 
 def _quantized(tmp_path, arch: str, dtype=torch.bfloat16, **options):

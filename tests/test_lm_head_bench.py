@@ -3,8 +3,9 @@
 import pytest
 
 from benchmarks import lm_head
-from quasar_hf.ops.c_build import missing_cpu_flags
-from quasar_hf.ops.rowstable_linear import VARIANTS, is_available
+from benchmarks.lm_head import VARIANTS
+from quasar_hf.ops.c_build import CSRC, missing_cpu_flags
+from quasar_hf.ops.rowstable_linear import is_available
 
 
 @pytest.mark.skipif(not is_available(), reason="needs the row-stable CPU kernel (x86-64 with AVX2 + FMA or AVX-512)")
@@ -12,7 +13,7 @@ def test_every_build_and_torch_get_a_row_and_a_table(tmp_path):
     baselines = []
     for name, source in (("baseline_avx2.c", "rowstable_linear_avx2.c"), ("baseline_avx512.c", "rowstable_linear.c")):
         baselines.append(tmp_path / name)
-        baselines[-1].write_text((lm_head.CSRC / source).read_text())
+        baselines[-1].write_text((CSRC / source).read_text())
     result = lm_head.measure([("tiny", 70, 40)], (1, 3), samples=1, baselines=[str(b) for b in baselines], working_set=1)
     kernels = {r["kernel"] for r in result["results"]}
     assert "F.linear (torch)" in kernels and "baseline_avx2 (baseline)" in kernels and len(kernels) >= 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -182,10 +183,11 @@ def test_cli_aliases_resolve_to_embedded_models():
 TINY_C = "int qhf_answer(void) { return 42; }\n"
 KERNEL_SCRIPT = LIGHT_IMPORTS + textwrap.dedent(
     """
+    import ctypes
     from quasar_hf.ops import c_build
     c_build.CSRC = Path(sys.argv[1])
-    lib = c_build.build_and_load("tiny.c", c_build.PORTABLE_CFLAGS, c_build.find_compiler())
-    print(lib.qhf_answer())
+    path = c_build.build_library("tiny", [c_build.CompileUnit("tiny.c", c_build.PORTABLE_CFLAGS)], (), c_build.find_compiler())
+    print(ctypes.CDLL(str(path)).qhf_answer())
     """
 )
 
@@ -193,7 +195,7 @@ KERNEL_SCRIPT = LIGHT_IMPORTS + textwrap.dedent(
 @pytest.fixture
 def tiny_source(tmp_path, monkeypatch):
     if c_build.find_compiler() is None:
-        pytest.skip("no C compiler")
+        pytest.skip("needs a C++ compiler")
     src = tmp_path / "csrc"
     src.mkdir()
     (src / "tiny.c").write_text(TINY_C)
@@ -207,18 +209,20 @@ def test_concurrent_kernel_builds_all_load(tiny_source, tmp_path):
     done = run_concurrently(KERNEL_SCRIPT.replace("sys.argv[1]", repr(str(tiny_source))), 3, env, tmp_path)
     assert [d.returncode for d in done] == [0, 0, 0], [d.stderr[-2000:] for d in done]
     assert [d.stdout.strip() for d in done] == ["42"] * 3
-    assert not list((tmp_path / "kernels").glob("*/tmp*.so"))
+    assert not list((tmp_path / "kernels").glob("*/tmp*"))
 
 
 def test_stray_temp_and_empty_libraries_are_rebuilt(tiny_source, tmp_path):
-    target = tmp_path / "kernels" / "somekey" / "libqhf_tiny.so"
+    target = tmp_path / "kernels" / "somekey" / "libtiny.so"
     target.parent.mkdir(parents=True)
     target.write_bytes(b"")  # a zero-byte library, e.g. from a full disk or an old crash
-    stray = target.parent / "tmpcrashed.so"
+    stray, stray_build = target.parent / "tmpcrashed.so", target.parent / "tmpcrashed_build"
     stray.write_bytes(b"half a library")
-    lib = c_build._load_or_build(c_build.find_compiler(), tiny_source / "tiny.c", c_build.PORTABLE_CFLAGS, target)
-    assert lib.qhf_answer() == 42
-    assert target.stat().st_size > 0 and not stray.exists()
+    stray_build.mkdir()
+    units = [c_build.CompileUnit("tiny.c", c_build.PORTABLE_CFLAGS)]
+    path = c_build._build_once(c_build.find_compiler(), units, (), target)
+    assert ctypes.CDLL(str(path)).qhf_answer() == 42
+    assert target.stat().st_size > 0 and not stray.exists() and not stray_build.exists()
 
 
 def test_unwritable_kernel_cache_names_the_folder(tiny_source, tmp_path, monkeypatch):
@@ -226,7 +230,7 @@ def test_unwritable_kernel_cache_names_the_folder(tiny_source, tmp_path, monkeyp
     blocker.write_text("")
     monkeypatch.setenv("QUASAR_HF_KERNEL_CACHE", str(blocker / "kernels"))
     with pytest.raises(RuntimeError, match="QUASAR_HF_KERNEL_CACHE"):
-        c_build.build_and_load("tiny.c", c_build.PORTABLE_CFLAGS, c_build.find_compiler())
+        c_build.build_library("tiny", [c_build.CompileUnit("tiny.c", c_build.PORTABLE_CFLAGS)], (), c_build.find_compiler())
 
 
 @pytest.mark.slow

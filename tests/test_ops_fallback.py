@@ -14,7 +14,7 @@ from quasar_hf.ops.backend_report import backend_report
 from quasar_hf.ops.fallback import warn_fallback_once
 from quasar_hf.ops.reference import quantize_weight_per_channel
 
-REASON = "no C compiler found (install gcc or set $CC)"
+REASON = "no C++ compiler found (install g++ or set $CXX)"
 
 
 @pytest.fixture

@@ -16,11 +16,10 @@ def _version(package: str) -> str:
 
 
 def versions() -> dict[str, str]:
-    """Python, quasar-hf, torch (and its CUDA), transformers, triton, bitsandbytes, the C and C++ compilers."""
+    """Python, quasar-hf, torch (and its CUDA), transformers, triton, bitsandbytes, the C++ compiler."""
     import torch
 
     from quasar_hf.ops.c_build import find_compiler
-    from quasar_hf.ops.native import cxx_compiler
 
     if torch.cuda.is_available():
         cuda = f"{torch.version.cuda} ({torch.cuda.get_device_name(0)})"
@@ -35,8 +34,7 @@ def versions() -> dict[str, str]:
         "transformers": _version("transformers"),
         "triton": _version("triton"),
         "bitsandbytes": _version("bitsandbytes"),
-        "C compiler": find_compiler() or "none found",
-        "C++ compiler": cxx_compiler() or "none found (the ops run their Python implementations)",
+        "C++ compiler": find_compiler() or "none found (the ops run their plain-PyTorch implementations)",
     }
 
 

@@ -54,17 +54,21 @@ def backend_report() -> list[BackendStatus]:
 
 
 def op_rows(no_cuda: str | None) -> list[BackendStatus]:
-    """Per op of `torch_ops.OPS`: its C++ CPU implementation (ops/native.py), its Python one (the CPU
-    fallback, which serves when the C++ library cannot be had) and its CUDA one."""
+    """Per op of `torch_ops.OPS`: its C++ CPU implementation (ops/native.py: which build of its C kernel
+    runs here), its plain-PyTorch one (the CPU fallback, which serves when the C++ one cannot) and its CUDA one."""
     from quasar_hf.ops import native
     from quasar_hf.ops.torch_ops import OPS
 
-    cpp_reason = native.unavailable_reason()
+    builds = native.kernel_builds()
     rows = []
     for op in OPS:
-        if op.cpp:
-            rows.append(BackendStatus("op", f"{op.name} c++", "cpu", cpp_reason is None, cpp_reason, cpp_reason is None))
-        rows.append(BackendStatus("op", f"{op.name} python", "cpu", True, None, not op.cpp or cpp_reason is not None))
+        cpp_reason = native.op_unavailable_reason(op.name) if op.kernel else None
+        if op.kernel:
+            build = builds.get(op.kernel)
+            label = f"{op.name} c++" + (f" ({build[1]}, {build[0]})" if build and cpp_reason is None else "")
+            rows.append(BackendStatus("op", label, "cpu", cpp_reason is None, cpp_reason, cpp_reason is None))
+        fallback_serves = not op.kernel or cpp_reason is not None
+        rows.append(BackendStatus("op", f"{op.name} python", "cpu", True, None, fallback_serves))
         cuda_reason = no_cuda or (None if op.cuda is not None else "no CUDA implementation (the Python one runs)")
         rows.append(BackendStatus("op", f"{op.name} cuda", "cuda", cuda_reason is None, cuda_reason, cuda_reason is None))
     return rows

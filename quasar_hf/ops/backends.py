@@ -163,7 +163,7 @@ def group_triton(weights, norm_scale, packs, norm_eps):
 def group_cpu_fused(weights, norm_scale, packs, norm_eps):
     """The folded group as calls of `quasar::w8a8_folded_norm_linears_cpu_packed` (one per MULTI_MAX
     weights), the op compiled steps call too: (normed, y_0, y_1, ...)."""
-    from quasar_hf.ops.cpu_fused_multi import MULTI_MAX
+    from quasar_hf.ops.cpu_packing import MULTI_MAX
 
     op = torch.ops.quasar.w8a8_folded_norm_linears_cpu_packed.default
 

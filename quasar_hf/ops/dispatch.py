@@ -20,6 +20,7 @@ Backends are imported lazily, so a missing optional package only matters when it
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -306,6 +307,8 @@ def bind_folded_group(
     x is the norm's input [..., K]; norm_scale fp32 [K] what the norm multiplies by (its weight, or
     1 + weight); norm_eps its epsilon.
     """
+    if not (math.isfinite(norm_eps) and norm_eps >= 0.0):
+        raise ValueError(f"norm_eps must be a finite number >= 0, got {norm_eps!r}; check the norm's eps in the model config")
     if not prepared:
         return None
     first = prepared[0]

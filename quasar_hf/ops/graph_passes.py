@@ -44,7 +44,7 @@ def _foldable_consumer(node: torch.fx.Node, norm: torch.fx.Node) -> bool:
 
 def fold_group(graph: torch.fx.Graph, norm: torch.fx.Node) -> int:
     """Rewrite one `quasar::rms_norm` node and its foldable consumers; returns how many linears it folded."""
-    from quasar_hf.ops.cpu_fused_multi import MULTI_MAX
+    from quasar_hf.ops.cpu_packing import MULTI_MAX
 
     if len(norm.args) != 5 or norm.kwargs:
         return 0
@@ -96,9 +96,9 @@ class FoldNormsIntoW8A8Linears(CustomGraphPass):
 
     def uuid(self) -> bytes:
         """Inductor's cache key: the sources of this pass and of the ops it writes."""
-        from quasar_hf.ops import cpu_fused_multi, torch_ops
+        from quasar_hf.ops import cpu_packing, kernel_ops
 
-        return get_hash_for_files((__file__, torch_ops.__file__, cpu_fused_multi.__file__))
+        return get_hash_for_files((__file__, kernel_ops.__file__, cpu_packing.__file__))
 
 
 def compile_config(device: torch.device) -> object:

@@ -1,124 +1,193 @@
-"""The C++ library of the quasar:: operators' CPU implementations (`csrc/native_ops.cpp`): built, loaded,
-checked and registered once per process.
+"""The C++ library of the quasar:: operators' CPU implementations: built, loaded, checked and
+registered once per process. It is the one place the CPU kernels are built and loaded.
 
-ops/torch_ops.py defines each operator once, with its fake and its Python implementations: the CUDA
-one and a CPU fallback that calls the same C kernel through ctypes. This library gives the CPU
-dispatch key a C++ implementation instead, so eager modules and compiled graphs, which call the same
-operators, reach the C kernels without Python:
+ops/kernel_ops.py defines each operator once, with its fake, its CUDA implementation and a
+plain-PyTorch fallback. This library (csrc/native_ops.cpp over the C kernels) gives the CPU
+dispatch key a C++ implementation instead, so eager modules and compiled graphs, which call the
+same operators, reach the C kernels without Python.
 
-  quasar::w8a8_linear_cpu_packed               (the "cpu_fused" W8A8 linear on its packed weight)
-  quasar::w8a8_folded_norm_linears_cpu_packed  (an RMSNorm and the linears it feeds, one C call)
-  quasar::rowstable_attention, quasar::rowstable_linear (the lm_head), quasar::rms_norm,
-  quasar::hadamard_rows
-
-It is built at first use with the C++ compiler (`$CXX`, else g++) against this torch's headers and
-linked to the kernel libraries the ctypes fallbacks load (cpu_fused.py, attention_cpu.py,
-rowstable_linear.py, rms_norm_cpu.py, hadamard_cpu.py: the build this CPU's flags chose; same cache as
-the C kernels). Each function is first called under its own `native_` name and compared with the
-fallback on a smoke test; only then are they registered for the operators. Where the library cannot
-be had, `unavailable_reason()` says why, and the operators keep their fallbacks (the same bits, more
-Python per call).
+The library links every build of every C kernel that csrc/kernel_builds.def lists (each source
+compiled with its ISA flags, its entry points renamed <entry>_<build>); at run time it picks, per
+kernel, the best build this CPU runs (csrc/cpu_kernels.cpp), so one cached library serves every CPU
+kind of a machine image. Each operator whose kernel has a build here is first called under its own
+`native_` name and compared with its fallback on a smoke test; only then is it registered. Where
+the library cannot be had, `unavailable_reason()` says why, and the operators keep their fallbacks
+(the same bits for all but attention, much slower; modules then choose other backends).
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import shutil
+import re
+import threading
+from dataclasses import dataclass
 
 import torch
 
-from quasar_hf.ops import attention_cpu, cpu_fused, hadamard_cpu, rms_norm_cpu, rowstable_linear
-from quasar_hf.ops.c_build import CSRC, build_and_load
+from quasar_hf.ops.c_build import CSRC, PORTABLE_CFLAGS, CompileUnit, build_library, find_compiler, is_x86_64
+from quasar_hf.ops.kernel_ops import KERNEL_OPS
 
-SOURCE = CSRC / "native_ops.cpp"
+LIBRARY = "quasar_native_ops"
+BUILDS_TABLE = CSRC / "kernel_builds.def"
+KERNELS = {  # kernel name (kernel_builds.def) -> what doctor and errors call it
+    "w8a8": "fused W8A8 linear",
+    "attention": "row-stable attention",
+    "rowstable_linear": "row-stable linear",
+    "rms_norm": "row-stable RMSNorm",
+    "hadamard": "Hadamard rotation",
+}
 
 
-def cxx_compiler() -> str | None:
-    """$CXX, else g++, else c++ on PATH (what builds the library)."""
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+@dataclass(frozen=True)
+class KernelBuild:
+    """One row of csrc/kernel_builds.def: `source` compiled with `cflags`, run where the CPU has `cpu_flags`."""
+
+    kernel: str
+    build: str
+    source: str
+    cflags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+    x86_only: bool
 
 
-def _flags() -> tuple[str, ...]:
+def kernel_build_table() -> tuple[KernelBuild, ...]:
+    """The rows of csrc/kernel_builds.def, best first per kernel (the x86-64 block, then the portable one)."""
+    text = BUILDS_TABLE.read_text()
+    rows = []
+    for block, x86 in (("QHF_X86_BUILDS", True), ("QHF_PORTABLE_BUILDS", False)):
+        body = text.split(f"#define {block}(QHF_BUILD)", 1)[1].split("\n\n", 1)[0]
+        pattern = r'QHF_BUILD\((\w+), (\w+), "([^"]*)",\s*\\?\s*"([^"]*)",\s*\\?\s*"([^"]*)"\)'
+        for kernel, build, source, cflags, cpu_flags in re.findall(pattern, body):
+            rows.append(KernelBuild(kernel, build, source, tuple(cflags.split()), tuple(cpu_flags.split()), x86))
+    return tuple(rows)
+
+
+def _entry_points() -> tuple[str, ...]:
+    """Every C entry point the kernels define (csrc/qhf_entry_points.h)."""
+    return tuple(re.findall(r"^int (qhf_\w+)\(", (CSRC / "qhf_entry_points.h").read_text(), flags=re.M))
+
+
+def _cxx_flags() -> tuple[str, ...]:
     from torch.utils.cpp_extension import include_paths
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     version = "".join(ch if ch.isalnum() else "_" for ch in torch.__version__)
+    x86 = ("-DQHF_X86",) if is_x86_64() else ()
     includes = tuple(f"-I{path}" for path in include_paths())
-    return ("-O2", "-shared", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DQUASAR_TORCH_{version}", *includes)
+    return ("-O2", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DQUASAR_TORCH_{version}", *x86, *includes)
 
 
-def _link(kernel_libraries: tuple[str, ...]) -> tuple[str, ...]:
+def compile_units() -> list[CompileUnit]:
+    """The library's objects: each kernel build this machine's compiler targets, then the C++ files."""
+    entries = _entry_points()
+    units = []
+    for row in kernel_build_table():
+        if row.x86_only and not is_x86_64():
+            continue
+        renames = tuple(f"-D{entry}={entry}_{row.build}" for entry in entries)
+        units.append(CompileUnit(row.source, (*PORTABLE_CFLAGS, *row.cflags, *renames)))
+    return units + [CompileUnit(name, _cxx_flags()) for name in ("cpu_kernels.cpp", "native_ops.cpp")]
+
+
+def _link() -> tuple[str, ...]:
     from torch.utils.cpp_extension import library_paths
 
     torch_lib = library_paths()[0]
-    return (f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", *kernel_libraries)
+    return (f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}")
 
 
-def _kernel_libraries() -> tuple[tuple[str, ...], str | None]:
-    """The paths of the C kernel libraries the native ops call, or why they are unavailable."""
-    if not cpu_fused.is_available():
-        return (), f"the fused W8A8 kernel is unavailable: {cpu_fused.unavailable_reason()}"
-    paths = [cpu_fused._library().lib.path]
-    for library, what in (
-        (attention_cpu._library, "row-stable attention"),
-        (rowstable_linear._library, "row-stable linear"),
-        (rms_norm_cpu._library, "row-stable RMSNorm"),
-        (hadamard_cpu._library, "Hadamard rotation"),
-    ):
-        fn, reason = library()
-        if fn is None:
-            return (), f"the {what} kernel is unavailable: {reason}"
-        paths.append(fn.library.path)  # the cached build the Python op calls (c_build.load_checked_entry)
-    return tuple(paths), None
+@dataclass(frozen=True)
+class _Loaded:
+    """The library's state in this process: why it is unavailable, the builds it chose, each op's status."""
+
+    error: str | None
+    builds: dict[str, tuple[str, str]]  # kernel -> (build, source)
+    op_errors: dict[str, str]  # op name -> why its C++ implementation does not serve it (absent: it does)
 
 
 @functools.cache
-def _load() -> str | None:
-    """Build and load the library once per process and register the fakes: None, or why not."""
-    compiler = cxx_compiler()
-    if compiler is None:
-        return "no C++ compiler found (install g++ or set $CXX)"
-    libraries, reason = _kernel_libraries()
-    if reason is not None:
-        return reason
+def _load() -> _Loaded:
+    """Build and load the library once per process, smoke-test and register each op it can serve."""
     try:
-        build_and_load(SOURCE.name, _flags(), compiler, _link(libraries))
+        path = build_library(LIBRARY, compile_units(), _link(), find_compiler())
+        torch.ops.load_library(str(path))
     except (RuntimeError, OSError) as err:
-        return f"building the native ops failed: {err}"
+        return _Loaded(f"building the C++ kernels failed: {err}", {}, {})
+    builds = {}
+    for line in torch.ops.quasar.native_kernel_builds():
+        kernel, build, source = line.split()
+        builds[kernel] = (build, source)
+    op_errors = {}
     with torch.device("cpu"):  # the first use may fall inside a meta-device context (model loading)
-        reason = _smoke_test()
-    if reason is None:
-        torch.ops.quasar.native_register_cpu_kernels()  # now the CPU implementations of the quasar:: ops
-    return reason
+        for op in (op for op in KERNEL_OPS if op.kernel):
+            if op.kernel not in builds:
+                op_errors[op.name] = f"no build of the {KERNELS[op.kernel]} kernel runs on this CPU ({_needs(op.kernel)})"
+            elif (mismatch := _smoke_test(op)) is not None:
+                op_errors[op.name] = mismatch
+    torch.ops.quasar.native_register_cpu_kernels([op.name for op in KERNEL_OPS if op.kernel and op.name not in op_errors])
+    return _Loaded(None, builds, op_errors)
 
 
-def _smoke_test() -> str | None:
-    """Each op the library implements, under its own `native_` name, against the op as registered so
-    far (its fallback: the same C kernel through ctypes) on the op table's small ragged arguments: the
-    same bits, or why not."""
-    from quasar_hf.ops.torch_ops import OPS
+def _needs(kernel: str) -> str:
+    """The CPU flags of each build of `kernel` that this machine's library has, in words."""
+    rows = [r for r in kernel_build_table() if r.kernel == kernel and (is_x86_64() or not r.x86_only)]
+    return "needs " + " or ".join(" + ".join(r.cpu_flags) for r in rows) if rows else "no build for this architecture"
 
-    gen = torch.Generator().manual_seed(0)
-    for op in (op for op in OPS if op.cpp):
-        args = op.sample(gen)
-        expected = getattr(torch.ops.quasar, op.name)(*args)
-        actual = getattr(torch.ops.quasar, f"native_{op.name}")(*args)
-        pairs = zip(expected, actual, strict=True) if isinstance(expected, list) else [(expected, actual)]
-        if not all(a.dtype == b.dtype and torch.equal(a, b) for a, b in pairs):
-            return f"the C++ {op.name} disagrees with its fallback on a smoke test (compiler or ABI problem)"
+
+def _smoke_test(op, candidate=None) -> str | None:
+    """`candidate` (default: `quasar::native_<op>`) against the op's plain-PyTorch fallback on its small
+    ragged sample: the same bits (within `op.tolerance` for attention, whose fallback is the fp64
+    oracle), or why not."""
+    args = op.sample(torch.Generator().manual_seed(0))
+    fallback = next(spec.fallback for spec in KERNEL_OPS if spec.name == op.name)
+    expected = fallback(*args)
+    actual = (candidate or getattr(torch.ops.quasar, f"native_{op.name}"))(*args)
+    pairs = zip(expected, actual, strict=True) if isinstance(expected, list) else [(expected, actual)]
+    for a, b in pairs:
+        same = a.dtype == b.dtype and a.shape == b.shape
+        if same and op.tolerance:
+            same = bool(((a.double() - b.double()).abs() <= op.tolerance * (1 + a.double().abs())).all())
+        elif same:
+            same = torch.equal(a, b)
+        if not same:
+            return f"the C++ {op.name} disagrees with its reference on a smoke test (compiler problem)"
     return None
 
 
-def unavailable_reason() -> str | None:
-    """None when the native ops are loaded and checked, else why not. Never raises."""
+_FIRST_LOAD = threading.RLock()  # two threads asking first build and register once
+
+
+def _loaded() -> _Loaded:
     try:
-        return _load()
-    except Exception as err:  # noqa: BLE001 - this must never raise
-        return f"unexpected error while loading the native ops: {err!r}"
+        with _FIRST_LOAD:
+            return _load()
+    except Exception as err:  # noqa: BLE001 - availability questions must never raise
+        return _Loaded(f"unexpected error while loading the C++ kernels: {err!r}", {}, {})
 
 
-def is_available() -> bool:
-    """True if the library built, loaded, passed its smoke test and serves the operators on CPU (built
-    and registered at the first call)."""
-    return unavailable_reason() is None
+def unavailable_reason(kernel: str | None = None) -> str | None:
+    """None when the library is loaded (and, given a kernel name of KERNELS, that kernel has a checked
+    build here), else why not. Never raises."""
+    loaded = _loaded()
+    if loaded.error is not None or kernel is None:
+        return loaded.error
+    if kernel not in loaded.builds:
+        return f"no build of the {KERNELS[kernel]} kernel runs on this CPU ({_needs(kernel)})"
+    failed = [loaded.op_errors[op.name] for op in KERNEL_OPS if op.kernel == kernel and op.name in loaded.op_errors]
+    return failed[0] if failed else None
+
+
+def is_available(kernel: str | None = None) -> bool:
+    """True if the library built, loaded and (for `kernel`) serves that kernel's operators on CPU."""
+    return unavailable_reason(kernel) is None
+
+
+def kernel_builds() -> dict[str, tuple[str, str]]:
+    """kernel -> (build, source) of the build each kernel runs on this CPU (empty without the library)."""
+    return dict(_loaded().builds)
+
+
+def op_unavailable_reason(name: str) -> str | None:
+    """Why the C++ implementation does not serve quasar::<name> on CPU (None: it does)."""
+    loaded = _loaded()
+    return loaded.error or loaded.op_errors.get(name)

@@ -160,6 +160,6 @@ def use_rowstable_attention(model: torch.nn.Module) -> bool:
         return False
     register_attention()
     if any(p.device.type == "cpu" for p in model.parameters()):
-        native.is_available()  # load the op's C++ implementation now (without it: its ctypes fallback, the same bits)
+        native.is_available()  # load the op's C++ implementation now (kernels unavailable: SDPA runs instead)
     model.set_attn_implementation(QUASAR_ATTENTION)
     return compat.attn_implementation(model) == QUASAR_ATTENTION

@@ -1,8 +1,8 @@
 // The CPU implementations of the quasar:: operators (quasar_hf/ops/native.py builds, loads and checks
-// this library; ops/torch_ops.py defines the operators, their fakes and the Python implementations
-// used on other devices, or on CPU where this library cannot be built). Eager modules and compiled
-// graphs call the operators alike, and on CPU the dispatcher lands here: the C entry points (linked
-// from the libraries cpu_fused.py, attention_cpu.py, ... built) without Python between the kernels.
+// this library; ops/torch_ops.py defines the operators, their fakes, their CUDA implementations and
+// their plain-PyTorch fallbacks). Eager modules and compiled graphs call the operators alike, and on
+// CPU the dispatcher lands here, then in the build of each C kernel this CPU runs (cpu_kernels.h),
+// without Python between the kernels.
 // Each function checks what would make its C kernel read out of bounds; the fakes check the rest
 // at trace time, and eager callers check their inputs before the call.
 #include <ATen/ATen.h>
@@ -16,9 +16,16 @@
 #include <optional>
 #include <vector>
 
-#include "qhf_entry_points.h"
+#include "cpu_kernels.h"
 
 namespace {
+
+// The chosen build's entry point, or an error naming the kernel no build of which runs on this CPU.
+template <typename Fn>
+Fn require(Fn fn, const char *kernel) {
+    TORCH_CHECK(fn != nullptr, "no build of the ", kernel, " kernel runs on this CPU (quasar-hf doctor says why)");
+    return fn;
+}
 
 constexpr int64_t kMinBytesPerThread = 32 * 1024;  // cpu_fused._MIN_BYTES_PER_THREAD
 constexpr int kMultiMax = MULTI_MAX;
@@ -98,7 +105,7 @@ at::Tensor native_w8a8_linear(const at::Tensor &x, const at::Tensor &w_packed, c
     const std::optional<at::Tensor> pre = act_prescale ? std::optional<at::Tensor>(fp32_contiguous(*act_prescale)) : std::nullopt;
     const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
     const int code = dtype_code(x);
-    const int status = qhf_w8a8_linear(rows.data_ptr(), code, rows.size(0), k, rows.stride(0), pre ? pre->data_ptr<float>() : nullptr,
+    const int status = require(quasar::cpu_kernels().w8a8_linear, "W8A8")(rows.data_ptr(), code, rows.size(0), k, rows.stride(0), pre ? pre->data_ptr<float>() : nullptr,
                                        w_packed.data_ptr<int8_t>(), wsum128.data_ptr<int32_t>(), n, w_packed.size(1) * 4,
                                        scale.data_ptr<float>(), b ? b->data_ptr() : nullptr, b ? dtype_code(*b) : 0,
                                        out.data_ptr(), code, n, nullptr, threads_for(n * k));
@@ -145,7 +152,7 @@ std::vector<at::Tensor> native_folded_norm_linears(const at::Tensor &x, const at
         pointers[s] = outs[s + (emit_normed ? 1 : 0)].data_ptr();
     }
     const int code = dtype_code(x);
-    const int status = qhf_w8a8_linear_multi(rows.data_ptr(), code, rows.size(0), k, rows.stride(0), norm_scale.data(),
+    const int status = require(quasar::cpu_kernels().w8a8_linear_multi, "W8A8")(rows.data_ptr(), code, rows.size(0), k, rows.stride(0), norm_scale.data(),
                                              static_cast<float>(eps), emit_normed ? normed.data_ptr() : nullptr,
                                              w_packed[0].size(1) * 4, static_cast<int>(count),
                                              structs, pointers, code, threads_for(total * k));
@@ -172,7 +179,7 @@ at::Tensor rowstable_attention_cpu(const at::Tensor &query, const at::Tensor &ke
     at::Tensor mask;
     if (visible) mask = inner_contiguous(*visible).view(at::kByte);
     const float s = static_cast<float>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim)));
-    const int status = qhf_rowstable_attention(
+    const int status = require(quasar::cpu_kernels().rowstable_attention, "row-stable attention")(
         q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.data_ptr(),
         v.stride(0), v.stride(1), v.stride(2), visible ? mask.data_ptr<uint8_t>() : nullptr, visible ? mask.stride(0) : 0,
         visible ? mask.stride(1) : 0, out.data_ptr(), batch, heads, kv_heads, q_len, kv_len, head_dim, s,
@@ -196,7 +203,7 @@ at::Tensor rowstable_linear_cpu(const at::Tensor &x, const at::Tensor &weight, c
     const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
     const int64_t weight_bytes = w.numel() * static_cast<int64_t>(w.element_size());
     const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), weight_bytes / kRowstableMinBytesPerThread)));
-    const int status = qhf_rowstable_linear(rows.data_ptr(), rows.stride(0), rows.size(0), k, w.data_ptr(), w.stride(0), n,
+    const int status = require(quasar::cpu_kernels().rowstable_linear, "row-stable linear")(rows.data_ptr(), rows.stride(0), rows.size(0), k, w.data_ptr(), w.stride(0), n,
                                             b ? b->data_ptr() : nullptr, out.data_ptr(), n, dtype_code(x), threads);
     TORCH_CHECK(status != 1, "row-stable linear could not allocate ", rows.size(0), " x ", k, " fp32 scratch");
     TORCH_CHECK(status == 0, "row-stable linear rejected shapes x ", x.sizes(), ", weight ", weight.sizes());
@@ -213,7 +220,7 @@ at::Tensor rms_norm_cpu(const at::Tensor &x, const at::Tensor &weight, double ep
     at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
     if (out.numel() == 0) return out;
     const at::Tensor rows = rows_of(x, k), w = weight.contiguous();
-    qhf_rms_norm_rows(rows.data_ptr(), dtype_code(x), rows.size(0), k, rows.stride(0), w.data_ptr(), dtype_code(w),
+    require(quasar::cpu_kernels().rms_norm_rows, "RMSNorm")(rows.data_ptr(), dtype_code(x), rows.size(0), k, rows.stride(0), w.data_ptr(), dtype_code(w),
                       static_cast<float>(eps), static_cast<float>(offset), scale_in_float ? 1 : 0, out.data_ptr(), dtype_code(out));
     return out;
 }
@@ -233,32 +240,58 @@ at::Tensor hadamard_rows_cpu(const at::Tensor &x, const at::Tensor &signs, int64
     const int threads = count < 2 * kHadamardMinRowsPerThread
                             ? 1
                             : static_cast<int>(std::min<int64_t>(at::get_num_threads(), count / kHadamardMinRowsPerThread));
-    const int status = qhf_hadamard_rows(rows.data_ptr(), k, count, dtype_code(x), out.data_ptr<float>(), blocks, m, pow2,
+    const int status = require(quasar::cpu_kernels().hadamard_rows, "Hadamard")(rows.data_ptr(), k, count, dtype_code(x), out.data_ptr<float>(), blocks, m, pow2,
                                          s.data_ptr<float>(), static_cast<float>(scale), threads);
     TORCH_CHECK(status == 0, "the Hadamard kernel could not allocate a scratch row of ", k, " floats");
     return out;
 }
 
+// The W8A8 kernel's exact int32 accumulators [M, N] for rows x [..., K] (tests and debugging: the
+// integer GEMM checked apart from its float epilogue).
+at::Tensor native_w8a8_accumulators(const at::Tensor &x, const at::Tensor &w_packed, const at::Tensor &wsum128,
+                                    const std::optional<at::Tensor> &act_prescale, int64_t out_features) {
+    const int64_t k = x.size(-1), n = out_features;
+    const at::Tensor ones = at::ones({n}, x.options().dtype(at::kFloat));
+    check_packed_weight(x, w_packed, wsum128, ones, n);
+    TORCH_CHECK(!act_prescale || act_prescale->numel() == k, "w8a8 accumulators: act_prescale must be [", k, "]");
+    const at::Tensor rows = rows_of(x, k);
+    at::Tensor acc = at::empty({rows.size(0), n}, x.options().dtype(at::kInt));
+    if (acc.numel() == 0) return acc;
+    const std::optional<at::Tensor> pre = act_prescale ? std::optional<at::Tensor>(fp32_contiguous(*act_prescale)) : std::nullopt;
+    const int status = require(quasar::cpu_kernels().w8a8_linear, "W8A8")(
+        rows.data_ptr(), dtype_code(x), rows.size(0), k, rows.stride(0), pre ? pre->data_ptr<float>() : nullptr,
+        w_packed.data_ptr<int8_t>(), wsum128.data_ptr<int32_t>(), n, w_packed.size(1) * 4, ones.data_ptr<float>(), nullptr, 0,
+        nullptr, dtype_code(x), n, acc.data_ptr<int32_t>(), threads_for(n * k));
+    TORCH_CHECK(status == 0, "fused W8A8 kernel could not allocate scratch for ", rows.size(0), "x", k, " activations");
+    return acc;
+}
+
+// "<kernel> <build> <source>" of the build each kernel runs on this CPU (kernels without one are absent).
+std::vector<std::string> kernel_builds() { return quasar::cpu_kernels().chosen; }
+
 // Registers the functions above as the CPU implementations of the operators ops/torch_ops.py defines
-// (the dispatcher then prefers them to the Python CompositeExplicitAutograd ones, which stay the
-// fallback of a process without this library). Called by ops/native.py once the smoke test passed,
-// so a miscompiled library never serves an operator; the registrations last for the process.
-void register_cpu_kernels() {
+// (the dispatcher then prefers them to the plain-PyTorch CompositeExplicitAutograd ones). ops/native.py
+// calls it once, naming the operators whose kernel has a build here and passed its smoke test, so a
+// miscompiled kernel never serves an operator; the registrations last for the process.
+void register_cpu_kernels(std::vector<std::string> ops) {
     static std::unique_ptr<torch::Library> impls;
-    if (impls) return;
+    TORCH_CHECK(!impls, "native_register_cpu_kernels: the CPU kernels are already registered");
     impls = std::make_unique<torch::Library>(torch::Library::IMPL, "quasar", c10::DispatchKey::CPU, __FILE__, __LINE__);
-    impls->impl("w8a8_linear_cpu_packed", &native_w8a8_linear);
-    impls->impl("w8a8_folded_norm_linears_cpu_packed", &native_folded_norm_linears);
-    impls->impl("rowstable_attention", &rowstable_attention_cpu);
-    impls->impl("rowstable_linear", &rowstable_linear_cpu);
-    impls->impl("rms_norm", &rms_norm_cpu);
-    impls->impl("hadamard_rows", &hadamard_rows_cpu);
+    for (const std::string &op : ops) {
+        if (op == "w8a8_linear_cpu_packed") impls->impl(op.c_str(), &native_w8a8_linear);
+        else if (op == "w8a8_folded_norm_linears_cpu_packed") impls->impl(op.c_str(), &native_folded_norm_linears);
+        else if (op == "rowstable_attention") impls->impl(op.c_str(), &rowstable_attention_cpu);
+        else if (op == "rowstable_linear") impls->impl(op.c_str(), &rowstable_linear_cpu);
+        else if (op == "rms_norm") impls->impl(op.c_str(), &rms_norm_cpu);
+        else if (op == "hadamard_rows") impls->impl(op.c_str(), &hadamard_rows_cpu);
+        else TORCH_CHECK(false, "native_register_cpu_kernels: no C++ implementation of quasar::", op);
+    }
 }
 
 }  // namespace
 
 // The library's own operators: each function above as quasar::native_<op> (what the smoke test calls
-// before anything is registered), and the call that registers them.
+// before anything is registered), the accumulators, the builds chosen here, and the call that registers.
 TORCH_LIBRARY_FRAGMENT(quasar, m) {
     m.def("native_w8a8_linear_cpu_packed(Tensor x, Tensor w_packed, Tensor wsum128, Tensor weight_scale, Tensor? bias, "
           "Tensor? act_prescale, int out_features) -> Tensor");
@@ -268,7 +301,9 @@ TORCH_LIBRARY_FRAGMENT(quasar, m) {
     m.def("native_rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("native_rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_float) -> Tensor");
     m.def("native_hadamard_rows(Tensor x, Tensor signs, int blocks, int pow2, float scale) -> Tensor");
-    m.def("native_register_cpu_kernels() -> ()", &register_cpu_kernels);
+    m.def("native_w8a8_accumulators(Tensor x, Tensor w_packed, Tensor wsum128, Tensor? act_prescale, int out_features) -> Tensor");
+    m.def("native_kernel_builds() -> str[]", &kernel_builds);
+    m.def("native_register_cpu_kernels(str[] ops) -> ()", &register_cpu_kernels);
 }
 
 TORCH_LIBRARY_IMPL(quasar, CPU, m) {
@@ -278,4 +313,5 @@ TORCH_LIBRARY_IMPL(quasar, CPU, m) {
     m.impl("native_rowstable_linear", &rowstable_linear_cpu);
     m.impl("native_rms_norm", &rms_norm_cpu);
     m.impl("native_hadamard_rows", &hadamard_rows_cpu);
+    m.impl("native_w8a8_accumulators", &native_w8a8_accumulators);
 }

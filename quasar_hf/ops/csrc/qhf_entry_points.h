@@ -2,9 +2,9 @@
  * (w8a8_vnni.c and w8a8_avx2.c define the same two), the row-stable attention (rowstable_attention.c),
  * the row-stable float linear (rowstable_linear.c, rowstable_linear_avx2.c), the row-stable RMSNorm
  * (rms_norm_rows.c) and the Hadamard rotation of rows (hadamard_rows.h). Each defining file includes
- * this header, so a definition that drifts from its declaration fails to compile. ctypes mirrors the
- * same signatures in cpu_fused.py, cpu_fused_multi.py, attention_cpu.py, rowstable_linear.py,
- * rms_norm_cpu.py and hadamard_cpu.py. */
+ * this header, so a definition that drifts from its declaration fails to compile. Each build of a
+ * kernel (kernel_builds.def) is compiled with these names renamed <name>_<build> (ops/native.py);
+ * cpu_kernels.cpp declares the renamed ones from these declarations. */
 #ifndef QHF_ENTRY_POINTS_H
 #define QHF_ENTRY_POINTS_H
 #include <stdint.h>
@@ -13,7 +13,7 @@
 extern "C" {
 #endif
 
-/* One weight of qhf_w8a8_linear_multi (ctypes mirrors this layout in cpu_fused_multi.py). */
+/* One weight of qhf_w8a8_linear_multi. */
 typedef struct qhf_weight {
     const int8_t *w_packed;  /* [Np/16][Kp/4][16][4] */
     const int32_t *wsum128;  /* [Np] */
