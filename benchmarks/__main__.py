@@ -30,6 +30,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "compiled generation over changing batch sizes and lengths: compile cost per new shape, exactness",
     ),
     "scaling": ("benchmarks.scaling:main", "quantize cost and step time at real Llama sizes (random weights)"),
+    "quantize-rss": (
+        "benchmarks.quantize_rss:main",
+        "peak RSS and seconds per layer of `quasar-hf quantize` over a real shape's first layers",
+    ),
     "drafters": ("benchmarks.drafters:main", "drafters compared on a real checkpoint, grounded and open prompts"),
     "fidelity": ("benchmarks.fidelity:main", "W8A8 vs BF16 perplexity, top-1 and KL of QuasarConfig variants on one model"),
     "rotation-sqnr": (
