@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,7 +85,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks quantize-rss", description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen2.5-1.5b-shape", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=4, help="layers to quantize before the run is killed")
-    parser.add_argument("--workdir", default="/tmp/quasar_quantize_rss", help="scratch folder (deleted first)")
+    parser.add_argument(
+        "--workdir", default=None, help="scratch folder, deleted first (default: quasar_quantize_rss in the temp folder)"
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the embedded SmolLM2's)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before giving up")
     parser.add_argument("--name", default="quantize_rss", help="report name (NAME.md/.json)")
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     args = parser.parse_args(argv)
     if not 0 < args.layers <= SHAPES[args.shape]["num_hidden_layers"]:
         parser.error(f"--layers must be between 1 and the shape's {SHAPES[args.shape]['num_hidden_layers']} layers")
+    workdir = Path(args.workdir or Path(tempfile.gettempdir()) / "quasar_quantize_rss")
     if args.tokenizer is None:
         from quasar_hf.models import smollm2_135m_instruct
 
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     result = {
         "command": "python -m benchmarks quantize-rss " + " ".join(argv if argv is not None else sys.argv[1:]),
         "environment": environment(),
-        "result": measure(args.shape, args.layers, Path(args.workdir), args.tokenizer, args.timeout),
+        "result": measure(args.shape, args.layers, workdir, args.tokenizer, args.timeout),
     }
     json_path, md_path = Path(args.out) / f"{args.name}.json", Path(args.out) / f"{args.name}.md"
     json_path.write_text(json.dumps(result, indent=2) + "\n")
