@@ -4,12 +4,14 @@ For a Llama-shaped decoder (hidden H, MLP I, KV width Hkv, L layers) calibrated 
 blocks of T with `QuasarConfig()` defaults, per layer:
 
 - statistics forward: 2 N (linear weights) + 2 N T H (causal attention: QK^T and PV, half the keys);
-- Hessians (GPTQ): 2 N K^2 per distinct linear input (q/k/v share one, gate/up share one, o, down);
+- Hessians (GPTQ): per distinct linear input (q/k/v share one, gate/up share one, o, down), the
+  tiles of x^T x on or above the diagonal (calibration.upper_gram_add): about N K (K + GRAM_TILE);
 - alpha search (alpha="auto", linear search): per mapping, a reference and 11 grid products on S
   sampled rows: 12 x 2 S K N;
 - GPTQ rounding: 2 N_out K^2 + K^3 per linear (updates, and the Cholesky inverse);
-- rotation of a rotated input's Hessian (Q^T H Q by fast Hadamard transforms of its rows, twice):
-  about 4 K^2 (log2 K + 1).
+- rotation of a rotated input's Hessian (Q^T H Q as matrix products on its rows, twice,
+  hadamard.rotate_rows_gemm): 4 K^2 (n + m) for K = m n (H_n direct), or 4 K^2 (a + b + m) past
+  DIRECT_SYLVESTER_MAX (H_n = H_a (x) H_b).
 
 Everything else (capture, folding, packing) is small. The rate is a fp32 [T, H] x [H, I] matmul
 timed in the same process with the threads torch uses: the floor is what the phases would take at
@@ -18,10 +20,12 @@ that rate.
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
+
+from quasar_hf.ops.hadamard import DIRECT_SYLVESTER_MAX, HadamardRotation
+from quasar_hf.smoothquant.calibration import GRAM_TILE
 
 SAMPLED_ROWS = 256  # QuasarConfig.calibration_sample_rows
 ALPHA_GRID = 11
@@ -39,6 +43,20 @@ def fp32_gemm_gflops(rows: int, hidden: int, inter: int, repeats: int = 5) -> fl
     return 2 * rows * hidden * inter / sorted(times)[len(times) // 2] / 1e9
 
 
+def gram_flop(tokens: int, k: int) -> int:
+    """FLOPs of summing x^T x over `tokens` rows of width k by upper tiles (calibration.upper_gram_add)."""
+    return sum(2 * tokens * min(GRAM_TILE, k - start) * (k - start) for start in range(0, k, GRAM_TILE))
+
+
+def rotation_gemm_flop(k: int) -> int:
+    """FLOPs of Q^T H Q for a [k, k] H by hadamard.rotate_rows_gemm (rows, then the transpose's rows)."""
+    rotation = HadamardRotation.for_size(k)
+    n = rotation.pow2
+    a = 1 if n <= DIRECT_SYLVESTER_MAX else 1 << (n.bit_length() - 1) // 2
+    per_element = (n // a) + (a if a > 1 else 0) + rotation.odd_order
+    return 2 * 2 * k * k * per_element
+
+
 def phase_gflop(config, tokens: int, seq_len: int, gptq: bool = True, rotate_down: bool = True, alpha_auto: bool = True) -> dict:
     """GFLOP per phase for the whole model (see the module docstring); `config` is the HF config."""
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
@@ -49,12 +67,12 @@ def phase_gflop(config, tokens: int, seq_len: int, gptq: bool = True, rotate_dow
     inputs = {"qkv": h, "o": h, "gate_up": h, "down": inter}  # distinct inputs: Hessians and samples
     per_layer = {
         "statistics_forward": 2 * tokens * weights + 2 * tokens * seq_len * h,
-        "hessians": (2 * tokens * sum(k * k for k in inputs.values())) if gptq else 0,
+        "hessians": sum(gram_flop(tokens, k) for k in inputs.values()) if gptq else 0,
         "alpha_search": (12 * 2 * SAMPLED_ROWS * (h * (h + 2 * kv) + h * h + h * 2 * inter + (0 if rotate_down else inter * h)))
         if alpha_auto
         else 0,
         "gptq_rounding": sum(2 * n * k * k + k**3 for k, n in linears.values()) if gptq else 0,
-        "hessian_rotation": 4 * inter**2 * (math.log2(inter) + 1) if (gptq and rotate_down) else 0,
+        "hessian_rotation": rotation_gemm_flop(inter) if (gptq and rotate_down) else 0,
     }
     return {name: layers * flop / 1e9 for name, flop in per_layer.items()}
 

@@ -90,7 +90,7 @@ def test_float64_rows_in_chunks_give_the_one_pass_result(monkeypatch):
     rotation = HadamardRotation.for_size(96)
     x = torch.randn(2, 7, 96, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     whole = rotate_rows_float64(x, rotation)
-    monkeypatch.setattr(hadamard, "FLOAT64_CHUNK_ELEMENTS", 3 * 96)  # three rows per pass, a ragged last one
+    monkeypatch.setattr(hadamard, "GEMM_CHUNK_ELEMENTS", 3 * 96)  # three rows per pass, a ragged last one
     chunked = rotate_rows_float64(x, rotation)
     assert chunked.shape == x.shape and torch.equal(chunked, whole)
     assert torch.allclose(chunked, x @ rotation.matrix(), atol=1e-12, rtol=0)

@@ -171,29 +171,46 @@ def _sylvester_butterflies(z: torch.Tensor) -> torch.Tensor:
     return z
 
 
-FLOAT64_CHUNK_ELEMENTS = 1 << 24  # rows per pass of rotate_rows_float64: ~128 MB of float64 each
+GEMM_CHUNK_ELEMENTS = 1 << 24  # elements per pass of rotate_rows_gemm (bounds its temporaries)
+DIRECT_SYLVESTER_MAX = 256  # H_n of at most this order is one GEMM; larger ones split as H_a (x) H_b
 
 
 def rotate_rows_float64(x: torch.Tensor, rotation: HadamardRotation) -> torch.Tensor:
-    """x [..., K] -> float64 x Q, for weights and Hessians prepared offline, where accuracy matters and
-    row-stability does not. H_n = H_a (x) H_b (Sylvester matrices are Kronecker powers; a = 2^floor(p/2),
-    b = n / a) is applied as two small products, X H_b then H_a X on a row's [a, b] view: K (a + b)
-    multiply-adds per row instead of K n (an 8192-wide Hessian: 192 instead of 8192). Then H_m on the m
-    axis. Rows go in chunks so the temporaries stay near FLOAT64_CHUNK_ELEMENTS."""
+    """x [..., K] -> float64 x Q, for weights prepared offline, where accuracy matters and row-stability
+    does not (rotate_rows_gemm in float64)."""
+    return rotate_rows_gemm(x, rotation, torch.float64)
+
+
+def rotate_rows_gemm(x: torch.Tensor, rotation: HadamardRotation, dtype: torch.dtype) -> torch.Tensor:
+    """x [..., K] -> x Q computed in `dtype` as matrix products, for offline work where throughput
+    matters and row-stability does not (a [K, K] Hessian: gptq.rotated_hessian).
+
+    Each block of a row, viewed as [m, n], is multiplied by H_n on the n axis (one GEMM; past
+    DIRECT_SYLVESTER_MAX as H_a (x) H_b, Sylvester matrices being Kronecker powers: K (a + b)
+    multiply-adds per row instead of K n), then by H_m / sqrt(m n) on the m axis. Rows go in chunks
+    of about GEMM_CHUNK_ELEMENTS so the temporaries stay bounded."""
     if x.shape[-1] != rotation.size:
         raise ValueError(f"rotation is for rows of {rotation.size}, got x of shape {tuple(x.shape)}")
-    c, m, n = rotation.blocks, rotation.odd_order, rotation.pow2
-    a = 1 << (n.bit_length() - 1) // 2
+    m, n = rotation.odd_order, rotation.pow2
+    a = 1 if n <= DIRECT_SYLVESTER_MAX else 1 << (n.bit_length() - 1) // 2
     b = n // a
-    h_a = sylvester_matrix(a).double().to(x.device)
-    h_b = sylvester_matrix(b).double().to(x.device)
-    signs = rotation.odd_signs().double().to(x.device)
+    h_a = sylvester_matrix(a).to(x.device, dtype)
+    h_b = sylvester_matrix(b).to(x.device, dtype)
+    odd = (rotation.odd_signs().double() / math.sqrt(rotation.block)).to(x.device, dtype)  # H_m, scaled
     rows = x.reshape(-1, rotation.size)
-    out = torch.empty(rows.shape, dtype=torch.float64, device=x.device)
-    step = max(1, FLOAT64_CHUNK_ELEMENTS // rotation.size)
+    out = torch.empty(rows.shape, dtype=dtype, device=x.device)
+    step = max(1, GEMM_CHUNK_ELEMENTS // rotation.size)
     for start in range(0, rows.shape[0], step):
-        z = rows[start : start + step].double().reshape(-1, c, m, a, b) @ h_b  # X H_b
-        z = torch.einsum("ij,rcmjk->rcmik", h_a, z)  # H_a X (H_a symmetric)
-        z = torch.einsum("rcpq,ps->rcsq", z.reshape(-1, c, m, n), signs)  # H_m^T on the m axis
-        out[start : start + step] = (z / math.sqrt(rotation.block)).reshape(-1, rotation.size)
+        z = rows[start : start + step].to(dtype)  # [r, K] = [r, c m a b]
+        r = z.shape[0]
+        z = z.reshape(-1, b) @ h_b  # X H_b on the b axis
+        if a > 1:
+            z = _mix_middle_axis(z.reshape(-1, a, b), h_a)  # H_a on the a axis
+        z = _mix_middle_axis(z.reshape(-1, m, n), odd)  # H_m^T on the m axis, and the 1 / sqrt(m n)
+        out[start : start + r] = z.reshape(r, rotation.size)
     return out.reshape(*x.shape[:-1], rotation.size)
+
+
+def _mix_middle_axis(z: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """z [B, p, q], matrix [p, s] -> y [B, s, q] with y[:, s, :] = sum over p of matrix[p, s] z[:, p, :]."""
+    return torch.matmul(z.transpose(1, 2), matrix).transpose(1, 2)

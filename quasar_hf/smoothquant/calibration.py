@@ -41,10 +41,38 @@ class CalibrationStats:
     seq_len: int = 0
 
 
-def _make_hook(name: str, stats: CalibrationStats, rows_per_block: int, generator: torch.Generator, shared: dict | None = None):
+GRAM_TILE = 512  # columns per row of tiles when summing x^T x (upper_gram_add)
+
+
+def upper_gram_add(accumulator: torch.Tensor, x: torch.Tensor) -> None:
+    """accumulator [K, K] += the tiles of x^T x on or above the diagonal (x [T, K] fp32).
+
+    x^T x is symmetric, so each row of GRAM_TILE-wide tiles is one GEMM from its diagonal tile to the
+    right edge: about half the multiply-adds of the full product, and summed in place (no [K, K]
+    temporary per call). `mirrored` fills the lower triangle once, after the last call."""
+    k = x.shape[1]
+    for start in range(0, k, GRAM_TILE):
+        stop = min(start + GRAM_TILE, k)
+        accumulator[start:stop, start:].addmm_(x[:, start:stop].t(), x[:, start:])
+
+
+def mirrored(upper: torch.Tensor) -> torch.Tensor:
+    """The symmetric matrix whose upper triangle `upper` holds (upper_gram_add's sums), in place."""
+    below = torch.triu(upper, diagonal=1).t()
+    return upper.triu_().add_(below)
+
+
+def _make_hook(
+    name: str,
+    stats: CalibrationStats,
+    rows_per_block: int,
+    generator: torch.Generator,
+    shared: dict | None = None,
+    gram_sums: dict[str, torch.Tensor] | None = None,
+):
     """Forward pre-hook adding one linear's input to `stats`. With `shared` (a dict common to the
-    hooks of one recording) it also sums x^T x, computed and held once for siblings that read the
-    same tensor (the first sibling to run owns it)."""
+    hooks of one recording) it also sums x^T x into `gram_sums` (upper tiles, upper_gram_add),
+    computed and held once for siblings that read the same tensor (the first sibling to run owns it)."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
         x = args[0] if args else kwargs["input"]
@@ -52,21 +80,21 @@ def _make_hook(name: str, stats: CalibrationStats, rows_per_block: int, generato
         amax = x2.abs().amax(dim=0)  # [K]
         pick = torch.randperm(x2.shape[0], generator=generator)[:rows_per_block]
         sample = x2[pick.to(x2.device)].cpu()
-        xtx, owner = None, None
+        owner = None
         if shared is not None:
             if shared.get("x") is not x or shared.get("version") != x._version:  # holding x: its id cannot be reused
                 shared.update(x=x, version=x._version, owner=name)
-                xtx = x2.t() @ x2  # [K, K], summed where x lives
+                if name not in gram_sums:
+                    gram_sums[name] = torch.zeros(x2.shape[1], x2.shape[1], device=x2.device)  # summed where x lives
+                upper_gram_add(gram_sums[name], x2)
             owner = shared["owner"]
         entry = stats.by_module.get(name)
         if entry is None:
-            stats.by_module[name] = LinearInputStats(amax.cpu(), sample, x2.shape[0], xtx, None if owner == name else owner)
+            stats.by_module[name] = LinearInputStats(amax.cpu(), sample, x2.shape[0], None, None if owner == name else owner)
         else:
             torch.maximum(entry.absmax, amax.cpu(), out=entry.absmax)
             entry.samples = torch.cat([entry.samples, sample])
             entry.tokens_seen += x2.shape[0]
-            if xtx is not None:
-                entry.hessian += xtx
 
     return hook
 
@@ -81,13 +109,15 @@ def recording_linear_inputs(
     hessians: bool = False,
 ) -> Iterator[None]:
     """While open, every forward through `root` adds the named linears' inputs to `stats` (keyed by
-    those names); `hessians=True` also sums each input's x^T x (for GPTQ rounding)."""
+    those names); `hessians=True` also sums each input's x^T x (for GPTQ rounding), added to the
+    owner's `hessian` when the recording closes."""
     handles = []
     shared: dict | None = {} if hessians else None
+    gram_sums: dict[str, torch.Tensor] = {}  # owner name -> upper tiles of its x^T x, this recording
     try:
         for name in module_names:
             module = root.get_submodule(name)
-            hook = _make_hook(name, stats, rows_per_block, generator, shared)
+            hook = _make_hook(name, stats, rows_per_block, generator, shared, gram_sums)
             handles.append(module.register_forward_pre_hook(hook))
         yield
     finally:
@@ -95,6 +125,9 @@ def recording_linear_inputs(
             handle.remove()
         if shared is not None:
             shared.clear()
+        for name in list(gram_sums):
+            hessian, entry = mirrored(gram_sums.pop(name)), stats.by_module[name]
+            entry.hessian = hessian if entry.hessian is None else entry.hessian.add_(hessian)
 
 
 def _check_blocks(blocks: torch.Tensor) -> None:
