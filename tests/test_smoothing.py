@@ -98,3 +98,18 @@ def test_grouped_factors_are_shared_by_the_query_heads_of_one_kv_head() -> None:
     heads, kv, head_dim = 4, 2, 16
     per_head = factors.view(kv, heads // kv, head_dim)
     torch.testing.assert_close(per_head[:, 0], per_head[:, 1], rtol=1e-6, atol=0)
+
+
+def test_in_place_fake_quantization_is_the_reference_dequantized_weight_bit_for_bit() -> None:
+    """The alpha search's fake quantization (fp32 operations in place) equals the int8 weight and scale
+    `quantize_weight_per_channel` returns, dequantized: the same operations, so exact on every CPU."""
+    from quasar_hf.ops.reference import fake_quantize_weight_per_channel_, quantize_weight_per_channel
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(37, 129, generator=gen) * torch.logspace(-3, 2, 129)  # columns of very different size
+    w[5] = 0.0  # an all-zero row: scale 0
+    w[7, 11] = 0.5 * w[7].abs().max() / 127  # about half its row's step: a rounding tie, up to fp32
+    q, scale = quantize_weight_per_channel(w)
+    assert torch.equal(fake_quantize_weight_per_channel_(w.clone()), q.float() * scale[:, None])
+    with pytest.raises(ValueError, match="2-D float32"):
+        fake_quantize_weight_per_channel_(w.double())

@@ -41,6 +41,18 @@ def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, tor
     return q, amax / QMAX
 
 
+def fake_quantize_weight_per_channel_(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] finite fp32 `w`, overwritten with its dequantized weight q.float() * scale[:, None] of
+    `quantize_weight_per_channel`, bit for bit (the same fp32 operations), and returned: no
+    temporaries the size of w, for searches that quantize large weights many times (the alpha grid)."""
+    if w.dtype != torch.float32 or w.dim() != 2:
+        raise ValueError(f"expected a 2-D float32 weight, got {w.dtype} of shape {tuple(w.shape)}")
+    amax = torch.linalg.vector_norm(w, ord=float("inf"), dim=1)  # [N]: max |w[n, :]|, exact
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    w.mul_((QMAX / safe)[:, None]).add_(0.5).floor_().clamp_(-QMAX, QMAX)  # the int8 values, as floats
+    return w.mul_((amax / QMAX)[:, None])
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] float -> (int8 [M, K], fp32 epilogue scale [M, 1]).
 

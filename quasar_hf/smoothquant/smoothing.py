@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quasar_hf.ops.reference import quantize_per_token, quantize_weight_per_channel
+from quasar_hf.ops.reference import fake_quantize_weight_per_channel_, quantize_per_token
 from quasar_hf.smoothquant.mappings import SmoothMapping
 
 MIN_SCALE = 1e-5
@@ -45,8 +45,7 @@ def _fake_quant_error(x: torch.Tensor, weights: list[torch.Tensor], s: torch.Ten
     x_hat = xq.float() * xs
     err = 0.0
     for w, ref in zip(weights, refs):
-        wq, ws = quantize_weight_per_channel(w * s)
-        y = x_hat @ (wq.float() * ws[:, None]).t()
+        y = x_hat @ fake_quantize_weight_per_channel_(w * s).t()
         err += ((y - ref).pow(2).sum() / ref.pow(2).sum().clamp_min(1e-12)).item()
     return err
 
