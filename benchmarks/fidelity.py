@@ -119,19 +119,30 @@ def parse_variant(text: str) -> tuple[str, dict]:
 @torch.no_grad()
 def compare(model: torch.nn.Module, reference: torch.nn.Module, blocks: torch.Tensor) -> dict:
     """Perplexities, top-1 agreement and mean KL(reference || model) over [N, T] blocks (logits in fp32)."""
-    sums = {"model_nll": 0.0, "reference_nll": 0.0, "top1_agree": 0, "kl": 0.0, "tokens": 0}
-    parts = []
+    return compare_many([model], reference, blocks)[0]
+
+
+@torch.no_grad()
+def compare_many(models: list[torch.nn.Module], reference: torch.nn.Module, blocks: torch.Tensor) -> list[dict]:
+    """`compare` for several models against one reference, which runs once per block (a BF16
+    reference is the slow side on a CPU that emulates bf16)."""
+    parts: list[list[dict]] = [[] for _ in models]
     for block in blocks:
-        logits = model(input_ids=block[None], use_cache=False).logits[0, :-1].float()
         ref_logits = reference(input_ids=block[None], use_cache=False).logits[0, :-1].float()
-        parts.append(next_token_sums(logits, ref_logits, block[1:]))
-        for key in sums:
-            sums[key] += parts[-1][key]
-    result = finalize_sums(sums)
-    low, high = perplexity_ratio_interval(*([p[k] for p in parts] for k in ("model_nll", "reference_nll", "tokens")))
-    result["perplexity_ratio_ci95"] = [low, high]
-    result["per_block_perplexity_ratio"] = [math.exp((p["model_nll"] - p["reference_nll"]) / p["tokens"]) for p in parts]
-    return result
+        for model, model_parts in zip(models, parts):
+            logits = model(input_ids=block[None], use_cache=False).logits[0, :-1].float()
+            model_parts.append(next_token_sums(logits, ref_logits, block[1:]))
+    results = []
+    for model_parts in parts:
+        sums = {key: sum(p[key] for p in model_parts) for key in ("model_nll", "reference_nll", "top1_agree", "kl", "tokens")}
+        result = finalize_sums(sums)
+        columns = ([p[k] for p in model_parts] for k in ("model_nll", "reference_nll", "tokens"))
+        result["perplexity_ratio_ci95"] = list(perplexity_ratio_interval(*columns))
+        result["per_block_perplexity_ratio"] = [
+            math.exp((p["model_nll"] - p["reference_nll"]) / p["tokens"]) for p in model_parts
+        ]
+        results.append(result)
+    return results
 
 
 def weight_bytes(model: torch.nn.Module) -> dict:
@@ -246,7 +257,11 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint folder or alias: smollm2 (default), qwen, gemma")
     parser.add_argument(
-        "--variants", nargs="+", default=None, help="label=<JSON QuasarConfig overrides> (default: 'default={}' unless --saved)"
+        "--variants",
+        nargs="+",
+        default=None,
+        help="label=<JSON QuasarConfig overrides> (default: 'default={}' unless --saved); all variants stay in memory "
+        "until the held-out texts are evaluated (the reference runs once per block)",
     )
     parser.add_argument(
         "--saved", nargs="+", default=[], help="label=DIR of saved Quasar checkpoints of --model, evaluated as they are"
@@ -289,7 +304,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     report["eval"] = ", ".join(f"{d}: {b.shape[0]} blocks x {b.shape[1]} tokens" for d, b in blocks.items()) + " (seed 1)"
     os.makedirs(args.out, exist_ok=True)
     runs = [(label, overrides, None) for label, overrides in variants] + [(label, None, folder) for label, folder in saved]
-    for label, overrides, folder in runs:
+    models, bases = [], []
+    for label, overrides, folder in runs:  # every variant first: the reference then runs once per block
         started = time.perf_counter()
         if folder is None:
             config = QuasarConfig(**overrides)
@@ -307,20 +323,23 @@ def main(argv: list[str] | None = None) -> list[str]:
             base["phase_s"] = info["timing"]["total_s"]
             base["floor"] = floor_of_quantized(model)
         base["load_average_1min"] = round(os.getloadavg()[0], 1)  # quantize_s is only comparable at similar load
-        for domain, domain_blocks in blocks.items():
-            row = {**base, "domain": domain, **compare(model, reference, domain_blocks)}
+        print(f"{label}: quantized in {seconds:.1f} s" if seconds is not None else f"{label}: loaded {folder}", flush=True)
+        models.append(model)
+        bases.append((base, folder))
+    report["environment"] = environment_block()
+    for domain, domain_blocks in blocks.items():
+        for (base, folder), result in zip(bases, compare_many(models, reference, domain_blocks)):
+            row = {**base, "domain": domain, **result}
             report.setdefault("float_perplexity", {})[domain] = row["perplexity_reference"]
             if args.record and folder is not None and domain == "python-docs":
                 print(f"recorded fidelity in {record_measurements(folder, card_measurements(row, report['eval']))}")
             report["results"].append(row)
             print(
-                f"{label} / {domain}: ppl {row['perplexity_model']:.4f} ({100 * (row['perplexity_ratio'] - 1):+.2f} %), "
+                f"{base['variant']} / {domain}: ppl {row['perplexity_model']:.4f} ({100 * (row['perplexity_ratio'] - 1):+.2f} %), "
                 f"top1 {row['top1_agreement']:.4f}, KL {row['mean_kl_nats']:.4f}",
                 flush=True,
             )
-        report["environment"] = environment_block()
-        del model
-        with open(json_path, "w") as fh:  # after every variant: partial results survive an interrupted run
+        with open(json_path, "w") as fh:  # after every held-out text: partial results survive an interrupted run
             json.dump(report, fh, indent=1)
         with open(md_path, "w") as fh:
             fh.write(markdown(report))

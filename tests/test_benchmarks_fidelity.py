@@ -108,3 +108,19 @@ def test_rows_with_a_domain_show_it_and_their_bf16_perplexity() -> None:
     report["results"][0].update(domain="chat", perplexity_reference=9.5)
     text = _script().markdown(report)
     assert "| a | default | chat | 9.5000 | 10.1000 |" in text
+
+
+def test_several_models_share_one_reference_run_per_block() -> None:
+    import torch
+    from tiny_models import tiny_model
+
+    script = _script()
+    reference, a, b = (tiny_model(seed=s).eval() for s in (0, 1, 2))
+    blocks = torch.randint(0, reference.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
+    alone = [script.compare(m, reference, blocks) for m in (a, b)]
+    calls = []
+    handle = reference.register_forward_hook(lambda *_: calls.append(1))
+    together = script.compare_many([a, b], reference, blocks)
+    handle.remove()
+    assert together == alone, "the same sums in the same order as one model at a time"
+    assert len(calls) == 3, "the reference runs once per block, whatever the number of models"
