@@ -23,6 +23,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -319,7 +320,7 @@ def to_markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="llama-3.2-1b,llama-3.2-3b,llama-3.1-8b")
-    parser.add_argument("--workdir", default="/tmp/quasar_scaling")
+    parser.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "quasar_scaling"))
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder for calibration (default: SmolLM2's)")
     parser.add_argument("--steps", type=int, default=10, help="timed forwards per token count")
     parser.add_argument("--samples", type=int, default=None, help="override num_calibration_samples (tests only)")
