@@ -171,6 +171,8 @@ def environment_block() -> dict:
 
 
 def markdown(report: dict) -> str:
+    from benchmarks.quantize_floor import FLOOR_HEADING, rates_cell
+
     env = report.get("environment", {})
     lines = [
         f"# W8A8 fidelity vs BF16: {report['model']}",
@@ -206,10 +208,9 @@ def markdown(report: dict) -> str:
     if timed:
         lines += [
             "",
-            "Quantize time against the arithmetic floor (phase FLOPs / fp32 GEMM rate measured in the same process, "
-            "benchmarks/quantize_floor.py):",
+            FLOOR_HEADING,
             "",
-            "| code | variant | calibration math | quantize s | floor s | x floor | fp32 GFLOPS | largest phases (s) |",
+            "| code | variant | calibration math | quantize s | floor s | x floor | GEMM GFLOPS (fp32 / math) | largest phases (s) |",
             "|---|---|---|---|---|---|---|---|",
         ]
         seen = set()
@@ -221,7 +222,7 @@ def markdown(report: dict) -> str:
             phases = ", ".join(f"{name} {seconds:.1f}" for name, seconds in list(row["phase_s"].items())[:4])
             lines.append(
                 f"| {row['code']} | {row['variant']} | {row['math_dtype']} | {row['quantize_s']:.1f} | {floor['floor_s']} | "
-                f"{row['quantize_s'] / floor['floor_s']:.2f} | {floor['fp32_gflops']} | {phases} |"
+                f"{row['quantize_s'] / floor['floor_s']:.2f} | {rates_cell(floor)} | {phases} |"
             )
     if report.get("note"):
         lines += ["", report["note"]]

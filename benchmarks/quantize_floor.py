@@ -1,4 +1,4 @@
-"""The arithmetic floor of a quantization: its phases' FLOPs over the fp32 GEMM rate of this machine.
+"""The arithmetic floor of a quantization: its phases' FLOPs over this machine's GEMM rates.
 
 For a Llama-shaped decoder (hidden H, MLP I, KV width Hkv, L layers) calibrated on N tokens in
 blocks of T with `QuasarConfig()` defaults, per layer:
@@ -13,9 +13,11 @@ blocks of T with `QuasarConfig()` defaults, per layer:
   hadamard.rotate_rows_gemm): 4 K^2 (n + m) for K = m n (H_n direct), or 4 K^2 (a + b + m) past
   DIRECT_SYLVESTER_MAX (H_n = H_a (x) H_b).
 
-Everything else (capture, folding, packing) is small. The rate is a fp32 [T, H] x [H, I] matmul
-timed in the same process with the threads torch uses: the floor is what the phases would take at
-that rate.
+Everything else (capture, folding, packing) is small. The rate is a [T, H] x [H, I] matmul timed in
+the same process with the threads torch uses: the statistics forward at the rate of the dtype
+calibration computed in (`calibration_info["math_dtype"]`: bf16 where the CPU has it natively), the
+other phases at the fp32 rate, the dtype they compute in whatever the model's. The floor is what
+the phases would take at those rates.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ SAMPLED_ROWS = 256  # QuasarConfig.calibration_sample_rows
 ALPHA_GRID = 11
 
 
-def fp32_gemm_gflops(rows: int, hidden: int, inter: int, repeats: int = 5) -> float:
-    """Median GFLOPS of a fp32 [rows, hidden] @ [hidden, inter] matmul (torch's threads)."""
-    a, b = torch.randn(rows, hidden), torch.randn(hidden, inter)
+FP32_PHASES = ("hessians", "alpha_search", "gptq_rounding", "hessian_rotation")  # fp32 whatever the math dtype
+
+
+def gemm_gflops(rows: int, hidden: int, inter: int, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
+    """Median GFLOPS of a [rows, hidden] @ [hidden, inter] matmul in `dtype` (torch's threads)."""
+    a, b = torch.randn(rows, hidden, dtype=dtype), torch.randn(hidden, inter, dtype=dtype)
     a @ b  # warm-up
     times = []
     for _ in range(repeats):
@@ -77,15 +82,35 @@ def phase_gflop(config, tokens: int, seq_len: int, gptq: bool = True, rotate_dow
     return {name: layers * flop / 1e9 for name, flop in per_layer.items()}
 
 
-def floor_seconds(config, tokens: int, seq_len: int, **options) -> dict:
-    """{"gflop": per phase, "fp32_gflops": measured rate, "floor_s": total GFLOP / rate}."""
+def floor_seconds(config, tokens: int, seq_len: int, math_dtype: str = "float32", **options) -> dict:
+    """{"gflop": per phase, "fp32_gflops" and "math_gflops": measured rates, "floor_s": the statistics
+    forward at the `math_dtype` rate plus the other phases at the fp32 rate}."""
     gflop = phase_gflop(config, tokens, seq_len, **options)
-    rate = fp32_gemm_gflops(seq_len, config.hidden_size, config.intermediate_size)
+    shape = (seq_len, config.hidden_size, config.intermediate_size)
+    fp32_rate = gemm_gflops(*shape)
+    math_rate = fp32_rate if math_dtype == "float32" else gemm_gflops(*shape, dtype=getattr(torch, math_dtype))
+    seconds = sum(v / (fp32_rate if k in FP32_PHASES else math_rate) for k, v in gflop.items())
     return {
         "gflop": {k: round(v, 1) for k, v in gflop.items()},
-        "fp32_gflops": round(rate, 1),
-        "floor_s": round(sum(gflop.values()) / rate, 1),
+        "fp32_gflops": round(fp32_rate, 1),
+        "math_dtype": math_dtype,
+        "math_gflops": round(math_rate, 1),
+        "floor_s": round(seconds, 1),
     }
+
+
+FLOOR_HEADING = (
+    "Quantize time against the arithmetic floor (phase FLOPs / GEMM rates measured in the same process: the "
+    "statistics forward in the calibration math dtype, the other phases in fp32; benchmarks/quantize_floor.py):"
+)
+
+
+def rates_cell(floor: dict) -> str:
+    """The GEMM rates a floor used, for a report's table: "182.3" (fp32 only) or "182.3 / 421.7 bfloat16"."""
+    math_dtype = floor.get("math_dtype", "float32")
+    if math_dtype == "float32":
+        return str(floor["fp32_gflops"])
+    return f"{floor['fp32_gflops']} / {floor['math_gflops']} {math_dtype}"
 
 
 def floor_of_quantized(model) -> dict:
@@ -97,6 +122,7 @@ def floor_of_quantized(model) -> dict:
         model.config,
         info["tokens"],
         info["seq_len"],
+        math_dtype=info.get("math_dtype") or "float32",
         gptq=qconfig.weight_rounding == "gptq",
         rotate_down="down_proj" in (qconfig.rotate or []),
         alpha_auto=qconfig.alpha == "auto",

@@ -278,6 +278,8 @@ def _package_environment() -> dict:
 
 
 def to_markdown(report: dict) -> str:
+    from benchmarks.quantize_floor import FLOOR_HEADING, rates_cell
+
     lines = [
         "# Scaling run: random-weight Llama checkpoints, QuasarConfig() (weight_rounding as shown), CPU",
         "",
@@ -298,17 +300,16 @@ def to_markdown(report: dict) -> str:
     if timed:
         lines += [
             "",
-            "Quantize time against its arithmetic floor (phase FLOPs / fp32 GEMM rate measured in the same "
-            "process, benchmarks/quantize_floor.py):",
+            FLOOR_HEADING,
             "",
-            "| shape | calibration math | quantize s | floor s | x floor | fp32 GFLOPS | largest phases (s) |",
+            "| shape | calibration math | quantize s | floor s | x floor | GEMM GFLOPS (fp32 / math) | largest phases (s) |",
             "|---|---|---|---|---|---|---|",
         ]
         for shape, r in timed.items():
             floor, phases = r["floor"], sorted((r.get("phase_s") or {}).items(), key=lambda kv: -kv[1])[:4]
             lines.append(
                 f"| {shape} | {r.get('math_dtype', '-')} | {r['quantize_seconds']} | {floor['floor_s']} | "
-                f"{r['quantize_seconds'] / floor['floor_s'] if floor['floor_s'] else float('inf'):.2f} | {floor['fp32_gflops']} | "
+                f"{r['quantize_seconds'] / floor['floor_s'] if floor['floor_s'] else float('inf'):.2f} | {rates_cell(floor)} | "
                 + ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases)
                 + " |"
             )

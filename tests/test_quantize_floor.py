@@ -45,3 +45,27 @@ def test_rotation_flops_match_rotated_hessian(k: int) -> None:
     h = torch.zeros(k, k) if k > 1000 else torch.randn(k, k)
     counted = _counted(lambda: rotated_hessian(h, HadamardRotation.for_size(k)))
     assert counted == rotation_gemm_flop(k)
+
+
+def test_floor_times_the_forward_at_the_math_dtype_rate_and_the_rest_at_fp32(monkeypatch) -> None:
+    from transformers import LlamaConfig
+
+    from benchmarks import quantize_floor
+
+    rates = {torch.float32: 0.01, torch.bfloat16: 0.04}  # slow enough that the rounded floors differ
+    monkeypatch.setattr(quantize_floor, "gemm_gflops", lambda *shape, dtype=torch.float32: rates[dtype])
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4)
+    gflop = quantize_floor.phase_gflop(config, 1024, 256)
+    fp32 = quantize_floor.floor_seconds(config, 1024, 256)
+    bf16 = quantize_floor.floor_seconds(config, 1024, 256, math_dtype="bfloat16")
+    assert fp32["floor_s"] == round(sum(gflop.values()) / 0.01, 1)
+    rest = sum(v for k, v in gflop.items() if k in quantize_floor.FP32_PHASES)
+    assert set(gflop) - set(quantize_floor.FP32_PHASES) == {"statistics_forward"}
+    assert bf16["floor_s"] == round(gflop["statistics_forward"] / 0.04 + rest / 0.01, 1)
+    assert bf16["floor_s"] < fp32["floor_s"]
+    assert (fp32["math_dtype"], bf16["math_dtype"]) == ("float32", "bfloat16")
+    assert (
+        quantize_floor.rates_cell({"fp32_gflops": 100.0, "math_dtype": "bfloat16", "math_gflops": 400.0})
+        == "100.0 / 400.0 bfloat16"
+    )
+    assert quantize_floor.rates_cell({"fp32_gflops": 100.0}) == "100.0"  # reports written before the math rate
