@@ -34,6 +34,7 @@ import quasar_hf
 from quasar_hf import QuasarConfig
 from quasar_hf.bench.fidelity import finalize_sums, next_token_sums, perplexity_ratio_interval
 from quasar_hf.hub.model_card import record_measurements
+from quasar_hf.ops import native
 from quasar_hf.smoothquant.builtin_text import mix_texts, python_docs_texts
 from quasar_hf.smoothquant.data import build_calibration_blocks
 
@@ -306,6 +307,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     os.makedirs(args.out, exist_ok=True)
     runs = [(label, overrides, None) for label, overrides in variants] + [(label, None, folder) for label, folder in saved]
     models, bases = [], []
+    native.is_available()  # build or load the C kernels now: a first build is not part of any quantize time
     for label, overrides, folder in runs:  # every variant first: the reference then runs once per block
         started = time.perf_counter()
         if folder is None:
