@@ -118,3 +118,32 @@ def test_checkpoints_saved_before_the_field_read_back_as_nearest_rounded() -> No
     del saved["weight_rounding"]
     assert QuasarConfig.from_dict(saved).weight_rounding == "nearest"
     assert QuasarConfig.from_dict({}).weight_rounding == "gptq"  # a new config gets the default
+
+
+def _textbook_gptq(w: torch.Tensor, hessian: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """GPTQ as the paper states it, in float64: U = chol(H^-1) (upper), then column by column,
+    quantize and spread the error (w_j - q_j) / U_jj over the later columns by row j of U."""
+    h = hessian.double().clone()
+    h.diagonal().masked_fill_(h.diagonal() <= 0, 1.0)
+    h.diagonal().add_(damp * float(h.diagonal().mean()))
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    wt = w.double().t().clone()  # [K, N]
+    scale = wt.abs().amax(dim=0) / 127
+    q = torch.empty_like(wt)
+    for j in range(wt.shape[0]):
+        q[j] = torch.floor(wt[j] / scale + 0.5).clamp(-127, 127)
+        wt[j + 1 :] -= torch.outer(u[j, j + 1 :], (wt[j] - q[j] * scale) / u[j, j])
+    return q.t().to(torch.int8)
+
+
+@pytest.mark.parametrize("k, block", [(96, 32), (96, 128), (130, 48)])
+def test_gptq_rounds_as_the_textbook_algorithm(k: int, block: int) -> None:
+    """The one-Cholesky form gives the paper's int8 values: equal except where the fp32 and float64
+    sums straddle a rounding boundary (then one step apart)."""
+    x = _correlated_inputs(4 * k, k)
+    x[:, 5] = 0.0  # a channel never seen: H_55 = 0
+    w = torch.randn(40, k, generator=torch.Generator().manual_seed(4))
+    q, _ = gptq_round(w, x.t() @ x, block=block)
+    expected = _textbook_gptq(w, x.t() @ x)
+    assert (q.int() - expected.int()).abs().max() <= 1
+    assert (q == expected).float().mean() > 0.995

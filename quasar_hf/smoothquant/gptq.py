@@ -36,26 +36,24 @@ def rotated_hessian(hessian: torch.Tensor, rotation: HadamardRotation) -> torch.
     return rotate_rows_gemm(half.transpose(0, 1), rotation, torch.float32)  # (H Q)^T Q = Q^T H Q (H symmetric)
 
 
-def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of H^-1 after damping; consumes `h` (edited in place, then dropped).
+def _reversed_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper triangular V with H = V V^T after damping (the Cholesky factor of H with the channel order
+    reversed); consumes `h` (edited in place, then dropped).
 
-    fp32 and at most two K x K matrices alive at once (an 8B model's down_proj has K = 14336:
-    0.8 GB each). Channels never seen get H_kk = 1.
+    GPTQ's factor chol(H^-1) (upper) is V^-1, so its updates can be read off V itself (see
+    gptq_round): one Cholesky of K^3 / 3 multiply-adds instead of a Cholesky, an inverse and a second
+    Cholesky (4 K^3 / 3). fp32, at most three K x K matrices alive at once, the caller's H included
+    (an 8B model's down_proj has K = 14336: 0.8 GB each). Channels never seen get H_kk = 1.
     """
     diagonal = torch.diagonal(h)
     diagonal.masked_fill_(diagonal <= 0, 1.0)
     step = damp * float(diagonal.mean())
     diagonal.add_(step)
     for _ in range(6):  # more damping if H is numerically singular
-        factor, info = torch.linalg.cholesky_ex(h)
+        factor, info = torch.linalg.cholesky_ex(h.flip(0, 1))  # J H J = L L^T, J the reversal
         if int(info) == 0:
             del h, diagonal
-            inverse = torch.cholesky_inverse(factor)
-            del factor
-            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
-            if int(info) == 0:
-                return upper
-            raise ValueError("GPTQ: the inverse of the calibration input Hessian is not positive definite")
+            return factor.flip(0, 1)  # V = J L J: upper, and V V^T = J (J H J) J = H
         del factor
         diagonal.add_(step * 9.0)  # 10x the damping so far, then 100x, ...
         step *= 10.0
@@ -81,20 +79,24 @@ def gptq_round(
     amax = wt.abs().amax(dim=0)  # [N]
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))  # [N]
     h = hessian if consume and hessian.dtype == torch.float32 else hessian.float().clone()
-    u = _inverse_cholesky(h, damp)  # [K, K] upper
+    v = _reversed_cholesky(h, damp)  # [K, K] upper, H = V V^T
     del h
+    a = v.div_(torch.diagonal(v).clone()[None, :])  # [K, K] unit upper: a[j, k] = V[j, k] / V[k, k]
+    # GPTQ with U = chol(H^-1) = V^-1 quantizes row k of wt (column k of W) after adding
+    # sum_{j<k} (w_j - q_j) a[j, k], w_j the original rows: the same values as its error updates
+    # (QuIP, Chee et al. 2023, show GPTQ's equivalence to this LDL form). wt's finished rows are
+    # overwritten by their errors d_j = w_j - q_j.
     qt = torch.empty_like(wt)
     k = wt.shape[0]
     for start in range(0, k, block):
         stop = min(start + block, k)
-        errors = wt.new_empty(stop - start, wt.shape[1])  # [B, N]
+        current = wt[start:stop].clone()  # [B, N]
+        if start > 0:
+            current.addmm_(a[:start, start:stop].t(), wt[:start])  # the finished rows' errors
         for j in range(start, stop):
-            row = wt[j]
+            row = current[j - start]
             torch.floor(row / scale + 0.5, out=qt[j]).clamp_(-QMAX, QMAX)
-            err = errors[j - start]
-            torch.sub(row, qt[j] * scale, out=err).div_(u[j, j])  # [N]
-            wt[j + 1 : stop].addr_(u[j, j + 1 : stop], err, alpha=-1.0)  # spread over this block's later columns
-        if stop < k:
-            wt[stop:].addmm_(u[start:stop, stop:].t(), errors, alpha=-1.0)  # and over all later columns
+            error = wt[j].sub_(qt[j] * scale)  # d_j = w_j - q_j, kept in wt[j]
+            current[j - start + 1 :].addr_(a[j, j + 1 : stop], error)  # spread over this block's later rows
     scale = torch.where(amax > 0, scale, torch.zeros_like(scale))
     return qt.t().contiguous().to(weight.device, torch.int8), scale.to(weight.device, torch.float32)
