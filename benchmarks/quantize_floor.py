@@ -8,10 +8,11 @@ blocks of T with `QuasarConfig()` defaults, per layer:
   tiles of x^T x on or above the diagonal (calibration.upper_gram_add): about N K (K + GRAM_TILE);
 - alpha search (alpha="auto", linear search): per mapping, a reference and 11 grid products on S
   sampled rows: 12 x 2 S K N;
-- GPTQ rounding: 2 N_out K^2 + K^3 per linear (updates, and the Cholesky inverse);
-- rotation of a rotated input's Hessian (Q^T H Q as matrix products on its rows, twice,
-  hadamard.rotate_rows_gemm): 4 K^2 (n + m) for K = m n (H_n direct), or 4 K^2 (a + b + m) past
-  DIRECT_SYLVESTER_MAX (H_n = H_a (x) H_b).
+- GPTQ rounding: 2 N_out K^2 per linear (the error updates) and K^3 / 3 per distinct input (one
+  Cholesky, shared by the linears rounded together);
+- rotation of a rotated input's Hessian (Q^T H Q as matrix products from the left, twice,
+  hadamard.rotate_columns_gemm): 4 K^2 (n + m) for K = c m n (H_n direct), or 4 K^2 (a + b + m) past
+  DIRECT_SYLVESTER_MAX (H_n = H_a (x) H_b); no m term when m = 1.
 
 Everything else (capture, folding, packing) is small. The rate is a [T, H] x [H, I] matmul timed in
 the same process with the threads torch uses: the statistics forward at the rate of the dtype
@@ -54,11 +55,11 @@ def gram_flop(tokens: int, k: int) -> int:
 
 
 def rotation_gemm_flop(k: int) -> int:
-    """FLOPs of Q^T H Q for a [k, k] H by hadamard.rotate_rows_gemm (rows, then the transpose's rows)."""
+    """FLOPs of Q^T H Q for a [k, k] H by hadamard.rotate_columns_gemm (twice: Q^T H, then Q^T of its transpose)."""
     rotation = HadamardRotation.for_size(k)
     n = rotation.pow2
     a = 1 if n <= DIRECT_SYLVESTER_MAX else 1 << (n.bit_length() - 1) // 2
-    per_element = (n // a) + (a if a > 1 else 0) + rotation.odd_order
+    per_element = (n // a) + (a if a > 1 else 0) + (rotation.odd_order if rotation.odd_order > 1 else 0)
     return 2 * 2 * k * k * per_element
 
 
@@ -76,7 +77,9 @@ def phase_gflop(config, tokens: int, seq_len: int, gptq: bool = True, rotate_dow
         "alpha_search": (12 * 2 * SAMPLED_ROWS * (h * (h + 2 * kv) + h * h + h * 2 * inter + (0 if rotate_down else inter * h)))
         if alpha_auto
         else 0,
-        "gptq_rounding": sum(2 * n * k * k + k**3 for k, n in linears.values()) if gptq else 0,
+        "gptq_rounding": (sum(2 * n * k * k for k, n in linears.values()) + sum(k**3 // 3 for k in inputs.values()))
+        if gptq
+        else 0,
         "hessian_rotation": rotation_gemm_flop(inter) if (gptq and rotate_down) else 0,
     }
     return {name: layers * flop / 1e9 for name, flop in per_layer.items()}

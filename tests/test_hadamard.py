@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear, rotate_weight
-from quasar_hf.ops import hadamard_cpu
+from quasar_hf.ops import hadamard, hadamard_cpu
 from quasar_hf.ops.hadamard import (
     HadamardRotation,
     paley_matrix,
@@ -74,12 +74,20 @@ def test_rotate_rows_is_row_stable_and_takes_strided_rows():
         rotate_rows_reference(torch.zeros(2, 100), rotation)
 
 
-def test_rotated_hessian_is_q_transpose_h_q():
-    rotation = HadamardRotation.for_size(96)
-    x = torch.randn(300, 96, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("k", [96, 1536, 2048])  # an odd order with H_n direct, then H_n split, with and without H_m
+def test_rotated_hessian_is_q_transpose_h_q(k: int, monkeypatch):
+    rotation = HadamardRotation.for_size(k)
+    x = torch.randn(k + 50, k, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     h = x.T @ x
-    q = rotation.matrix(torch.float32)
-    assert torch.allclose(rotated_hessian(h, rotation), q.T @ h @ q, rtol=1e-4, atol=1e-2)
+    q = rotation.matrix(torch.float64)
+    expected = q.T @ h @ q
+    rotated = rotated_hessian(h.float(), rotation)
+    assert rotated.dtype == torch.float32
+    assert float((rotated.double() - expected).norm() / expected.norm()) < 1e-6
+    monkeypatch.setattr(hadamard, "GEMM_CHUNK_ELEMENTS", 7 * k)  # column chunks of 7, the last one ragged
+    chunked = hadamard.rotate_columns_gemm(h.float(), rotation, torch.float32)
+    left = q.T @ h
+    assert float((chunked.double() - left).norm() / left.norm()) < 1e-6
 
 
 def test_float64_rows_in_chunks_give_the_one_pass_result(monkeypatch):

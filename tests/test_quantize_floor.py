@@ -40,7 +40,7 @@ def test_gram_flops_match_the_tiled_sum_and_the_sum_is_x_transpose_x(k: int) -> 
     torch.testing.assert_close(mirrored(upper), x.t() @ x, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("k", [96, 4864])
+@pytest.mark.parametrize("k", [96, 2048, 4864])
 def test_rotation_flops_match_rotated_hessian(k: int) -> None:
     h = torch.zeros(k, k) if k > 1000 else torch.randn(k, k)
     counted = _counted(lambda: rotated_hessian(h, HadamardRotation.for_size(k)))

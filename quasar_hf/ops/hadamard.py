@@ -211,6 +211,36 @@ def rotate_rows_gemm(x: torch.Tensor, rotation: HadamardRotation, dtype: torch.d
     return out.reshape(*x.shape[:-1], rotation.size)
 
 
+def rotate_columns_gemm(matrix: torch.Tensor, rotation: HadamardRotation, dtype: torch.dtype) -> torch.Tensor:
+    """matrix [K, W] -> Q^T matrix computed in `dtype` as matrix products: each column rotated as
+    rotate_rows_gemm rotates a row, with every product applied from the left on contiguous slabs
+    (no transposed copies). Columns go in chunks of about GEMM_CHUNK_ELEMENTS."""
+    if matrix.dim() != 2 or matrix.shape[0] != rotation.size:
+        raise ValueError(f"rotation is for columns of {rotation.size}, got a matrix of shape {tuple(matrix.shape)}")
+    k, width = matrix.shape
+    c, m, n = rotation.blocks, rotation.odd_order, rotation.pow2
+    a = 1 if n <= DIRECT_SYLVESTER_MAX else 1 << (n.bit_length() - 1) // 2
+    b = n // a
+    scale = 1.0 / math.sqrt(rotation.block)
+    h_b = sylvester_matrix(b).to(matrix.device, dtype).t()  # H_b^T, scaled below when there is no H_m
+    h_a = sylvester_matrix(a).to(matrix.device, dtype).t()
+    odd = (rotation.odd_signs().double().t() * scale).to(matrix.device, dtype)  # H_m^T / sqrt(m n)
+    if m == 1:
+        h_b = h_b * scale
+    out = torch.empty(k, width, dtype=dtype, device=matrix.device)
+    step = max(1, GEMM_CHUNK_ELEMENTS // k)
+    for start in range(0, width, step):
+        w = min(step, width - start)
+        z = matrix[:, start : start + w].to(dtype).contiguous().view(c * m * a, b, w)  # rows = [c, m, a, b]
+        z = torch.matmul(h_b, z)  # H_b^T on the b axis
+        if a > 1:
+            z = torch.matmul(h_a, z.view(c * m, a, b * w))  # H_a^T on the a axis
+        if m > 1:
+            z = torch.matmul(odd, z.view(c, m, a * b * w))  # H_m^T / sqrt(m n) on the m axis
+        out[:, start : start + w] = z.view(k, w)
+    return out
+
+
 def _mix_middle_axis(z: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """z [B, p, q], matrix [p, s] -> y [B, s, q] with y[:, s, :] = sum over p of matrix[p, s] z[:, p, :]."""
     return torch.matmul(z.transpose(1, 2), matrix).transpose(1, 2)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_gemm
+from quasar_hf.ops.hadamard import HadamardRotation, rotate_columns_gemm
 from quasar_hf.ops.reference import QMAX
 
 GPTQ_BLOCK = 128
@@ -32,8 +32,8 @@ def rotated_hessian(hessian: torch.Tensor, rotation: HadamardRotation) -> torch.
 
     fp32 matrix products: their error (~1e-6 of sqrt(H_ii H_jj)) is below the fp32 sums H already
     carries, and far below GPTQ's damping (GPTQ_DAMP of the mean diagonal)."""
-    half = rotate_rows_gemm(hessian, rotation, torch.float32)  # H Q
-    return rotate_rows_gemm(half.transpose(0, 1), rotation, torch.float32)  # (H Q)^T Q = Q^T H Q (H symmetric)
+    left = rotate_columns_gemm(hessian, rotation, torch.float32)  # Q^T H
+    return rotate_columns_gemm(left.t(), rotation, torch.float32)  # Q^T (Q^T H)^T = Q^T H Q (H symmetric)
 
 
 def _reversed_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
