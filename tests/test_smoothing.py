@@ -113,3 +113,27 @@ def test_in_place_fake_quantization_is_the_reference_dequantized_weight_bit_for_
     assert torch.equal(fake_quantize_weight_per_channel_(w.clone()), q.float() * scale[:, None])
     with pytest.raises(ValueError, match="2-D float32"):
         fake_quantize_weight_per_channel_(w.double())
+
+
+def test_alpha_search_error_is_the_same_in_weight_chunks(monkeypatch) -> None:
+    """The fake-quantized error summed chunk by chunk (ragged last chunk) is the one-pass error up to
+    the order of the float sums, and the search picks the grid point with the least error."""
+    from quasar_hf.smoothquant import smoothing
+
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 48, generator=generator) * torch.linspace(0.1, 8.0, 48)
+    weights = [torch.randn(30, 48, generator=generator), torch.randn(17, 48, generator=generator)]
+    refs = [x @ w.t() for w in weights]
+    act = x.abs().amax(dim=0)
+    w_absmax = torch.stack([w.abs().amax(dim=0) for w in weights]).amax(dim=0)
+    grid = [0.0, 0.25, 0.5, 0.75, 1.0]
+
+    def errors() -> list[float]:
+        return [smoothing._fake_quant_error(x, weights, smoothing.smoothing_factors(act, w_absmax, a), refs) for a in grid]
+
+    whole = errors()
+    monkeypatch.setattr(smoothing, "SEARCH_CHUNK_ELEMENTS", 7 * 48)  # 7 rows per chunk
+    chunked = errors()
+    torch.testing.assert_close(torch.tensor(chunked), torch.tensor(whole), rtol=1e-5, atol=0)
+    assert len(set(whole)) == len(grid), "the grid points are distinguishable"
+    assert smoothing.search_alpha(x, act, weights, grid) == grid[min(range(len(grid)), key=chunked.__getitem__)]
