@@ -53,9 +53,11 @@ def _fake_quant_error(x: torch.Tensor, weights: list[torch.Tensor], s: torch.Ten
     err = 0.0
     for w, ref in zip(weights, refs):
         rows = max(1, SEARCH_CHUNK_ELEMENTS // w.shape[1])
+        buffer = torch.empty(min(rows, w.shape[0]), w.shape[1], device=w.device)  # one chunk's fp32 storage, reused
         squared = x_hat.new_zeros(())
         for start in range(0, w.shape[0], rows):
-            chunk = fake_quantize_weight_per_channel_(w[start : start + rows] * s)  # [r, K]
+            chunk = torch.mul(w[start : start + rows], s, out=buffer[: min(rows, w.shape[0] - start)])  # [r, K]
+            fake_quantize_weight_per_channel_(chunk)
             squared += (x_hat @ chunk.t() - ref[:, start : start + rows]).pow(2).sum()
         err += (squared / ref.pow(2).sum().clamp_min(1e-12)).item()
     return err
