@@ -67,30 +67,31 @@ def _make_hook(
     stats: CalibrationStats,
     rows_per_block: int,
     generator: torch.Generator,
-    shared: dict | None = None,
+    shared: dict,
     gram_sums: dict[str, torch.Tensor] | None = None,
 ):
-    """Forward pre-hook adding one linear's input to `stats`. With `shared` (a dict common to the
-    hooks of one recording) it also sums x^T x into `gram_sums` (upper tiles, upper_gram_add),
-    computed and held once for siblings that read the same tensor (the first sibling to run owns it)."""
+    """Forward pre-hook adding one linear's input to `stats`. Siblings reading the same tensor (q/k/v,
+    gate/up) share its fp32 copy and abs-max through `shared` (a dict common to the hooks of one
+    recording; the first sibling to run fills it). With `gram_sums` it also sums x^T x into it
+    (upper tiles, upper_gram_add), computed and held once per input by that first sibling, its owner."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:
         x = args[0] if args else kwargs["input"]
-        x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [T, K]
-        amax = x2.abs().amax(dim=0)  # [K]
-        pick = torch.randperm(x2.shape[0], generator=generator)[:rows_per_block]
-        sample = x2[pick.to(x2.device)].cpu()
-        owner = None
-        if shared is not None:
-            if shared.get("x") is not x or shared.get("version") != x._version:  # holding x: its id cannot be reused
-                shared.update(x=x, version=x._version, owner=name)
+        if shared.get("x") is not x or shared.get("version") != x._version:  # holding x: its id cannot be reused
+            x2 = x.detach().reshape(-1, x.shape[-1]).float()  # [T, K]
+            shared.update(x=x, version=x._version, owner=name, x2=x2, amax=x2.abs().amax(dim=0))  # amax [K]
+            if gram_sums is not None:
                 if name not in gram_sums:
                     gram_sums[name] = torch.zeros(x2.shape[1], x2.shape[1], device=x2.device)  # summed where x lives
                 upper_gram_add(gram_sums[name], x2)
-            owner = shared["owner"]
+        x2, amax = shared["x2"], shared["amax"]
+        owner = shared["owner"] if gram_sums is not None else None
+        pick = torch.randperm(x2.shape[0], generator=generator)[:rows_per_block]
+        sample = x2[pick.to(x2.device)].cpu()
         entry = stats.by_module.get(name)
         if entry is None:
-            stats.by_module[name] = LinearInputStats(amax.cpu(), sample, x2.shape[0], None, None if owner == name else owner)
+            absmax = amax.to("cpu", copy=True)  # its own tensor: updated in place below
+            stats.by_module[name] = LinearInputStats(absmax, sample, x2.shape[0], None, None if owner == name else owner)
         else:
             torch.maximum(entry.absmax, amax.cpu(), out=entry.absmax)
             entry.samples = torch.cat([entry.samples, sample])
@@ -112,19 +113,18 @@ def recording_linear_inputs(
     those names); `hessians=True` also sums each input's x^T x (for GPTQ rounding), added to the
     owner's `hessian` when the recording closes."""
     handles = []
-    shared: dict | None = {} if hessians else None
+    shared: dict = {}  # the last input seen and what siblings share of it
     gram_sums: dict[str, torch.Tensor] = {}  # owner name -> upper tiles of its x^T x, this recording
     try:
         for name in module_names:
             module = root.get_submodule(name)
-            hook = _make_hook(name, stats, rows_per_block, generator, shared, gram_sums)
+            hook = _make_hook(name, stats, rows_per_block, generator, shared, gram_sums if hessians else None)
             handles.append(module.register_forward_pre_hook(hook))
         yield
     finally:
         for handle in handles:
             handle.remove()
-        if shared is not None:
-            shared.clear()
+        shared.clear()
         for name in list(gram_sums):
             hessian, entry = mirrored(gram_sums.pop(name)), stats.by_module[name]
             entry.hessian = hessian if entry.hessian is None else entry.hessian.add_(hessian)

@@ -87,6 +87,7 @@ def gptq_round(
     # (QuIP, Chee et al. 2023, show GPTQ's equivalence to this LDL form). wt's finished rows are
     # overwritten by their errors d_j = w_j - q_j.
     qt = torch.empty_like(wt)
+    halves = torch.full_like(scale, 0.5)
     k = wt.shape[0]
     for start in range(0, k, block):
         stop = min(start + block, k)
@@ -95,7 +96,7 @@ def gptq_round(
             current.addmm_(a[:start, start:stop].t(), wt[:start])  # the finished rows' errors
         for j in range(start, stop):
             row = current[j - start]
-            torch.floor(row / scale + 0.5, out=qt[j]).clamp_(-QMAX, QMAX)
+            torch.addcdiv(halves, row, scale, out=qt[j]).floor_().clamp_(-QMAX, QMAX)  # floor(row / scale + 0.5)
             error = wt[j].sub_(qt[j] * scale)  # d_j = w_j - q_j, kept in wt[j]
             current[j - start + 1 :].addr_(a[j, j + 1 : stop], error)  # spread over this block's later rows
     scale = torch.where(amax > 0, scale, torch.zeros_like(scale))
