@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from quasar_hf.ops.hadamard import DIRECT_SYLVESTER_MAX, HadamardRotation
+from quasar_hf.ops.hadamard import HadamardRotation, sylvester_split
 from quasar_hf.smoothquant.calibration import GRAM_TILE
 
 SAMPLED_ROWS = 256  # QuasarConfig.calibration_sample_rows
@@ -58,9 +58,8 @@ def gram_flop(tokens: int, k: int) -> int:
 def rotation_gemm_flop(k: int) -> int:
     """FLOPs of Q^T H Q for a [k, k] H by hadamard.rotate_columns_gemm (twice: Q^T H, then Q^T of its transpose)."""
     rotation = HadamardRotation.for_size(k)
-    n = rotation.pow2
-    a = 1 if n <= DIRECT_SYLVESTER_MAX else 1 << (n.bit_length() - 1) // 2
-    per_element = (n // a) + (a if a > 1 else 0) + (rotation.odd_order if rotation.odd_order > 1 else 0)
+    a, b = sylvester_split(rotation.pow2)
+    per_element = b + (a if a > 1 else 0) + (rotation.odd_order if rotation.odd_order > 1 else 0)
     return 2 * 2 * k * k * per_element
 
 

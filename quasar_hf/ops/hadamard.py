@@ -175,6 +175,13 @@ GEMM_CHUNK_ELEMENTS = 1 << 24  # elements per pass of rotate_rows_gemm (bounds i
 DIRECT_SYLVESTER_MAX = 256  # H_n of at most this order is one GEMM; larger ones split as H_a (x) H_b
 
 
+def sylvester_split(n: int) -> tuple[int, int]:
+    """(a, b) with H_n = H_a (x) H_b as the matrix-product rotations apply it: (1, n) up to
+    DIRECT_SYLVESTER_MAX (one GEMM), else a = 2^floor(log2(n) / 2)."""
+    a = 1 if n <= DIRECT_SYLVESTER_MAX else 1 << (n.bit_length() - 1) // 2
+    return a, n // a
+
+
 def rotate_rows_float64(x: torch.Tensor, rotation: HadamardRotation) -> torch.Tensor:
     """x [..., K] -> float64 x Q, for weights prepared offline, where accuracy matters and row-stability
     does not (rotate_rows_gemm in float64)."""
@@ -183,7 +190,7 @@ def rotate_rows_float64(x: torch.Tensor, rotation: HadamardRotation) -> torch.Te
 
 def rotate_rows_gemm(x: torch.Tensor, rotation: HadamardRotation, dtype: torch.dtype) -> torch.Tensor:
     """x [..., K] -> x Q computed in `dtype` as matrix products, for offline work where throughput
-    matters and row-stability does not (a [K, K] Hessian: gptq.rotated_hessian).
+    matters and row-stability does not (weights prepared offline: rotate_rows_float64).
 
     Each block of a row, viewed as [m, n], is multiplied by H_n on the n axis (one GEMM; past
     DIRECT_SYLVESTER_MAX as H_a (x) H_b, Sylvester matrices being Kronecker powers: K (a + b)
@@ -192,8 +199,7 @@ def rotate_rows_gemm(x: torch.Tensor, rotation: HadamardRotation, dtype: torch.d
     if x.shape[-1] != rotation.size:
         raise ValueError(f"rotation is for rows of {rotation.size}, got x of shape {tuple(x.shape)}")
     m, n = rotation.odd_order, rotation.pow2
-    a = 1 if n <= DIRECT_SYLVESTER_MAX else 1 << (n.bit_length() - 1) // 2
-    b = n // a
+    a, b = sylvester_split(n)
     h_a = sylvester_matrix(a).to(x.device, dtype)
     h_b = sylvester_matrix(b).to(x.device, dtype)
     odd = (rotation.odd_signs().double() / math.sqrt(rotation.block)).to(x.device, dtype)  # H_m, scaled
@@ -213,14 +219,14 @@ def rotate_rows_gemm(x: torch.Tensor, rotation: HadamardRotation, dtype: torch.d
 
 def rotate_columns_gemm(matrix: torch.Tensor, rotation: HadamardRotation, dtype: torch.dtype) -> torch.Tensor:
     """matrix [K, W] -> Q^T matrix computed in `dtype` as matrix products: each column rotated as
-    rotate_rows_gemm rotates a row, with every product applied from the left on contiguous slabs
-    (no transposed copies). Columns go in chunks of about GEMM_CHUNK_ELEMENTS."""
+    rotate_rows_gemm rotates a row, with every product applied from the left on contiguous slabs.
+    Columns go in chunks of about GEMM_CHUNK_ELEMENTS, each copied contiguous first (a transposed
+    `matrix` is transposed one chunk at a time)."""
     if matrix.dim() != 2 or matrix.shape[0] != rotation.size:
         raise ValueError(f"rotation is for columns of {rotation.size}, got a matrix of shape {tuple(matrix.shape)}")
     k, width = matrix.shape
     c, m, n = rotation.blocks, rotation.odd_order, rotation.pow2
-    a = 1 if n <= DIRECT_SYLVESTER_MAX else 1 << (n.bit_length() - 1) // 2
-    b = n // a
+    a, b = sylvester_split(n)
     scale = 1.0 / math.sqrt(rotation.block)
     h_b = sylvester_matrix(b).to(matrix.device, dtype).t()  # H_b^T, scaled below when there is no H_m
     h_a = sylvester_matrix(a).to(matrix.device, dtype).t()
