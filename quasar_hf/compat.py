@@ -8,6 +8,7 @@ private Transformers name. Supported: Transformers 5.17 - 5.24.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import functools
 import inspect
@@ -203,23 +204,39 @@ def compiled_step(model: torch.nn.Module, compile_config: Any, name: str = "quas
     (weights, packed layouts) in a SmolLM2 step, ~3 ms of it. With recursive dict tags a module whose
     traced forward reads only tensors, tuples and plain values from its own dicts (W8A8Linear, the
     norms) is checked by comparing its dicts' version tags, and its full guards run only when one of
-    those dicts changed (an attribute or buffer assigned). Dynamo reads the setting when it builds
-    guards, i.e. at a (re)compile inside this call; it is set and restored around each call by hand
-    (about 5 us; `config.patch` costs about 25)."""
+    those dicts changed (an attribute or buffer assigned). Dynamo reads that setting when it builds
+    guards, at a (re)compile inside a call. It is fixed once, when the step is made: Dynamo keeps its
+    settings in context variables, so the step holds a copy of the context of its making with the
+    setting on (`dict_tag_context`), and each call runs in a fresh copy of that one. Nothing is set per
+    call, and neither the caller nor another thread sees the setting. Where this torch keeps the
+    setting elsewhere, steps compile with Dynamo's default guards."""
     call = _call_with_own_code(model, name)
     compiled = torch.compile(call, **compile_config.to_dict())
-    dynamo_config = torch._dynamo.config
+    settings = dict_tag_context()
+    if settings is None:
+        return compiled
 
     def step(*args: Any, **kwargs: Any) -> Any:
-        before = dynamo_config.use_recursive_dict_tags_for_guards
-        dynamo_config.use_recursive_dict_tags_for_guards = True
-        try:
-            return compiled(*args, **kwargs)
-        finally:
-            dynamo_config.use_recursive_dict_tags_for_guards = before
+        return settings.copy().run(compiled, *args, **kwargs)
 
     step.__wrapped__ = call  # the compiled function (Dynamo's cache entries hang on its __code__)
     return step
+
+
+def dict_tag_context() -> contextvars.Context | None:
+    """A copy of the current context in which Dynamo builds guards on recursive dict tags, or None where
+    Dynamo does not keep that setting in a context variable (a value set inside a copy would leak)."""
+    entry = getattr(torch._dynamo.config, "_config", {}).get("use_recursive_dict_tags_for_guards")
+    if not isinstance(getattr(entry, "user_override", None), contextvars.ContextVar):
+        return None
+    context = contextvars.copy_context()
+    context.run(_enable_dict_tags)
+    return context
+
+
+def _enable_dict_tags() -> None:
+    """Run inside `dict_tag_context`'s private copy only."""
+    torch._dynamo.config.use_recursive_dict_tags_for_guards = True
 
 
 def _call_with_own_code(module: torch.nn.Module, name: str) -> Callable:

@@ -327,5 +327,42 @@ def test_a_compiled_step_checks_quantized_modules_by_dict_tags_and_still_sees_a_
         eager = model(input_ids=ids, use_cache=False).logits
     torch._dynamo.reset()
     assert (after - before).abs().max() > 1e-3
-    assert not torch._dynamo.config.use_recursive_dict_tags_for_guards  # set for the call only, restored after
+    assert not torch._dynamo.config.use_recursive_dict_tags_for_guards  # the caller's setting never changed
     torch.testing.assert_close(after, eager)
+
+
+@needs_kernels
+def test_a_compiled_step_never_changes_the_callers_dynamo_settings(tmp_path):
+    """The dict-tag setting is fixed when the step is made, in a context of the step's own: the step's
+    compile sees it; the caller, before, during (another thread) and after, reads Dynamo's default."""
+    import threading
+
+    from quasar_hf import compat
+
+    assert compat.dict_tag_context() is not None  # torch 2.13 keeps Dynamo's settings in context variables
+    model = quasar_model(tmp_path, "llama", torch.float32)
+    torch._dynamo.reset()
+    seen_inside, seen_outside = [], []
+    compiling, done = threading.Event(), threading.Event()
+
+    def spying_backend(graph_module, example_inputs, **options):
+        seen_inside.append(torch._dynamo.config.use_recursive_dict_tags_for_guards)
+        compiling.set()
+        done.wait(timeout=30)  # hold the compile while the other thread looks
+        return graph_module.forward
+
+    def other_thread():
+        compiling.wait(timeout=30)
+        seen_outside.append(torch._dynamo.config.use_recursive_dict_tags_for_guards)
+        done.set()
+
+    watcher = threading.Thread(target=other_thread)
+    watcher.start()
+    step = compat.compiled_step(model, CompileConfig(fullgraph=True, dynamic=False, backend=spying_backend))
+    assert not torch._dynamo.config.use_recursive_dict_tags_for_guards
+    with torch.no_grad():
+        step(input_ids=repeating_prompt(0), use_cache=False)
+    watcher.join()
+    torch._dynamo.reset()
+    assert seen_inside == [True] and seen_outside == [False]
+    assert not torch._dynamo.config.use_recursive_dict_tags_for_guards
