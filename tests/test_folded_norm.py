@@ -1,7 +1,7 @@
 """RMSNorm folded into the W8A8 activation quantization of the linears it feeds (nn/folded_norm.py).
 
-Oracles: reference.w8a8_linear_rmsnorm_reference (each consumer's output) and
-reference.rmsnorm_reference (the norm's own output), bit for bit on "cpu_fused" and "reference".
+Oracles: reference.w8a8_linear_rmsnorm_reference (each consumer's output), bit for bit on "cpu_fused",
+"reference" and "triton"; the norm's own output is the `quasar::rms_norm` op's.
 The fold is a different rounding of the same function as norm-then-quantize, so model-level tests
 against the unfolded model use a bound; every context (hooks, inference mode, grad, direct calls,
 threads) must give the same bits; any reader other than the consumers sees normalized values.
@@ -20,12 +20,13 @@ from transformers import AutoModelForCausalLM
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from quasar_hf import QuasarConfig, prepare_weights
 from quasar_hf.hf.quantize_on_load import unfold_norms
-from quasar_hf.nn import FoldedNormOutput, FoldedRMSNorm
+from quasar_hf.nn import FoldedRMSNorm, RMSNormOutput
 from quasar_hf.ops import cpu_fused, dispatch
 from quasar_hf.ops.reference import (
     quantize_weight_per_channel,
     rms_factor_reference,
-    rmsnorm_reference,
+    w8a8_folded_group_reference,
+    w8a8_linear_reference,
     w8a8_linear_rmsnorm_reference,
 )
 from tests.test_arch_gemma_phi import save_tiny_arch
@@ -65,7 +66,7 @@ FOLDING_BACKENDS = [b for b in ("reference", "torch", "cpu_fused", "triton") if 
         (576, (96, 48), 7, torch.bfloat16),
     ],
 )
-def test_folded_group_equals_the_oracle(backend, k, sizes, m, dtype):
+def test_folded_linear_equals_the_oracle(backend, k, sizes, m, dtype):
     """cpu_fused, triton (interpreted here) and reference: bit for bit. torch sums squares in its own
     order, so its r may differ by an ulp: within two units of the output dtype."""
     weights, scale, g = _group_weights(k, sizes, dtype, k)
@@ -74,38 +75,51 @@ def test_folded_group_equals_the_oracle(backend, k, sizes, m, dtype):
         x[1] = 0  # a zero row: scale 0, outputs are the bias
         x[2, 0] = float("nan")  # a NaN row: NaN outputs
     prepared = [dispatch.prepare_w8a8(q, s, b, None, backend) for q, s, b in weights]
-    normed, *outs = dispatch.bind_folded_group(prepared, scale, 1e-5)(x)
-    expected_norm = rmsnorm_reference(x, scale, 1e-5)
+    outs = [p.folded(x, scale, 1e-5) for p in prepared]
     expected = [w8a8_linear_rmsnorm_reference(x, scale, 1e-5, q, s, b) for q, s, b in weights]
     if backend == "torch":  # one ulp of r, then the output's rounding: within two units of the dtype
         tol = dict(rtol=2e-2, atol=1e-3)
-        assert torch.allclose(normed.float().nan_to_num(7.0), expected_norm.float().nan_to_num(7.0), **tol)
         assert all(torch.allclose(o.float().nan_to_num(7.0), e.float().nan_to_num(7.0), **tol) for o, e in zip(outs, expected))
         return
-    assert normed.dtype == dtype and torch.equal(normed.nan_to_num(7.0), expected_norm.nan_to_num(7.0))
     for out, ref in zip(outs, expected):
         assert out.dtype == dtype and torch.equal(out.nan_to_num(7.0), ref.nan_to_num(7.0))
     if m > 2:
         assert torch.isnan(outs[0][2]).all() and not torch.isnan(outs[0][[0, 1]]).any()
 
 
-def test_backends_without_a_fold_or_mixed_groups_get_none():
-    weights, scale, _ = _group_weights(32, (16, 8), torch.float32, 0)
-    prepared = [dispatch.prepare_w8a8(q, s, b, None, "reference") for q, s, b in weights]
-    prescaled = dispatch.prepare_w8a8(*weights[0][:3], torch.ones(32), "reference")
-    assert dispatch.bind_folded_group([prepared[0], prescaled], scale, 1e-5) is None  # an act_prescale of its own
-    assert dispatch.bind_folded_group(prepared, torch.ones(31), 1e-5) is None  # a norm of another size
-    if "torch" in dispatch.available_backends("cpu"):
-        other = dispatch.prepare_w8a8(*weights[1][:3], None, "torch")
-        assert dispatch.bind_folded_group([prepared[0], other], scale, 1e-5) is None  # two backends
+@needs_kernel
+def test_one_folded_call_per_consumer_has_the_bits_of_the_grouped_call():
+    """What an eager consumer calls (its own weight) and what the compiled grouping pass calls (every
+    consumer of the norm at once) give each output the same bits."""
+    weights, scale, g = _group_weights(96, (96, 32, 32), torch.bfloat16, 3)
+    x = (torch.randn(2, 5, 96, generator=g) * 3).bfloat16()
+    prepared = [dispatch.prepare_w8a8(q, s, b, None, "cpu_fused") for q, s, b in weights]
+    grouped = torch.ops.quasar.w8a8_folded_norm_linears_cpu_packed(
+        x, scale, 1e-6, -0.0, [p.packed.data for p in prepared], [p.packed.wsum128 for p in prepared],
+        [s for _, s, _ in weights], [b for _, _, b in weights], [p.packed.out_features for p in prepared], True,
+    )  # fmt: skip
+    oracle = w8a8_folded_group_reference(x, weights, scale, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(grouped, oracle))
+    assert all(torch.equal(p.folded(x, scale, 1e-6), y) for p, y in zip(prepared, grouped[1:]))
+
+
+def test_no_folded_form_where_the_fold_cannot_run():
+    weights, scale, _ = _group_weights(32, (16,), torch.float32, 0)
+    q, s, b = weights[0]
+    assert dispatch.prepare_w8a8(q, s, b, torch.ones(32), "reference").folded is None  # an act_prescale of its own
+    prepared = dispatch.prepare_w8a8(q, s, b, None, "reference")
+    assert prepared.folded(torch.randn(2, 31), torch.ones(31), 1e-5) is None  # rows of another width
+    assert prepared.folded(torch.randn(2, 32, dtype=torch.float64), scale, 1e-5) is None  # a dtype the kernels do not take
+    if cpu_fused.is_available():
+        fused = dispatch.prepare_w8a8(q, s, b, None, "cpu_fused")
+        assert fused.folded(torch.randn(2, 31), torch.ones(31), 1e-5) is None
 
 
 def test_bad_norm_eps_is_refused():
-    q, s = quantize_weight_per_channel(torch.randn(16, 32))
-    prepared = [dispatch.prepare_w8a8(q, s, None, None, "reference")]
+    norm = torch.nn.RMSNorm(32)
     for eps in (-1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="norm_eps"):
-            dispatch.bind_folded_group(prepared, torch.ones(32), eps)
+        with pytest.raises(ValueError, match="eps"):
+            FoldedRMSNorm(norm, 0.0, eps)
 
 
 def _quantized(tmp_path, arch: str, dtype=torch.bfloat16, **options):
@@ -118,6 +132,16 @@ def _norms(model) -> list[FoldedRMSNorm]:
     return [m for m in model.modules() if isinstance(m, FoldedRMSNorm)]
 
 
+def _folds(model) -> list[tuple[FoldedRMSNorm, list[torch.nn.Module]]]:
+    """Each folded norm with the linears that read it (looked up in its decoder layer by the names it shows)."""
+    found = []
+    for layer in model.model.layers:
+        for module in layer.modules():
+            if isinstance(module, FoldedRMSNorm):
+                found.append((module, [layer.get_submodule(name) for name in module.consumer_names]))
+    return found
+
+
 @pytest.mark.parametrize(
     ("arch", "backend"),
     [("llama", "reference"), ("qwen2", "auto"), ("gemma3", "auto")],
@@ -126,17 +150,37 @@ def test_folded_norm_outputs_equal_the_oracle(tmp_path, arch, backend):
     if backend == "auto" and not cpu_fused.is_available():
         pytest.skip("the fused CPU kernel is not built here")
     model = _quantized(tmp_path, arch, backend=backend)
-    norms = _norms(model)
-    assert len(norms) == 2 * model.config.num_hidden_layers  # attention input and MLP input norms
+    folds = _folds(model)
+    assert len(folds) == len(_norms(model)) == 2 * model.config.num_hidden_layers  # attention and MLP input norms
     x = (torch.randn(1, 5, model.config.hidden_size) * 2).to(torch.bfloat16)
-    for norm in norms:
+    for norm, consumers in folds:
         out = norm(x)
         scale = norm.offset + norm.weight.float()
-        assert type(out) is FoldedNormOutput and torch.equal(out, rmsnorm_reference(x, scale, norm.eps))
-        assert type(out * 1.0) is torch.Tensor  # any op on it gives a plain tensor: the outputs stay here
-        for linear in norm.consumers:
+        assert type(out) is RMSNormOutput and torch.equal(out, torch.ops.quasar.rms_norm(x, norm.weight, *norm.formula))
+        assert type(out * 1.0) is torch.Tensor  # any op on it gives a plain tensor: the fold stays here
+        assert len(consumers) in (2, 3)
+        for linear in consumers:
             expected = w8a8_linear_rmsnorm_reference(x, scale, norm.eps, linear.weight, linear.weight_scale, linear.bias)
             assert torch.equal(linear(out), expected)
+
+
+def test_no_module_holds_another_module_of_the_model(tmp_path):
+    """The fold lives in the activation: no back-references, no module reading a sibling's state."""
+    model = _quantized(tmp_path, "llama", backend="reference")
+    in_tree = {id(m) for m in model.modules()}
+
+    def modules_in(value) -> list[torch.nn.Module]:
+        if isinstance(value, torch.nn.Module):
+            return [value]
+        if isinstance(value, (tuple, list)):
+            return [m for v in value for m in modules_in(v)]
+        if isinstance(value, dict):
+            return [m for v in value.values() for m in modules_in(v)]
+        return []
+
+    for module in model.modules():
+        held = {k: v for k, v in vars(module).items() if k not in ("_modules", "_parameters", "_buffers")}
+        assert not [m for m in modules_in(held) if id(m) in in_tree], type(module).__name__
 
 
 @needs_kernel
@@ -233,8 +277,7 @@ def test_two_threads_on_one_model_get_what_sequential_calls_get(tmp_path):
 @needs_kernel
 def test_an_in_place_edit_needs_prepare_weights_and_it_is_enough(tmp_path):
     model = _quantized(tmp_path, "llama")
-    norm = model.model.layers[0].input_layernorm
-    q_proj = norm.consumers[0]
+    norm, (q_proj, *_) = _folds(model)[0]
     x = (torch.randn(1, 3, model.config.hidden_size) * 2).to(torch.bfloat16)
     before = q_proj(norm(x))
     with torch.no_grad():
@@ -248,19 +291,39 @@ def test_an_in_place_edit_needs_prepare_weights_and_it_is_enough(tmp_path):
 
 
 @needs_kernel
+def test_an_edit_between_the_norm_and_its_linear_is_seen(tmp_path):
+    """Edited in place after the norm ran, the norm's input or its output: the linear quantizes the
+    values it is given. Under inference mode the norm keeps a copy of its input."""
+    model = _quantized(tmp_path, "llama")
+    norm, (q_proj, *_) = _folds(model)[0]
+    x = (torch.randn(1, 3, model.config.hidden_size) * 2).to(torch.bfloat16)
+    folded = q_proj(norm(x))
+    out = norm(x)
+    x.mul_(3.0)  # the norm's input changes: the output keeps its values, the fold is dropped
+    assert torch.equal(q_proj(out), q_proj(out.as_subclass(torch.Tensor)))
+    assert not torch.equal(q_proj(out), folded)  # quantized values, not the fold: one rounding more
+    out = norm(x)
+    out.mul_(-1.0)
+    assert torch.equal(q_proj(out), w8a8_linear_reference(out.as_subclass(torch.Tensor), q_proj.weight, q_proj.weight_scale))
+    with torch.inference_mode():
+        y = x.clone()
+        out = norm(y)
+        y.mul_(5.0)  # an inference tensor has no version counter: the fold read a copy
+        assert torch.equal(q_proj(out), q_proj(norm(x)))
+
+
+@needs_kernel
 def test_checkpoints_copies_and_moves_keep_the_fold(tmp_path):
     model = _quantized(tmp_path, "llama")
     state = {k: v.clone() for k, v in model.state_dict().items()}
     logits = model(IDS).logits
     layer = model.model.layers[0]
-    layer_twin = pickle.loads(pickle.dumps(layer))  # a pickled layer binds its own fold
-    assert layer_twin.input_layernorm.folded and layer_twin.input_layernorm.consumers[0] is layer_twin.self_attn.q_proj
+    layer_twin = pickle.loads(pickle.dumps(layer))  # a pickled layer prepares its own scale and kernels
     x = torch.randn(1, 4, model.config.hidden_size, dtype=torch.bfloat16)
+    assert type(layer_twin.post_attention_layernorm(x)) is RMSNormOutput
     assert torch.equal(layer_twin.mlp(layer_twin.post_attention_layernorm(x)), layer.mlp(layer.post_attention_layernorm(x)))
     for twin in (copy.deepcopy(model), model.to("cpu")):
-        norms = _norms(twin)
-        assert norms and all(n.folded and all(c.fed_by == (n,) for c in n.consumers) for n in norms)
-        assert all(c in dict(twin.named_modules()).values() for n in norms for c in n.consumers)
+        assert len(_norms(twin)) == 2 * model.config.num_hidden_layers
         assert torch.equal(twin(IDS).logits, logits)
     model.save_pretrained(tmp_path / "out")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -281,14 +344,14 @@ def test_greedy_quasar_equals_plain_with_folded_norms(tmp_path, arch):
 
 def test_reference_backend_folds_and_decodes_exactly(tmp_path):
     model = _quantized(tmp_path, "llama", backend="reference")
-    assert all(n.folded for n in _norms(model))
+    assert _norms(model)
     assert_quasar_greedy_equals_plain(model, max_new_tokens=12)
 
 
 @needs_kernel
 def test_a_model_with_folded_norms_compiles_into_one_graph(tmp_path):
-    """Under torch.compile the folded norm computes itself (its Transformers class) and the consumers
-    run as `quasar::w8a8_linear` ops: fullgraph, no break. Compiled need not equal eager: within W8A8 error."""
+    """Under torch.compile the folded norm is `quasar::rms_norm` and the consumers run as W8A8 ops:
+    fullgraph, no break. Compiled need not equal eager: within W8A8 error."""
     model = _quantized(tmp_path, "llama")
     seen = []
     backend = recording_aot_eager(seen)

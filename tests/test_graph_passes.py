@@ -1,7 +1,7 @@
 """The post-grad pass of compiled steps (ops/graph_passes.py) and the C++ implementations of the ops
 (ops/native.py).
 
-- `quasar::w8a8_folded_norm_linears_cpu_packed` gives each consumer the bits of eager's folded group
+- `quasar::w8a8_folded_norm_linears_cpu_packed` gives each consumer the bits an eager consumer computes
   (the reference oracle), and passes opcheck.
 - The pass folds exactly the groups it may (a synthetic FX graph: an act_prescale, another backend or
   another reader of the norm's output leaves a linear alone), and rewrites nothing else.

@@ -39,18 +39,18 @@ def _counting(monkeypatch, name: str) -> list[int]:
         calls.append(1)
         return entry.run(*args, **kwargs)
 
-    group_bind = entry.bind_group  # a folded norm's consumers (q/k/v, gate/up) run as one group call
+    fold_bind = entry.bind_folded  # a folded norm's consumers (q/k/v, gate/up) each run their folded form
 
-    def bind_group(weights, *args, **kwargs):
-        group = group_bind(weights, *args, **kwargs)
+    def bind_folded(weights, packed):
+        folded = fold_bind(weights, packed)
 
-        def counted(x):
-            calls.extend([1] * len(weights))  # one output per consumer linear
-            return group(x)
+        def counted(*args):
+            calls.append(1)
+            return folded(*args)
 
         return counted
 
-    monkeypatch.setitem(dispatch._TABLE, name, dataclasses.replace(entry, run=run, run_prepacked=run, bind_group=bind_group))
+    monkeypatch.setitem(dispatch._TABLE, name, dataclasses.replace(entry, run=run, run_prepacked=run, bind_folded=bind_folded))
     return calls
 
 

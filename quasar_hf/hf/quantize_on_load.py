@@ -124,13 +124,13 @@ def fold_norms(model: nn.Module, config: QuasarConfig) -> int:
                 members = [layer.get_submodule(path) for path in mapping.balance]
             except AttributeError:  # a layer shaped unlike layer 0: left as it is
                 continue
-            foldable = all(
-                type(m) is W8A8Linear and m.act_prescale is None and not m.fed_by for m in members
+            foldable = not isinstance(norm, FoldedRMSNorm) and all(
+                type(m) is W8A8Linear and m.act_prescale is None for m in members
             )  # a RotatedW8A8Linear quantizes x Q, not the norm's output
             eps = rmsnorm_epsilon(norm)
             if not foldable or eps is None or compat.has_accelerate_hook(norm) or compat.has_accelerate_hook(layer):
                 continue
-            set_submodule(layer, mapping.smooth, FoldedRMSNorm(norm, members, mapping.norm_offset, eps, mapping.balance))
+            set_submodule(layer, mapping.smooth, FoldedRMSNorm(norm, mapping.norm_offset, eps, mapping.balance))
             folded += 1
     return folded
 
@@ -141,8 +141,6 @@ def unfold_norms(model: nn.Module) -> int:
     restored = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, FoldedRMSNorm):
-            for linear in module.consumers:
-                linear.fed_by = ()
             set_submodule(model, name, module.unfolded[0])
             restored += 1
     return restored

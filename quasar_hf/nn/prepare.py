@@ -1,4 +1,4 @@
-"""prepare_weights(model): pack and bind every W8A8 kernel and folded norm once, in the right order;
+"""prepare_weights(model): pack and bind every W8A8 kernel and folded norm once;
 set_backend(model, name): run a loaded Quasar model's W8A8 linears on another backend."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from quasar_hf.ops.dispatch import BACKENDS, resolve_backend
 
 
 def prepare_weights(model: nn.Module) -> int:
-    """Validate, pack and bind the kernels of every W8A8Linear in `model`, then the folded norms over them.
+    """Validate, pack and bind the kernels of every W8A8Linear in `model`, and the folded norms' scales.
 
     Loading, `.to()` and `load_state_dict` do this themselves; call it after editing a quantized
     weight (or a folded norm's weight) in place, which the forward does not check. Returns the
@@ -45,7 +45,7 @@ def set_backend(model: nn.Module, backend: str) -> int:
     for device in {m.weight.device for m in linears if m.weight.device.type != "meta"}:
         resolve_backend(backend, device)  # raises, naming why, before any module changes
     for linear in linears:
-        linear.backend = backend  # prepares again (and the folded norm it feeds)
+        linear.backend = backend  # prepares again
     qconfig = getattr(getattr(model, "config", None), "quantization_config", None)
     if isinstance(qconfig, dict):
         qconfig["backend"] = backend

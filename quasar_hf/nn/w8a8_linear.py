@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quasar_hf.nn.folded_norm import FoldedNormOutput
+from quasar_hf.nn.folded_norm import RMSNormOutput
 from quasar_hf.nn.prepared_module import PreparedModule
 from quasar_hf.ops import native
 from quasar_hf.ops.dispatch import PreparedW8A8, prepare_w8a8, w8a8_linear
@@ -32,11 +32,11 @@ class W8A8Linear(PreparedModule):
     prepared once (validated, packed, bound) by `prepare()`: at construction, after `.to()` /
     `_apply`, `load_state_dict` and copies. After editing a buffer in place, call `prepare()` (or
     `quasar_hf.prepare_weights(model)`): the forward checks nothing and uses what was prepared.
-    Called with a `FoldedNormOutput` naming it as a consumer, it returns the output the folded
-    norm computed for it (nn/folded_norm.py).
+    Called with an `RMSNormOutput` (a FoldedRMSNorm's output), it computes W8A8(RMSNorm(x)) from the
+    norm's input with the norm folded into its own quantization (nn/folded_norm.py).
     """
 
-    derived = ("_prepared", "_op_layout")
+    derived = ("_prepared", "_op_layout", "_folded")
 
     def __init__(
         self,
@@ -64,7 +64,7 @@ class W8A8Linear(PreparedModule):
             self.act_prescale = None
         self._prepared: PreparedW8A8 | None = None  # None: not prepared yet, every call dispatches unbound
         self._op_layout: tuple[str, tuple] | None = None  # (quasar:: op name, its arguments after x): prepare
-        self.fed_by: tuple[nn.Module, ...] = ()  # the FoldedRMSNorm whose output this linear reads, if any
+        self._folded = None  # prepare: folded(x, norm_scale, eps) -> W8A8(RMSNorm(x)) or None (PreparedW8A8.folded)
 
     @property
     def backend(self) -> str:
@@ -134,21 +134,20 @@ class W8A8Linear(PreparedModule):
         return self._prepared
 
     def prepare(self) -> None:
-        """Validate and pack the buffers and bind the kernel once (and rebind the folded norm feeding
-        this linear). Needed after an in-place edit of `weight`, `weight_scale`, `bias` or `act_prescale`."""
-        self._prepared = self._op_layout = None  # release the old packed weight first
+        """Validate and pack the buffers and bind the kernel (and its folded form) once. Needed after an
+        in-place edit of `weight`, `weight_scale`, `bias` or `act_prescale`."""
+        self._prepared = self._op_layout = self._folded = None  # release the old packed weight first
         if self.weight.device.type == "cpu":
             native.is_available()  # the ops' C++ CPU implementations, loaded once (else their Python fallbacks)
         if self.weight.device.type != "meta":  # offloaded or not yet loaded: run unprepared
             self._prepared = prepare_w8a8(self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
             self._op_layout = self._prepared.op
-        for norm in self.fed_by:
-            if "_parameters" in norm.__dict__:  # a norm still being rebuilt (copy, unpickle) binds itself
-                norm.prepare()
+            self._folded = self._prepared.folded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if type(x) is FoldedNormOutput:
-            y = x.output_of(self)
+        if type(x) is RMSNormOutput and self._folded is not None:
+            fold = x.fold()  # (the norm's input, its fp32 scale, eps), None if either tensor was edited since
+            y = None if fold is None else self._folded(*fold)
             if y is not None:
                 return y
         return self._linear(x)
@@ -194,7 +193,7 @@ class RotatedW8A8Linear(W8A8Linear):
         # prepare(): (H_m on the weight's device, blocks, pow2, scale), what `quasar::hadamard_rows` takes
         self._rotation_op_args: tuple[torch.Tensor, int, int, float] | None = None
 
-    derived = ("_prepared", "_op_layout", "_rotation_op_args")
+    derived = (*W8A8Linear.derived, "_rotation_op_args")
 
     def prepare(self) -> None:
         """Prepare the int8 linear (W8A8Linear.prepare) and the rotation op's arguments."""

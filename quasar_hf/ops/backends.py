@@ -139,49 +139,50 @@ def unpack_torch(weight_q: torch.Tensor, tensors: list[torch.Tensor]) -> object:
     return TorchPackedWeight(weight_kn=tensors[0])
 
 
-# ---- folded groups: x -> (RMSNorm(x), W8A8_0(RMSNorm(x)), W8A8_1(...), ...) with the norm folded ----
+# ---- folded forms: (x, norm_scale, eps) -> W8A8(RMSNorm(x)), the norm folded into the quantization ----
+# Each returns None for an x it does not take (another device, dtype or width): the caller then
+# quantizes the norm's output as any other input.
 
 
-def group_reference(weights, norm_scale, packs, norm_eps):
-    from quasar_hf.ops.reference import w8a8_folded_group_reference
-
-    return lambda x: w8a8_folded_group_reference(x, weights, norm_scale, norm_eps)
+def _takes(x: torch.Tensor, weight_q: torch.Tensor) -> bool:
+    return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.device == weight_q.device and x.shape[-1] == weight_q.shape[1]
 
 
-def group_torch(weights, norm_scale, packs, norm_eps):
-    from quasar_hf.ops.cpu import bind_folded_group_torch
+def folded_reference(weights, packed):
+    from quasar_hf.ops.reference import w8a8_linear_rmsnorm_reference
 
-    return bind_folded_group_torch(weights, norm_scale, packs, norm_eps)
+    weight_q, weight_scale, bias = weights
+
+    def folded(x: torch.Tensor, norm_scale: torch.Tensor, eps: float) -> torch.Tensor | None:
+        return w8a8_linear_rmsnorm_reference(x, norm_scale, eps, weight_q, weight_scale, bias) if _takes(x, weight_q) else None
+
+    return folded
 
 
-def group_triton(weights, norm_scale, packs, norm_eps):
-    from quasar_hf.ops.triton_w8a8 import bind_folded_group_triton
+def folded_torch(weights, packed):
+    from quasar_hf.ops.cpu import bind_folded_torch
 
-    return bind_folded_group_triton(weights, norm_scale, norm_eps)
+    return bind_folded_torch(weights, packed)
 
 
-def group_cpu_fused(weights, norm_scale, packs, norm_eps):
-    """The folded group as calls of `quasar::w8a8_folded_norm_linears_cpu_packed` (one per MULTI_MAX
-    weights), the op compiled steps call too: (normed, y_0, y_1, ...)."""
-    from quasar_hf.ops.cpu_packing import MULTI_MAX
+def folded_triton(weights, packed):
+    from quasar_hf.ops.triton_w8a8 import bind_folded_triton
 
+    return bind_folded_triton(weights)
+
+
+def folded_cpu_fused(weights, packed):
+    """`quasar::w8a8_folded_norm_linears_cpu_packed` with this one weight (the op a compiled step's
+    grouping pass calls with every consumer of a norm): the same bits per output."""
+    weight_q, weight_scale, bias = weights
     op = torch.ops.quasar.w8a8_folded_norm_linears_cpu_packed.default
+    lists = ([packed.data], [packed.wsum128], [weight_scale], [bias], [packed.out_features], False)
+    k = weight_q.shape[1]
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
-    def args_of(chunk: range) -> tuple:  # after x; norm_scale holds offset + weight (-0.0 + v is v, bit for bit)
-        return (
-            norm_scale, float(norm_eps), -0.0, [packs[i].data for i in chunk], [packs[i].wsum128 for i in chunk],
-            [weights[i][1] for i in chunk], [weights[i][2] for i in chunk], [packs[i].out_features for i in chunk], True,
-        )  # fmt: skip
+    def folded(x: torch.Tensor, norm_scale: torch.Tensor, eps: float) -> torch.Tensor | None:
+        if not (x.is_cpu and x.dtype in dtypes and x.shape[-1] == k):
+            return None
+        return op(x, norm_scale, eps, -0.0, *lists)[0]  # norm_scale is offset + weight already: -0.0 + v is v
 
-    if len(weights) <= MULTI_MAX:
-        args = args_of(range(len(weights)))
-        return lambda x: tuple(op(x, *args))
-    chunks = [args_of(range(i, min(i + MULTI_MAX, len(weights)))) for i in range(0, len(weights), MULTI_MAX)]
-
-    def group(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        normed, *outputs = op(x, *chunks[0])
-        for args in chunks[1:]:
-            outputs += op(x, *args)[1:]
-        return (normed, *outputs)
-
-    return group
+    return folded

@@ -142,21 +142,21 @@ def rms_factor_torch(x2: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.reciprocal(sqrt_correctly_rounded(mean + eps))
 
 
-def bind_folded_group_torch(weights: list, norm_scale: torch.Tensor, packed: list, norm_eps: float):
-    """`group(x) -> (normed, y_0, ...)`: the RMSNorm folded into one per-token quantization of x * norm_scale,
-    each row's scale times rms_factor_torch (as reference.w8a8_linear_rmsnorm_reference, with torch's
-    row sum), then one `torch._int_mm` per weight."""
-    own = [p if isinstance(p, TorchPackedWeight) else None for p in packed]
+def bind_folded_torch(weights: tuple, packed: object | None):
+    """`folded(x, norm_scale, eps)`: W8A8(RMSNorm(x)) with the norm folded into one per-token quantization
+    of x * norm_scale, each row's scale times rms_factor_torch (reference.w8a8_linear_rmsnorm_reference
+    with torch's row sum); None for an x this weight does not take."""
+    weight_q, weight_scale, bias = weights
+    own = packed if isinstance(packed, TorchPackedWeight) else None
 
-    def group(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def folded(x: torch.Tensor, norm_scale: torch.Tensor, eps: float) -> torch.Tensor | None:
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.device != weight_q.device:
+            return None
+        if x.shape[-1] != weight_q.shape[1] or x.numel() == 0:
+            return None
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-        scaled = x2.float() * norm_scale  # [M, K] fp32
-        r = rms_factor_torch(x2, norm_eps)  # [M, 1]
-        a_q, a_scale = quantize_per_token_fast(scaled)
-        a_scale = torch.where(a_scale == 0, a_scale, a_scale * r)
-        lead = x.shape[:-1]
-        normed = (scaled * r).to(x.dtype).reshape(x.shape)
-        outs = (linear_from_quantized_torch(a_q, a_scale, w, s, b, p, x.dtype, lead) for (w, s, b), p in zip(weights, own))
-        return (normed, *outs)
+        a_q, a_scale = quantize_per_token_fast(x2.float() * norm_scale)
+        a_scale = torch.where(a_scale == 0, a_scale, a_scale * rms_factor_torch(x2, eps))
+        return linear_from_quantized_torch(a_q, a_scale, weight_q, weight_scale, bias, own, x.dtype, x.shape[:-1])
 
-    return group
+    return folded

@@ -11,16 +11,15 @@ CPU: cpu_fused, torch; elsewhere: reference) and logs once, at warning level, wh
 was skipped. `ops/backend_report.py` lists every backend and kernel with the reason it cannot run.
 
 Each row of the table says what a backend can do: run a linear, pack a weight once, bind a
-faster per-weight form, and run a *folded group* (an RMSNorm folded into the quantization of the
-linears it feeds, with the norm's own output written beside theirs; `bind_folded_group`). Weights
-are prepared once (`prepare_w8a8`): validated, their backend resolved and packed, a linear bound.
+faster per-weight form, and bind a *folded* form (the linear of an RMSNorm's output computed from
+the norm's input, the norm folded into the activation quantization; nn/folded_norm.py). Weights
+are prepared once (`prepare_w8a8`): validated, their backend resolved and packed, both forms bound.
 
 Backends are imported lazily, so a missing optional package only matters when it is asked for.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,7 +35,6 @@ __all__ = [
     "Backend",
     "PreparedW8A8",
     "available_backends",
-    "bind_folded_group",
     "bind_w8a8_linear",
     "pack_weight_for",
     "prepare_w8a8",
@@ -66,11 +64,12 @@ class Backend:
     on_bad_x) -> linear(x) (when the backend has a faster bound form than `run`): it checks x as
     `is_bound_linear_input` does, calls on_bad_x(x) (which raises) when that fails, and handles empty x.
     packed_tensors(packed) / unpack(weight_q, tensors): the packed layout as tensors and back (the
-    `quasar::w8a8_linear` op takes tensors). bind_group(weights, norm_scale, packs, norm_eps) ->
-    group(x) -> (normed, y_0, y_1, ...): the RMSNorm fold (None: this backend cannot fold; x is
-    checked before it is called). op_call(weights, packed) -> (op name, arguments
-    after x): the `quasar::` op a prepared module calls, eager and compiled alike (None: the generic
-    `quasar::w8a8_linear` with this backend's name and packed tensors).
+    `quasar::w8a8_linear` op takes tensors). bind_folded((weight_q, weight_scale, bias), packed) ->
+    folded(x, norm_scale, eps) -> W8A8(RMSNorm(x)) with the norm folded into the quantization (the bits
+    of reference.w8a8_linear_rmsnorm_reference), or None for an x it does not take (the caller then
+    quantizes the norm's output itself); None: this backend cannot fold. op_call(weights, packed) ->
+    (op name, arguments after x): the `quasar::` op a prepared module calls, eager and compiled alike
+    (None: the generic `quasar::w8a8_linear` with this backend's name and packed tensors).
     """
 
     name: str
@@ -81,7 +80,7 @@ class Backend:
     run_prepacked: Callable[..., torch.Tensor] | None = None
     packed_tensors: Callable[[object], tuple[torch.Tensor, ...]] | None = None
     unpack: Callable[[torch.Tensor, list[torch.Tensor]], object] | None = None
-    bind_group: Callable[..., Callable[[torch.Tensor], tuple[torch.Tensor, ...]]] | None = None
+    bind_folded: Callable[..., Callable[..., torch.Tensor | None]] | None = None
     op_call: Callable[[tuple, object], tuple[str, tuple]] | None = None
 
     def __post_init__(self) -> None:
@@ -92,7 +91,7 @@ class Backend:
 _TABLE: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("reference", backends.reference_unavailable, backends.run_reference, bind_group=backends.group_reference),
+        Backend("reference", backends.reference_unavailable, backends.run_reference, bind_folded=backends.folded_reference),
         Backend(
             "torch",
             backends.torch_unavailable,
@@ -100,9 +99,9 @@ _TABLE: dict[str, Backend] = {
             pack=backends.pack_torch,
             packed_tensors=backends.packed_tensors_torch,
             unpack=backends.unpack_torch,
-            bind_group=backends.group_torch,
+            bind_folded=backends.folded_torch,
         ),
-        Backend("triton", backends.triton_unavailable, backends.run_triton, bind_group=backends.group_triton),
+        Backend("triton", backends.triton_unavailable, backends.run_triton, bind_folded=backends.folded_triton),
         Backend("bitsandbytes", backends.bnb_unavailable, backends.run_bnb),  # approximate numerics: no fold
         Backend(
             "cpu_fused",
@@ -113,7 +112,7 @@ _TABLE: dict[str, Backend] = {
             run_prepacked=backends.run_cpu_fused_prepacked,
             packed_tensors=backends.packed_tensors_cpu_fused,
             unpack=backends.unpack_cpu_fused,
-            bind_group=backends.group_cpu_fused,
+            bind_folded=backends.folded_cpu_fused,
             op_call=backends.op_call_cpu_fused,
         ),
     )
@@ -262,8 +261,10 @@ class PreparedW8A8:
 
     weights: (weight_q, weight_scale, bias, act_prescale) as prepared; packed_tensors: the packed
     layout as tensors (what the generic `quasar::w8a8_linear` op takes); op: (name, arguments after
-    x) of the `quasar::` op a module calls for these weights (the backend's `op_call`). Holds the
-    tensors it was prepared from: an in-place edit of them needs a new prepare_w8a8.
+    x) of the `quasar::` op a module calls for these weights (the backend's `op_call`); folded:
+    `folded(x, norm_scale, eps)`, this linear of RMSNorm(x) with the norm folded in (None where the
+    backend cannot fold or the weight has an act_prescale, which the fold's scale would replace).
+    Holds the tensors it was prepared from: an in-place edit of them needs a new prepare_w8a8.
     """
 
     backend: str
@@ -272,6 +273,7 @@ class PreparedW8A8:
     packed_tensors: tuple[torch.Tensor, ...]
     linear: Callable[[torch.Tensor], torch.Tensor]
     op: tuple[str, tuple]
+    folded: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None] | None = None
 
 
 def prepare_w8a8(
@@ -293,43 +295,13 @@ def prepare_w8a8(
         op = entry.op_call(weights, packed)
     else:
         op = ("w8a8_linear", (*weights, tensors, name))
-    return PreparedW8A8(name, weights, packed, tensors, linear, op)
+    folded = _bind_folded(entry, weights, packed)
+    return PreparedW8A8(name, weights, packed, tensors, linear, op, folded)
 
 
-def bind_folded_group(
-    prepared: list[PreparedW8A8], norm_scale: torch.Tensor, norm_eps: float
-) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None:
-    """`group(x) -> (normed, y_0, y_1, ...)` for linears that read one RMSNorm's output, the norm folded
-    into their activation quantization (reference.w8a8_linear_rmsnorm_reference per y_s; normed is the
-    norm's output for any other reader), or None where it cannot be: the backend has no fold, the
-    linears differ in backend, device or in_features, or carry an act_prescale of their own.
-
-    x is the norm's input [..., K]; norm_scale fp32 [K] what the norm multiplies by (its weight, or
-    1 + weight); norm_eps its epsilon.
-    """
-    if not (math.isfinite(norm_eps) and norm_eps >= 0.0):
-        raise ValueError(f"norm_eps must be a finite number >= 0, got {norm_eps!r}; check the norm's eps in the model config")
-    if not prepared:
+def _bind_folded(entry: Backend, weights: tuple, packed: object | None):
+    """The backend's folded form for these weights, or None (no fold, or an act_prescale of their own)."""
+    weight_q, weight_scale, bias, act_prescale = weights
+    if entry.bind_folded is None or act_prescale is not None:
         return None
-    first = prepared[0]
-    k, device = first.weights[0].shape[1], first.weights[0].device
-    same = all(
-        p.backend == first.backend and p.weights[0].shape[1] == k and p.weights[0].device == device and p.weights[3] is None
-        for p in prepared
-    )
-    entry = _TABLE[first.backend]
-    if not same or entry.bind_group is None or norm_scale.shape != (k,) or norm_scale.device != device:
-        return None
-    weights = [p.weights[:3] for p in prepared]
-    scale = norm_scale.detach().float().contiguous()
-    group = entry.bind_group(weights, scale, [p.packed for p in prepared], float(norm_eps))
-    sizes = [w.shape[0] for w, _, _ in weights]
-
-    def checked(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if not is_bound_linear_input(x, k, device):
-            validate_w8a8_inputs(x, *weights[0], None)  # raises the precise error
-        if x.numel() == 0:
-            return (x.new_zeros(x.shape), *(x.new_zeros(*x.shape[:-1], n) for n in sizes))
-        return group(x)
-
-    return checked
+    return entry.bind_folded((weight_q, weight_scale.detach().float().contiguous(), bias), packed)

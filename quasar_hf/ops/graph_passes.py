@@ -1,14 +1,17 @@
 """Inductor graph passes of compiled Quasar steps, and the CompileConfig that installs them (`compile_config`).
 
-`FoldNormsIntoW8A8Linears` gives a compiled step the fold eager mode has (nn/folded_norm.py): model
-code traces each FoldedRMSNorm to `quasar::rms_norm` and each of its consumers to its own
-`quasar::w8a8_linear_cpu_packed`, four ops for q/k/v and three for gate/up. The pass rewrites every
-such group into one `quasar::w8a8_folded_norm_linears_cpu_packed`: x is normalized inside its own
-quantization, once, and every consumer's GEMM runs in the same C call. So a SmolLM2 step calls 182 of
-our ops where it called 332, and each consumer's output has the bits eager's folded group gives it.
-The op is row-stable like the ops it replaces: a compiled verify step's rows still equal compiled
-decode steps. Every other op of the graph is the one eager code calls (on CPU the dispatcher runs
-its C++ implementation, ops/native.py), so nothing else is rewritten.
+`FoldNormsIntoW8A8Linears` is the one grouping pattern of compiled steps. Eager, each consumer of a
+FoldedRMSNorm calls `quasar::w8a8_folded_norm_linears_cpu_packed` with its own weight: the norm is
+folded into that linear's quantization (nn/folded_norm.py). Compiled, model code traces the norm to
+`quasar::rms_norm` and each consumer to its own `quasar::w8a8_linear_cpu_packed`, four ops for q/k/v
+and three for gate/up; this pass rewrites every such group into one call of the same folded op with
+all the consumers' weights: x is normalized inside its own quantization, once, and every consumer's
+GEMM runs in the same C call. So a SmolLM2 step calls 182 of our ops where it would call 332, and each
+consumer's output has the bits an eager consumer computes (the op gives each weight's output the
+same bits whether called with one weight or several). The op is row-stable like the ops it
+replaces: a compiled verify step's rows still equal compiled decode steps. Every op in the graph,
+before and after the pass, is one eager code calls too (on CPU the dispatcher runs its C++
+implementation, ops/native.py).
 
 A group is rewritten only when nothing else is assumed: the norm's output feeds W8A8 linears directly
 (as their x), on the "cpu_fused" backend's packed layout and no act_prescale (the fold
@@ -76,9 +79,8 @@ def fold_group(graph: torch.fx.Graph, norm: torch.fx.Node) -> int:
 
 
 class FoldNormsIntoW8A8Linears(CustomGraphPass):
-    """Post-grad pass: each RMSNorm feeding "cpu_fused" W8A8 linears becomes one folded op (see the
-    module docstring). Every op in the graph is the op eager code calls; on CPU the dispatcher runs
-    its C++ implementation (ops/native.py) where that library is had."""
+    """Post-grad pass: each RMSNorm feeding "cpu_fused" W8A8 linears becomes one call of the folded op
+    eager consumers call one weight at a time (see the module docstring)."""
 
     def __eq__(self, other: object) -> bool:  # equal configs share one compiled step (CompileConfig compares options)
         return type(other) is type(self)

@@ -7,12 +7,14 @@ of all of them.
   quasar::w8a8_linear_cpu_packed(x, w_packed, wsum128, weight_scale, bias?, act_prescale?, out_features)
       -> [..., N]   (the "cpu_fused" backend: what its W8A8Linears call)
   quasar::w8a8_folded_norm_linears_cpu_packed(x, norm_weight, eps, offset, w_packed[], wsum128[],
-      weight_scale[], bias?[], out_features[], emit_normed) -> [normed?, y_0, y_1, ...]   (an RMSNorm and
-      the "cpu_fused" linears it feeds: eager FoldedRMSNorm, and ops/graph_passes.py in compiled steps)
+      weight_scale[], bias?[], out_features[], emit_normed) -> [normed?, y_0, y_1, ...]   (an RMSNorm folded
+      into the "cpu_fused" linears it feeds: each eager consumer with its own weight, and all of a norm's
+      consumers in one call in compiled steps, ops/graph_passes.py)
   quasar::rowstable_attention(query, key, value, visible?, scale?) -> [B, Q, H, D]   (CPU: C; CUDA: Triton)
   quasar::rowstable_linear(x, weight, bias?) -> [..., N]   (the float lm_head, RowStableLinear)
   quasar::hadamard_rows(x, signs, blocks, pow2, scale) -> fp32 [..., K]   (RotatedW8A8Linear's input)
-  quasar::rms_norm(x, weight, eps, offset, scale_in_float) -> [..., K]   (every RMSNorm when compiled;
+  quasar::rms_norm(x, weight, eps, offset, scale_in_float) -> [..., K]   (every RMSNorm when compiled, and
+      FoldedRMSNorm's values eager;
       on CPU the row-stable C kernel, csrc/rms_norm_rows.c, not the Transformers formula's bits)
 
 The fallbacks (CompositeExplicitAutograd) serve where the C++ library cannot be built: the same bits
@@ -113,7 +115,7 @@ def _hadamard_rows_fake(x, signs, blocks: int, pow2: int, scale: float) -> torch
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
-# ---- RMSNorm (RowStableRMSNorm, FoldedRMSNorm under compile) ---------------------------------
+# ---- RMSNorm (RowStableRMSNorm under compile, FoldedRMSNorm always) -----------------------------
 
 
 def _rms_norm_impl(x, weight, eps: float, offset: float, scale_in_float: bool) -> torch.Tensor:
@@ -137,7 +139,7 @@ def _rms_norm_fake(x, weight, eps: float, offset: float, scale_in_float: bool) -
     return x.new_empty(x.shape, dtype=dtype)
 
 
-# ---- an RMSNorm folded into the "cpu_fused" W8A8 linears it feeds (written by ops/graph_passes.py) --
+# ---- an RMSNorm folded into the "cpu_fused" W8A8 linears it feeds (eager consumers, ops/graph_passes.py) --
 
 
 def _folded_cpu_packed_checked(x, norm_weight, w_packed, wsum128, weight_scale, bias, out_features) -> None:

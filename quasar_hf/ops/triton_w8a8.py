@@ -205,19 +205,19 @@ def w8a8_accumulators_triton(x: torch.Tensor, weight_q: torch.Tensor, act_presca
     return acc
 
 
-def bind_folded_group_triton(weights: list, norm_scale: torch.Tensor, norm_eps: float):
-    """`group(x) -> (normed, y_0, ...)`: one launch per weight with the RMSNorm folded into the kernel's
-    quantization (the bits of reference.w8a8_linear_rmsnorm_reference); normed from the kernel's row
-    factors, as reference.rmsnorm_reference."""
+def bind_folded_triton(weights: tuple):
+    """`folded(x, norm_scale, eps)`: one launch with the RMSNorm folded into the kernel's quantization
+    (the bits of reference.w8a8_linear_rmsnorm_reference); None for an x this weight does not take."""
+    weight_q, weight_scale, bias = weights
 
-    def group(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def folded(x: torch.Tensor, norm_scale: torch.Tensor, eps: float) -> torch.Tensor | None:
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.device != weight_q.device:
+            return None
+        if x.shape[-1] != weight_q.shape[1] or x.numel() == 0:
+            return None
         x2 = _as_rows(x)  # [M, K]
-        r = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)  # [M]
-        outs = []
-        for weight_q, weight_scale, bias in weights:  # every launch writes the same row factors into r
-            out, _ = _run(x2, weight_q, weight_scale, bias, norm_scale, False, norm_eps, r)
-            outs.append(out.reshape(*x.shape[:-1], weight_q.shape[0]))
-        normed = ((x2.float() * norm_scale) * r[:, None]).to(x.dtype).reshape(x.shape)
-        return (normed, *outs)
+        r = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)  # [M]: the row factors (unused here)
+        out, _ = _run(x2, weight_q, weight_scale, bias, norm_scale, False, eps, r)
+        return out.reshape(*x.shape[:-1], weight_q.shape[0])
 
-    return group
+    return folded
