@@ -25,6 +25,8 @@ from quasar_hf.ops import cpu_fused, dispatch
 from quasar_hf.ops.reference import (
     quantize_weight_per_channel,
     rms_factor_reference,
+    rmsnorm_quantize_reference,
+    rmsnorm_reference,
     w8a8_folded_group_reference,
     w8a8_linear_reference,
     w8a8_linear_rmsnorm_reference,
@@ -67,32 +69,39 @@ FOLDING_BACKENDS = [b for b in ("reference", "torch", "cpu_fused", "triton") if 
     ],
 )
 def test_folded_linear_equals_the_oracle(backend, k, sizes, m, dtype):
-    """cpu_fused, triton (interpreted here) and reference: bit for bit. torch sums squares in its own
-    order, so its r may differ by an ulp: within two units of the output dtype."""
+    """From the norm's input (any backend) and from the norm's quantized rows (where the backend takes
+    them): cpu_fused, triton (interpreted here) and reference bit for bit. torch sums squares in its
+    own order, so its r may differ by an ulp: within two units of the output dtype."""
     weights, scale, g = _group_weights(k, sizes, dtype, k)
     x = (torch.randn(m, k, generator=g) * 4).to(dtype)
     if m > 2:
         x[1] = 0  # a zero row: scale 0, outputs are the bias
         x[2, 0] = float("nan")  # a NaN row: NaN outputs
     prepared = [dispatch.prepare_w8a8(q, s, b, None, backend) for q, s, b in weights]
-    outs = [p.folded(x, scale, 1e-5) for p in prepared]
+    normed = rmsnorm_reference(x, scale, 1e-5)
+    from_x = RMSNormOutput.wrap(normed, x, scale, 1e-5)
+    from_rows = RMSNormOutput.wrap(normed, x, scale, 1e-5, rmsnorm_quantize_reference(x, scale, 1e-5))
     expected = [w8a8_linear_rmsnorm_reference(x, scale, 1e-5, q, s, b) for q, s, b in weights]
-    if backend == "torch":  # one ulp of r, then the output's rounding: within two units of the dtype
-        tol = dict(rtol=2e-2, atol=1e-3)
-        assert all(torch.allclose(o.float().nan_to_num(7.0), e.float().nan_to_num(7.0), **tol) for o, e in zip(outs, expected))
-        return
-    for out, ref in zip(outs, expected):
-        assert out.dtype == dtype and torch.equal(out.nan_to_num(7.0), ref.nan_to_num(7.0))
-    if m > 2:
-        assert torch.isnan(outs[0][2]).all() and not torch.isnan(outs[0][[0, 1]]).any()
+    for act in (from_x, from_rows):
+        outs = [p.folded(act) for p in prepared]
+        if backend == "torch":  # one ulp of r, then the output's rounding: within two units of the dtype
+            tol = dict(rtol=2e-2, atol=1e-3)
+            assert all(torch.allclose(o.float().nan_to_num(7.0), e.float().nan_to_num(7.0), **tol) for o, e in zip(outs, expected))
+            continue
+        for out, ref in zip(outs, expected):
+            assert out.dtype == dtype and type(out) is torch.Tensor and torch.equal(out.nan_to_num(7.0), ref.nan_to_num(7.0))
+        if m > 2:
+            assert torch.isnan(outs[0][2]).all() and not torch.isnan(outs[0][[0, 1]]).any()
 
 
 @needs_kernel
 def test_one_folded_call_per_consumer_has_the_bits_of_the_grouped_call():
-    """What an eager consumer calls (its own weight) and what the compiled grouping pass calls (every
-    consumer of the norm at once) give each output the same bits."""
+    """What an eager consumer calls (the norm's int8 rows through its GEMM, or the folded op with its own
+    weight) and what the compiled grouping pass calls (every consumer of the norm at once) give each
+    output the same bits; the norm's own quantization op gives the reference's rows and values."""
     weights, scale, g = _group_weights(96, (96, 32, 32), torch.bfloat16, 3)
     x = (torch.randn(2, 5, 96, generator=g) * 3).bfloat16()
+    x[0, 1] = 0
     prepared = [dispatch.prepare_w8a8(q, s, b, None, "cpu_fused") for q, s, b in weights]
     grouped = torch.ops.quasar.w8a8_folded_norm_linears_cpu_packed(
         x, scale, 1e-6, -0.0, [p.packed.data for p in prepared], [p.packed.wsum128 for p in prepared],
@@ -100,19 +109,23 @@ def test_one_folded_call_per_consumer_has_the_bits_of_the_grouped_call():
     )  # fmt: skip
     oracle = w8a8_folded_group_reference(x, weights, scale, 1e-6)
     assert all(torch.equal(a, b) for a, b in zip(grouped, oracle))
-    assert all(torch.equal(p.folded(x, scale, 1e-6), y) for p, y in zip(prepared, grouped[1:]))
+    normed, q, row_scale = torch.ops.quasar.rms_norm_quantize_rows(x, scale, 1e-6)
+    expected_q, expected_scale = rmsnorm_quantize_reference(x, scale, 1e-6)
+    assert torch.equal(normed, grouped[0]) and torch.equal(q, expected_q) and torch.equal(row_scale, expected_scale)
+    for act in (RMSNormOutput.wrap(normed, x, scale, 1e-6, (q, row_scale)), RMSNormOutput.wrap(normed, x, scale, 1e-6)):
+        assert all(torch.equal(p.folded(act), y) for p, y in zip(prepared, grouped[1:]))
 
 
 def test_no_folded_form_where_the_fold_cannot_run():
     weights, scale, _ = _group_weights(32, (16,), torch.float32, 0)
     q, s, b = weights[0]
     assert dispatch.prepare_w8a8(q, s, b, torch.ones(32), "reference").folded is None  # an act_prescale of its own
-    prepared = dispatch.prepare_w8a8(q, s, b, None, "reference")
-    assert prepared.folded(torch.randn(2, 31), torch.ones(31), 1e-5) is None  # rows of another width
-    assert prepared.folded(torch.randn(2, 32, dtype=torch.float64), scale, 1e-5) is None  # a dtype the kernels do not take
-    if cpu_fused.is_available():
-        fused = dispatch.prepare_w8a8(q, s, b, None, "cpu_fused")
-        assert fused.folded(torch.randn(2, 31), torch.ones(31), 1e-5) is None
+    backends = ["reference", *(["cpu_fused"] if cpu_fused.is_available() else [])]
+    for prepared in (dispatch.prepare_w8a8(q, s, b, None, name) for name in backends):
+        narrow = torch.randn(2, 31)  # rows of another width
+        assert prepared.folded(RMSNormOutput.wrap(narrow, narrow, torch.ones(31), 1e-5)) is None
+        wide = torch.randn(2, 32, dtype=torch.float64)  # a dtype the kernels do not take
+        assert prepared.folded(RMSNormOutput.wrap(wide, wide, scale, 1e-5)) is None
 
 
 def test_bad_norm_eps_is_refused():
@@ -156,7 +169,8 @@ def test_folded_norm_outputs_equal_the_oracle(tmp_path, arch, backend):
     for norm, consumers in folds:
         out = norm(x)
         scale = norm.offset + norm.weight.float()
-        assert type(out) is RMSNormOutput and torch.equal(out, torch.ops.quasar.rms_norm(x, norm.weight, *norm.formula))
+        values = rmsnorm_reference(x, scale, norm.eps) if norm._quantizes else torch.ops.quasar.rms_norm(x, norm.weight, *norm.formula)
+        assert type(out) is RMSNormOutput and torch.equal(out, values) and (out.quantized_rows() is not None) == norm._quantizes
         assert type(out * 1.0) is torch.Tensor  # any op on it gives a plain tensor: the fold stays here
         assert len(consumers) in (2, 3)
         for linear in consumers:
@@ -292,16 +306,17 @@ def test_an_in_place_edit_needs_prepare_weights_and_it_is_enough(tmp_path):
 
 @needs_kernel
 def test_an_edit_between_the_norm_and_its_linear_is_seen(tmp_path):
-    """Edited in place after the norm ran, the norm's input or its output: the linear quantizes the
-    values it is given. Under inference mode the norm keeps a copy of its input."""
+    """Edited in place after the norm ran: the norm's input (the linear takes the rows quantized before,
+    or quantizes the values), or its output (the linear quantizes the values it is given). Under
+    inference mode the norm keeps a copy of its input."""
     model = _quantized(tmp_path, "llama")
     norm, (q_proj, *_) = _folds(model)[0]
     x = (torch.randn(1, 3, model.config.hidden_size) * 2).to(torch.bfloat16)
     folded = q_proj(norm(x))
     out = norm(x)
-    x.mul_(3.0)  # the norm's input changes: the output keeps its values, the fold is dropped
-    assert torch.equal(q_proj(out), q_proj(out.as_subclass(torch.Tensor)))
-    assert not torch.equal(q_proj(out), folded)  # quantized values, not the fold: one rounding more
+    x.mul_(3.0)  # the norm's input changes: the fold from x is dropped; the rows made from it stay right
+    assert (out.fold() is None) and (out.quantized_rows() is not None) == norm._quantizes
+    assert torch.equal(q_proj(out), folded if norm._quantizes else q_proj(out.as_subclass(torch.Tensor)))
     out = norm(x)
     out.mul_(-1.0)
     assert torch.equal(q_proj(out), w8a8_linear_reference(out.as_subclass(torch.Tensor), q_proj.weight, q_proj.weight_scale))

@@ -71,6 +71,16 @@ RUN = textwrap.dedent(
         x, scale, 1e-5, 0.0, [p.data] * 2, [p.wsum128] * 2, [s] * 2, [None] * 2, [256] * 2, True
     )
     assert all(torch.equal(y, w8a8_linear_rmsnorm_reference(x, scale, 1e-5, w, s)) for y in ys), "folded rows"
+    # the same norm quantized once (values and int8 rows), then each linear's GEMM alone on those rows;
+    # ragged K, M = 1, a zero row
+    for m, k in ((1, 37), (7, 576), (64, 576)):
+        xq = torch.randn(m, k, generator=gen) * 3
+        xq[m // 2] = 0
+        wq, sq = torch.randint(-128, 128, (37, k), generator=gen, dtype=torch.int8), torch.rand(37, generator=gen) / 100
+        scale_q, pq = torch.rand(k, generator=gen) + 0.5, cpu_fused.pack_weight(wq)
+        normed_q, q, row_scale = torch.ops.quasar.rms_norm_quantize_rows(xq.bfloat16(), scale_q, 1e-5)
+        y = torch.ops.quasar.w8a8_linear_quantized_cpu_packed(normed_q, q, row_scale, pq.data, pq.wsum128, sq, None, 37)
+        assert torch.equal(y, w8a8_linear_rmsnorm_reference(xq.bfloat16(), scale_q, 1e-5, wq, sq)), ("rows", m, k)
     # the row-stable linear: long rows too (smaller row groups, several weight chunks); M = 1 is row 0
     for m, k, n in ((1, 37, 5), (6, 100, 37), (7, 576, 64), (13, 4, 16), (7, 2050, 70), (3, 8200, 13)):
         for dtype in (torch.float32, torch.bfloat16):

@@ -32,8 +32,8 @@ class W8A8Linear(PreparedModule):
     prepared once (validated, packed, bound) by `prepare()`: at construction, after `.to()` /
     `_apply`, `load_state_dict` and copies. After editing a buffer in place, call `prepare()` (or
     `quasar_hf.prepare_weights(model)`): the forward checks nothing and uses what was prepared.
-    Called with an `RMSNormOutput` (a FoldedRMSNorm's output), it computes W8A8(RMSNorm(x)) from the
-    norm's input with the norm folded into its own quantization (nn/folded_norm.py).
+    Called with an `RMSNormOutput` (a FoldedRMSNorm's output), it takes the int8 rows the norm
+    quantized, or folds the norm into its own quantization of the norm's input (nn/folded_norm.py).
     """
 
     derived = ("_prepared", "_op_layout", "_folded")
@@ -64,7 +64,7 @@ class W8A8Linear(PreparedModule):
             self.act_prescale = None
         self._prepared: PreparedW8A8 | None = None  # None: not prepared yet, every call dispatches unbound
         self._op_layout: tuple[str, tuple] | None = None  # (quasar:: op name, its arguments after x): prepare
-        self._folded = None  # prepare: folded(x, norm_scale, eps) -> W8A8(RMSNorm(x)) or None (PreparedW8A8.folded)
+        self._folded = None  # prepare: folded(RMSNormOutput) -> this linear of it, or None (PreparedW8A8.folded)
 
     @property
     def backend(self) -> str:
@@ -146,8 +146,7 @@ class W8A8Linear(PreparedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if type(x) is RMSNormOutput and self._folded is not None:
-            fold = x.fold()  # (the norm's input, its fp32 scale, eps), None if either tensor was edited since
-            y = None if fold is None else self._folded(*fold)
+            y = self._folded(x)  # from its quantized rows, or from the norm's input with the fold; None: neither
             if y is not None:
                 return y
         return self._linear(x)

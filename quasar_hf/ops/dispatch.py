@@ -65,9 +65,10 @@ class Backend:
     `is_bound_linear_input` does, calls on_bad_x(x) (which raises) when that fails, and handles empty x.
     packed_tensors(packed) / unpack(weight_q, tensors): the packed layout as tensors and back (the
     `quasar::w8a8_linear` op takes tensors). bind_folded((weight_q, weight_scale, bias), packed) ->
-    folded(x, norm_scale, eps) -> W8A8(RMSNorm(x)) with the norm folded into the quantization (the bits
-    of reference.w8a8_linear_rmsnorm_reference), or None for an x it does not take (the caller then
-    quantizes the norm's output itself); None: this backend cannot fold. op_call(weights, packed) ->
+    folded(act) -> this linear of an RMSNormOutput act with the norm folded into the quantization (the
+    bits of reference.w8a8_linear_rmsnorm_reference; backends.py says how each reads act), or None for
+    an act it does not take (the caller then quantizes the norm's output itself); None: this backend
+    cannot fold. op_call(weights, packed) ->
     (op name, arguments after x): the `quasar::` op a prepared module calls, eager and compiled alike
     (None: the generic `quasar::w8a8_linear` with this backend's name and packed tensors).
     """
@@ -262,7 +263,7 @@ class PreparedW8A8:
     weights: (weight_q, weight_scale, bias, act_prescale) as prepared; packed_tensors: the packed
     layout as tensors (what the generic `quasar::w8a8_linear` op takes); op: (name, arguments after
     x) of the `quasar::` op a module calls for these weights (the backend's `op_call`); folded:
-    `folded(x, norm_scale, eps)`, this linear of RMSNorm(x) with the norm folded in (None where the
+    `folded(act)`, this linear of a FoldedRMSNorm's output with the norm folded in (None where the
     backend cannot fold or the weight has an act_prescale, which the fold's scale would replace).
     Holds the tensors it was prepared from: an in-place edit of them needs a new prepare_w8a8.
     """
@@ -273,7 +274,7 @@ class PreparedW8A8:
     packed_tensors: tuple[torch.Tensor, ...]
     linear: Callable[[torch.Tensor], torch.Tensor]
     op: tuple[str, tuple]
-    folded: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None] | None = None
+    folded: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
 
 def prepare_w8a8(

@@ -10,6 +10,10 @@ of all of them.
       weight_scale[], bias?[], out_features[], emit_normed) -> [normed?, y_0, y_1, ...]   (an RMSNorm folded
       into the "cpu_fused" linears it feeds: each eager consumer with its own weight, and all of a norm's
       consumers in one call in compiled steps, ops/graph_passes.py)
+  quasar::rms_norm_quantize_rows(x, norm_scale, eps) -> [normed, q int8 [M, K], scale fp32 [M]]   (an eager
+      FoldedRMSNorm on CPU: the norm's values and W8A8's quantization of them, the norm folded in)
+  quasar::w8a8_linear_quantized_cpu_packed(like, q, scale, w_packed, wsum128, weight_scale, bias?, out_features)
+      -> [..., N]   (a "cpu_fused" W8A8Linear given those rows: the GEMM and epilogue alone)
   quasar::rowstable_attention(query, key, value, visible?, scale?) -> [B, Q, H, D]   (CPU: C; CUDA: Triton)
   quasar::rowstable_linear(x, weight, bias?) -> [..., N]   (the float lm_head, RowStableLinear)
   quasar::hadamard_rows(x, signs, blocks, pow2, scale) -> fp32 [..., K]   (RotatedW8A8Linear's input)
@@ -181,6 +185,41 @@ def _folded_cpu_packed_fake(
     return [x.new_empty(x.shape)] * emit_normed + [x.new_empty(*x.shape[:-1], n) for n in out_features]
 
 
+# ---- an RMSNorm's rows quantized once, and a "cpu_fused" linear on them (eager FoldedRMSNorm consumers) ----
+
+
+def _rms_norm_quantize_fake(x, norm_scale, eps: float):
+    k = x.shape[-1]
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or tuple(norm_scale.shape) != (k,):
+        raise ValueError(f"rms_norm_quantize_rows: float rows x [..., {k}] and an fp32 norm_scale [{k}]")
+    rows = x.numel() // k if k else 0
+    return [x.new_empty(x.shape), x.new_empty(rows, k, dtype=torch.int8), x.new_empty(rows, dtype=torch.float32)]
+
+
+def _rms_norm_quantize_fallback(x, norm_scale, eps: float):
+    """Without the C++ library: the references (the kernel's bits, slowly)."""
+    from quasar_hf.ops.reference import rmsnorm_quantize_reference, rmsnorm_reference
+
+    _rms_norm_quantize_fake(x, norm_scale, eps)
+    return [rmsnorm_reference(x, norm_scale, eps), *rmsnorm_quantize_reference(x, norm_scale, eps)]
+
+
+def _linear_quantized_fake(like, q, scale, w_packed, wsum128, weight_scale, bias, out_features: int):
+    if q.dtype != torch.int8 or q.dim() != 2 or tuple(scale.shape) != (q.shape[0],) or like.shape[-1] != q.shape[1]:
+        raise ValueError("w8a8_linear_quantized_cpu_packed: int8 rows q [M, K], fp32 scale [M] and like [..., K]")
+    return _w8a8_linear_cpu_packed_fake(like, w_packed, wsum128, weight_scale, bias, None, out_features)
+
+
+def _linear_quantized_fallback(like, q, scale, w_packed, wsum128, weight_scale, bias, out_features: int):
+    """Without the C++ library: the reference on the unpacked weight (the kernel's bits, slowly)."""
+    from quasar_hf.ops.cpu_packing import unpack_weight
+    from quasar_hf.ops.reference import w8a8_linear_quantized_reference
+
+    _linear_quantized_fake(like, q, scale, w_packed, wsum128, weight_scale, bias, out_features)
+    weight_q = unpack_weight(w_packed, out_features, q.shape[1])
+    return w8a8_linear_quantized_reference(like, q, scale, weight_q, weight_scale, bias)
+
+
 # ---- small ragged CPU arguments per op: the C++ library's smoke test and opcheck ---------------
 
 
@@ -205,6 +244,21 @@ def _sample_folded(gen: torch.Generator) -> Args:
     scales, biases = [torch.rand(n, generator=gen) / 100 for n in (24, 17)], [None, torch.randn(17, generator=gen).bfloat16()]
     x, norm = sample_rows(gen), torch.randn(40, generator=gen).bfloat16()
     return x, norm, 1e-5, 1.0, [p.data for p in packs], [p.wsum128 for p in packs], scales, biases, [24, 17], True
+
+
+def _sample_rms_norm_quantize(gen: torch.Generator) -> Args:
+    x = sample_rows(gen)
+    x[0, 1] = 0  # a zero row: scale 0
+    return x, torch.rand(40, generator=gen) + 0.5, 1e-5
+
+
+def _sample_linear_quantized(gen: torch.Generator) -> Args:
+    from quasar_hf.ops.reference import rmsnorm_quantize_reference
+
+    pack, x = _packed(gen, 17), sample_rows(gen)
+    q, scale = rmsnorm_quantize_reference(x, torch.rand(40, generator=gen) + 0.5, 1e-5)
+    bias = torch.randn(17, generator=gen).bfloat16()
+    return x, q, scale, pack.data, pack.wsum128, torch.rand(17, generator=gen) / 100, bias, 17
 
 
 def _sample_attention(gen: torch.Generator) -> Args:
@@ -272,6 +326,17 @@ KERNEL_OPS: tuple[OpSpec, ...] = (
         "Tensor[] wsum128, Tensor[] weight_scale, Tensor?[] bias, int[] out_features, bool emit_normed) -> Tensor[]",
         _folded_cpu_packed_fake, _folded_cpu_packed_fallback, "reference.w8a8_folded_group_reference", _sample_folded,
         kernel="w8a8",
+    ),
+    OpSpec(
+        "rms_norm_quantize_rows(Tensor x, Tensor norm_scale, float eps) -> Tensor[]",
+        _rms_norm_quantize_fake, _rms_norm_quantize_fallback, "reference.rmsnorm_quantize_reference",
+        _sample_rms_norm_quantize, kernel="w8a8",
+    ),
+    OpSpec(
+        "w8a8_linear_quantized_cpu_packed(Tensor like, Tensor q, Tensor scale, Tensor w_packed, Tensor wsum128, "
+        "Tensor weight_scale, Tensor? bias, int out_features) -> Tensor",
+        _linear_quantized_fake, _linear_quantized_fallback, "reference.w8a8_linear_quantized_reference",
+        _sample_linear_quantized, kernel="w8a8",
     ),
     OpSpec(
         "rowstable_attention(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor",

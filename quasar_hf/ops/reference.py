@@ -146,6 +146,27 @@ def sqrt_correctly_rounded(v: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(v.double()).float()
 
 
+def rmsnorm_quantize_reference(x: torch.Tensor, norm_scale: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's per-token quantization of RMSNorm(x) with the norm folded in: x [..., K] -> (int8 [M, K],
+    fp32 scale [M]). Per-token quantization is blind to a row's overall scale, so the row
+    x * norm_scale is quantized as it is and its scale is multiplied by rms_factor_reference: no
+    rounding of the normalized activations in between. A zero row keeps scale 0."""
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    a_q, a_scale = quantize_per_token(x2.float() * norm_scale)
+    a_scale = torch.where(a_scale == 0, a_scale, a_scale * rms_factor_reference(x2, eps)[:, None])
+    return a_q, a_scale[:, 0]
+
+
+def w8a8_linear_quantized_reference(
+    like: torch.Tensor, a_q: torch.Tensor, a_scale: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The int8 GEMM and epilogue of W8A8 on rows already quantized (a_q int8 [M, K], a_scale fp32 [M]):
+    -> [*like.shape[:-1], N] in like.dtype."""
+    out = dequantize_epilogue(int8_matmul_reference(a_q, weight_q), a_scale[:, None], weight_scale, bias, like.dtype)
+    return out.reshape(*like.shape[:-1], weight_q.shape[0])
+
+
 def w8a8_linear_rmsnorm_reference(
     x: torch.Tensor,
     norm_scale: torch.Tensor,
@@ -158,16 +179,9 @@ def w8a8_linear_rmsnorm_reference(
     fused CPU kernel: x [..., K] -> [..., N] in x.dtype.
 
     norm_scale fp32 [K]: what the norm multiplies by (its weight, 1 + weight for Gemma, times any
-    SmoothQuant prescale). Per-token quantization is blind to a row's overall scale, so the row
-    x * norm_scale is quantized as it is and its epilogue scale is multiplied by rms_factor_reference:
-    no rounding of the normalized activations in between. A zero row keeps scale 0.
+    SmoothQuant prescale); the quantization is rmsnorm_quantize_reference's.
     """
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    a_q, a_scale = quantize_per_token(x2.float() * norm_scale)
-    a_scale = torch.where(a_scale == 0, a_scale, a_scale * rms_factor_reference(x2, eps)[:, None])
-    out = dequantize_epilogue(int8_matmul_reference(a_q, weight_q), a_scale, weight_scale, bias, x.dtype)
-    return out.reshape(*lead, weight_q.shape[0])
+    return w8a8_linear_quantized_reference(x, *rmsnorm_quantize_reference(x, norm_scale, eps), weight_q, weight_scale, bias)
 
 
 def rmsnorm_reference(x: torch.Tensor, norm_scale: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,7 +10,9 @@
 // Each build's entry points, as ops/native.py renamed them when it compiled the build (<entry>_<build>).
 #define QHF_DECLARE_w8a8(b)                                                       \
     extern "C" decltype(qhf_w8a8_linear) qhf_w8a8_linear_##b;                     \
-    extern "C" decltype(qhf_w8a8_linear_multi) qhf_w8a8_linear_multi_##b;
+    extern "C" decltype(qhf_w8a8_linear_multi) qhf_w8a8_linear_multi_##b;        \
+    extern "C" decltype(qhf_w8a8_quantize_rows) qhf_w8a8_quantize_rows_##b;      \
+    extern "C" decltype(qhf_w8a8_linear_quantized) qhf_w8a8_linear_quantized_##b;
 #define QHF_DECLARE_attention(b) extern "C" decltype(qhf_rowstable_attention) qhf_rowstable_attention_##b;
 #define QHF_DECLARE_rowstable_linear(b) extern "C" decltype(qhf_rowstable_linear) qhf_rowstable_linear_##b;
 #define QHF_DECLARE_rms_norm(b) extern "C" decltype(qhf_rms_norm_rows) qhf_rms_norm_rows_##b;
@@ -22,6 +24,8 @@
     [](quasar::CpuKernels &k) {                                  \
         k.w8a8_linear = &qhf_w8a8_linear_##b;                    \
         k.w8a8_linear_multi = &qhf_w8a8_linear_multi_##b;        \
+        k.w8a8_quantize_rows = &qhf_w8a8_quantize_rows_##b;      \
+        k.w8a8_linear_quantized = &qhf_w8a8_linear_quantized_##b; \
     }
 #define QHF_INSTALL_attention(b) [](quasar::CpuKernels &k) { k.rowstable_attention = &qhf_rowstable_attention_##b; }
 #define QHF_INSTALL_rowstable_linear(b) [](quasar::CpuKernels &k) { k.rowstable_linear = &qhf_rowstable_linear_##b; }

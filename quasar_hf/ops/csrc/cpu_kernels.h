@@ -12,6 +12,8 @@ namespace quasar {
 struct CpuKernels {
     decltype(&qhf_w8a8_linear) w8a8_linear = nullptr;  // kernel "w8a8"
     decltype(&qhf_w8a8_linear_multi) w8a8_linear_multi = nullptr;
+    decltype(&qhf_w8a8_quantize_rows) w8a8_quantize_rows = nullptr;
+    decltype(&qhf_w8a8_linear_quantized) w8a8_linear_quantized = nullptr;
     decltype(&qhf_rowstable_attention) rowstable_attention = nullptr;  // "attention"
     decltype(&qhf_rowstable_linear) rowstable_linear = nullptr;  // "rowstable_linear"
     decltype(&qhf_rms_norm_rows) rms_norm_rows = nullptr;  // "rms_norm"

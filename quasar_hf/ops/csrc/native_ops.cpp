@@ -113,6 +113,52 @@ at::Tensor native_w8a8_linear(const at::Tensor &x, const at::Tensor &w_packed, c
     return out;
 }
 
+// quasar::rms_norm_quantize_rows on CPU: RMSNorm(x) and W8A8's quantization of it, the norm folded in
+// (normed [..., K] in x's dtype; q int8 [M, K]; scale fp32 [M], r(x) included), each row alone.
+std::vector<at::Tensor> native_rms_norm_quantize_rows(const at::Tensor &x, const at::Tensor &norm_scale, double eps) {
+    TORCH_CHECK(x.dim() >= 1 && (float_or_bf16(x) || x.scalar_type() == at::kHalf), "rms_norm_quantize_rows: float rows x [..., K]");
+    const int64_t k = x.size(-1);
+    TORCH_CHECK(norm_scale.scalar_type() == at::kFloat && norm_scale.numel() == k, "rms_norm_quantize_rows: fp32 norm_scale [", k, "]");
+    const at::Tensor rows = rows_of(x, k), scale_in = norm_scale.contiguous();
+    const int64_t m = rows.size(0);
+    at::Tensor normed = at::empty(x.sizes(), x.options());
+    at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
+    at::Tensor scale = at::empty({m}, x.options().dtype(at::kFloat));
+    if (m == 0) return {normed, q, scale};
+    const int code = dtype_code(x);
+    const int status = require(quasar::cpu_kernels().w8a8_quantize_rows, "W8A8")(
+        rows.data_ptr(), code, m, k, rows.stride(0), scale_in.data_ptr<float>(), static_cast<float>(eps), normed.data_ptr(),
+        q.data_ptr<int8_t>(), scale.data_ptr<float>());
+    TORCH_CHECK(status == 0, "rms_norm_quantize_rows: no scratch memory for rows of ", k);
+    return {normed, q, scale};
+}
+
+// quasar::w8a8_linear_quantized_cpu_packed on CPU: the GEMM and epilogue of one packed weight on rows
+// quantized by rms_norm_quantize_rows; the output has like's leading shape and dtype.
+at::Tensor native_w8a8_linear_quantized(const at::Tensor &like, const at::Tensor &q, const at::Tensor &scale,
+                                        const at::Tensor &w_packed, const at::Tensor &wsum128, const at::Tensor &weight_scale,
+                                        const std::optional<at::Tensor> &bias, int64_t out_features) {
+    const int64_t n = out_features;
+    TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && like.dim() >= 1 && like.size(-1) == q.size(1) &&
+                    like.numel() == q.numel() && scale.scalar_type() == at::kFloat && scale.numel() == q.size(0) && scale.is_contiguous(),
+                "w8a8_linear_quantized: int8 rows q [M, K], fp32 scale [M] and like [..., K] with M rows expected");
+    check_packed_weight(like, w_packed, wsum128, weight_scale, n);
+    TORCH_CHECK(!bias || bias->numel() == n, "w8a8_linear_quantized: bias must be [", n, "]");
+    at::Tensor out = at::empty(with_last(like, n), like.options());
+    if (out.numel() == 0) return out;
+    const int64_t k = q.size(1);
+    const at::Tensor w_scale = fp32_contiguous(weight_scale);
+    const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+    const qhf_weight weight = {w_packed.data_ptr<int8_t>(), wsum128.data_ptr<int32_t>(), w_scale.data_ptr<float>(),
+                               b ? b->data_ptr() : nullptr, b ? dtype_code(*b) : 0, n};
+    void *outs[1] = {out.data_ptr()};
+    const int status = require(quasar::cpu_kernels().w8a8_linear_quantized, "W8A8")(
+        q.data_ptr<int8_t>(), scale.data_ptr<float>(), q.size(0), k, w_packed.size(1) * 4, 1, &weight, outs, dtype_code(like),
+        threads_for(n * k));
+    TORCH_CHECK(status == 0, "w8a8_linear_quantized: no scratch memory for ", q.size(0), "x", k, " activations");
+    return out;
+}
+
 // quasar::w8a8_folded_norm_linears_cpu_packed on CPU: an RMSNorm and the linears it feeds, one C call.
 std::vector<at::Tensor> native_folded_norm_linears(const at::Tensor &x, const at::Tensor &norm_weight, double eps,
                                                    double offset, at::TensorList w_packed, at::TensorList wsum128,
@@ -280,6 +326,8 @@ void register_cpu_kernels(std::vector<std::string> ops) {
     for (const std::string &op : ops) {
         if (op == "w8a8_linear_cpu_packed") impls->impl(op.c_str(), &native_w8a8_linear);
         else if (op == "w8a8_folded_norm_linears_cpu_packed") impls->impl(op.c_str(), &native_folded_norm_linears);
+        else if (op == "rms_norm_quantize_rows") impls->impl(op.c_str(), &native_rms_norm_quantize_rows);
+        else if (op == "w8a8_linear_quantized_cpu_packed") impls->impl(op.c_str(), &native_w8a8_linear_quantized);
         else if (op == "rowstable_attention") impls->impl(op.c_str(), &rowstable_attention_cpu);
         else if (op == "rowstable_linear") impls->impl(op.c_str(), &rowstable_linear_cpu);
         else if (op == "rms_norm") impls->impl(op.c_str(), &rms_norm_cpu);
@@ -297,6 +345,9 @@ TORCH_LIBRARY_FRAGMENT(quasar, m) {
           "Tensor? act_prescale, int out_features) -> Tensor");
     m.def("native_w8a8_folded_norm_linears_cpu_packed(Tensor x, Tensor norm_weight, float eps, float offset, Tensor[] w_packed, "
           "Tensor[] wsum128, Tensor[] weight_scale, Tensor?[] bias, int[] out_features, bool emit_normed) -> Tensor[]");
+    m.def("native_rms_norm_quantize_rows(Tensor x, Tensor norm_scale, float eps) -> Tensor[]");
+    m.def("native_w8a8_linear_quantized_cpu_packed(Tensor like, Tensor q, Tensor scale, Tensor w_packed, Tensor wsum128, "
+          "Tensor weight_scale, Tensor? bias, int out_features) -> Tensor");
     m.def("native_rowstable_attention(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor");
     m.def("native_rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("native_rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_float) -> Tensor");
@@ -309,6 +360,8 @@ TORCH_LIBRARY_FRAGMENT(quasar, m) {
 TORCH_LIBRARY_IMPL(quasar, CPU, m) {
     m.impl("native_w8a8_linear_cpu_packed", &native_w8a8_linear);
     m.impl("native_w8a8_folded_norm_linears_cpu_packed", &native_folded_norm_linears);
+    m.impl("native_rms_norm_quantize_rows", &native_rms_norm_quantize_rows);
+    m.impl("native_w8a8_linear_quantized_cpu_packed", &native_w8a8_linear_quantized);
     m.impl("native_rowstable_attention", &rowstable_attention_cpu);
     m.impl("native_rowstable_linear", &rowstable_linear_cpu);
     m.impl("native_rms_norm", &rms_norm_cpu);
