@@ -86,7 +86,9 @@ def test_folded_linear_equals_the_oracle(backend, k, sizes, m, dtype):
         outs = [p.folded(act) for p in prepared]
         if backend == "torch":  # one ulp of r, then the output's rounding: within two units of the dtype
             tol = dict(rtol=2e-2, atol=1e-3)
-            assert all(torch.allclose(o.float().nan_to_num(7.0), e.float().nan_to_num(7.0), **tol) for o, e in zip(outs, expected))
+            assert all(
+                torch.allclose(o.float().nan_to_num(7.0), e.float().nan_to_num(7.0), **tol) for o, e in zip(outs, expected)
+            )
             continue
         for out, ref in zip(outs, expected):
             assert out.dtype == dtype and type(out) is torch.Tensor and torch.equal(out.nan_to_num(7.0), ref.nan_to_num(7.0))
@@ -169,7 +171,9 @@ def test_folded_norm_outputs_equal_the_oracle(tmp_path, arch, backend):
     for norm, consumers in folds:
         out = norm(x)
         scale = norm.offset + norm.weight.float()
-        values = rmsnorm_reference(x, scale, norm.eps) if norm._quantizes else torch.ops.quasar.rms_norm(x, norm.weight, *norm.formula)
+        values = (
+            rmsnorm_reference(x, scale, norm.eps) if norm._quantizes else torch.ops.quasar.rms_norm(x, norm.weight, *norm.formula)
+        )
         assert type(out) is RMSNormOutput and torch.equal(out, values) and (out.quantized_rows() is not None) == norm._quantizes
         assert type(out * 1.0) is torch.Tensor  # any op on it gives a plain tensor: the fold stays here
         assert len(consumers) in (2, 3)

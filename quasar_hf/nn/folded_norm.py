@@ -12,10 +12,11 @@ another Transformers release, a LoRA wrapper, a hook) reads the normalized activ
 says what it normalizes (the norm's input x, the fp32 scale the norm multiplies by, eps) and, on
 CPU, carries W8A8's quantization of itself with the norm folded in (int8 rows and per-row scales,
 `quasar::rms_norm_quantize_rows`, one C call with the values). A W8A8Linear called with it takes
-those rows as they are (a "cpu_fused" linear: its GEMM alone), or computes W8A8(RMSNorm(x)) from x
-with the norm folded in on its own backend; called with anything else (a copy, `x * 1.0`, an edited
-tensor) it quantizes the values it is given. No module reads another module's state or output except through its input tensor, and
-nothing is written on a module at forward time: two threads can run one model.
+those rows as they are (on the fused CPU backend: its GEMM alone), or computes W8A8(RMSNorm(x))
+from x with the norm folded in on its own backend; called with anything else (a copy, `x * 1.0`,
+an edited tensor) it quantizes the values it is given. No module reads another module's state or
+output except through its input tensor, and nothing is written on a module at forward time: two
+threads can run one model.
 
 Under torch.compile the norm traces to the op `quasar::rms_norm` and each consumer to its own
 W8A8 op; the compiled step's grouping pass (ops/graph_passes.py) joins a norm and the linears that
@@ -120,7 +121,9 @@ class FoldedRMSNorm(PreparedModule):
         and whether this norm quantizes its output (on CPU, where the C++ op serves it)."""
         weight = self.weight.detach()
         self._norm_scale = None if weight.device.type == "meta" else (self.offset + weight.float()).contiguous()
-        self._quantizes = self._norm_scale is not None and weight.is_cpu and native.op_unavailable_reason("rms_norm_quantize_rows") is None
+        self._quantizes = (
+            self._norm_scale is not None and weight.is_cpu and native.op_unavailable_reason("rms_norm_quantize_rows") is None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., K]
         if torch.compiler.is_compiling():

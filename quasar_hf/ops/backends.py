@@ -146,7 +146,11 @@ def unpack_torch(weight_q: torch.Tensor, tensors: list[torch.Tensor]) -> object:
 
 
 def _takes(x: torch.Tensor, weight_q: torch.Tensor) -> bool:
-    return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.device == weight_q.device and x.shape[-1] == weight_q.shape[1]
+    return (
+        x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and x.device == weight_q.device
+        and x.shape[-1] == weight_q.shape[1]
+    )
 
 
 def _from_fold(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None]):

@@ -8,12 +8,12 @@ of all of them.
       -> [..., N]   (the "cpu_fused" backend: what its W8A8Linears call)
   quasar::w8a8_folded_norm_linears_cpu_packed(x, norm_weight, eps, offset, w_packed[], wsum128[],
       weight_scale[], bias?[], out_features[], emit_normed) -> [normed?, y_0, y_1, ...]   (an RMSNorm folded
-      into the "cpu_fused" linears it feeds: each eager consumer with its own weight, and all of a norm's
-      consumers in one call in compiled steps, ops/graph_passes.py)
+      into the packed linears it feeds: all of a norm's consumers in one call in compiled steps,
+      ops/graph_passes.py; an eager consumer given the norm's input without its rows, with its own weight)
   quasar::rms_norm_quantize_rows(x, norm_scale, eps) -> [normed, q int8 [M, K], scale fp32 [M]]   (an eager
       FoldedRMSNorm on CPU: the norm's values and W8A8's quantization of them, the norm folded in)
   quasar::w8a8_linear_quantized_cpu_packed(like, q, scale, w_packed, wsum128, weight_scale, bias?, out_features)
-      -> [..., N]   (a "cpu_fused" W8A8Linear given those rows: the GEMM and epilogue alone)
+      -> [..., N]   (a packed W8A8Linear given those rows: the GEMM and epilogue alone)
   quasar::rowstable_attention(query, key, value, visible?, scale?) -> [B, Q, H, D]   (CPU: C; CUDA: Triton)
   quasar::rowstable_linear(x, weight, bias?) -> [..., N]   (the float lm_head, RowStableLinear)
   quasar::hadamard_rows(x, signs, blocks, pow2, scale) -> fp32 [..., K]   (RotatedW8A8Linear's input)
@@ -143,7 +143,7 @@ def _rms_norm_fake(x, weight, eps: float, offset: float, scale_in_float: bool) -
     return x.new_empty(x.shape, dtype=dtype)
 
 
-# ---- an RMSNorm folded into the "cpu_fused" W8A8 linears it feeds (eager consumers, ops/graph_passes.py) --
+# ---- an RMSNorm folded into the packed W8A8 linears it feeds (ops/graph_passes.py, eager consumers) ------
 
 
 def _folded_cpu_packed_checked(x, norm_weight, w_packed, wsum128, weight_scale, bias, out_features) -> None:
@@ -185,7 +185,7 @@ def _folded_cpu_packed_fake(
     return [x.new_empty(x.shape)] * emit_normed + [x.new_empty(*x.shape[:-1], n) for n in out_features]
 
 
-# ---- an RMSNorm's rows quantized once, and a "cpu_fused" linear on them (eager FoldedRMSNorm consumers) ----
+# ---- an RMSNorm's rows quantized once, and a packed linear on them (eager FoldedRMSNorm consumers) --------
 
 
 def _rms_norm_quantize_fake(x, norm_scale, eps: float):

@@ -158,7 +158,11 @@ def rmsnorm_quantize_reference(x: torch.Tensor, norm_scale: torch.Tensor, eps: f
 
 
 def w8a8_linear_quantized_reference(
-    like: torch.Tensor, a_q: torch.Tensor, a_scale: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor,
+    like: torch.Tensor,
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    weight_q: torch.Tensor,
+    weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The int8 GEMM and epilogue of W8A8 on rows already quantized (a_q int8 [M, K], a_scale fp32 [M]):
