@@ -235,53 +235,23 @@ static void gemm_range(const gemm_args *g, int64_t nb_begin, int64_t nb_end) {
         }
 }
 
-/* ---- entry points (the signatures of w8a8_vnni.c; wsum128 is unused here) ------------------- */
+/* ---- the driver (w8a8_segments.h) and the entry points (the signatures of w8a8_vnni.c) ------- */
 
-/* Thread t of nt: its share of every segment's channel blocks, the segments taken as one range. */
-static void gemm_share(gemm_args *g, int G, int64_t nblocks, int t, int nt) {
-    const int64_t begin = nblocks * t / nt, end = nblocks * (t + 1) / nt;
-    int64_t offset = 0;
-    for (int s = 0; s < G; ++s) {
-        const int64_t nb = (g[s].N + 15) / 16;
-        const int64_t lo = begin > offset ? begin : offset, hi = end < offset + nb ? end : offset + nb;
-        if (lo < hi) gemm_range(&g[s], lo - offset, hi - offset);
-        offset += nb;
-    }
+typedef int8_t act_t; /* q itself */
+
+static inline void load_row(act_t *aq, const int8_t *q, int64_t K, int64_t Kp) {
+    memcpy(aq, q, (size_t)K);
+    memset(aq + K, 0, (size_t)(Kp - K));
 }
 
-static int64_t channel_blocks(const gemm_args *g, int G) {
-    int64_t nblocks = 0;
-    for (int s = 0; s < G; ++s) nblocks += (g[s].N + 15) / 16;
-    return nblocks;
+static inline int8_t stored_q(act_t a) { return a; }
+
+static inline gemm_args segment_args(const qhf_weight *w, void *out, int out_dtype, int64_t M, int64_t Kp) {
+    gemm_args g = {NULL, NULL, w->w_packed, w->w_scale, w->bias, (int)w->bias_dtype, out, out_dtype, w->N, NULL, M, w->N, Kp};
+    return g;
 }
 
-static int run_segments(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                        float norm_eps, void *normed, int64_t Kp, gemm_args *g, int G, int n_threads) {
-    const int64_t nblocks = channel_blocks(g, G);
-    int8_t *aq = (int8_t *)aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64));
-    float *a_scale = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
-    if (!aq || !a_scale) { free(aq); free(a_scale); return 1; }
-    for (int s = 0; s < G; ++s) { g[s].aq = aq; g[s].a_scale = a_scale; }
-    const size_t elem = x_dtype == DT_F32 ? 4 : 2;
-    if (n_threads > nblocks) n_threads = (int)nblocks;
-    if (n_threads < 1) n_threads = 1;
-#pragma omp parallel num_threads(n_threads) if (n_threads > 1)
-    {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m)
-            a_scale[m] = quantize_row((const char *)x + (size_t)(m * x_stride) * elem, x_dtype, prescale, K, Kp, aq + m * Kp,
-                                       norm_eps, normed ? (char *)normed + (size_t)(m * K) * elem : NULL);
-        gemm_share(g, G, nblocks, t, nt);
-    }
-    free(aq);
-    free(a_scale);
-    return 0;
-}
+#include "w8a8_segments.h"
 
 int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
                     const int8_t *w_packed, const int32_t *wsum128, int64_t N, int64_t Kp, const float *w_scale,
@@ -289,61 +259,5 @@ int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_
                     int32_t *acc_out, int n_threads) {
     (void)wsum128;
     gemm_args g = {NULL, NULL, w_packed, w_scale, bias, bias_dtype, out, out_dtype, out_stride, acc_out, M, N, Kp};
-    return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, NULL, Kp, &g, 1, n_threads);
-}
-
-int qhf_w8a8_linear_multi(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                          float norm_eps, void *normed, int64_t Kp, int G, const qhf_weight *weights,
-                          void *const *outs, int out_dtype, int n_threads) {
-    if (G < 1 || G > MULTI_MAX) return 2;
-    gemm_args g[MULTI_MAX];
-    for (int s = 0; s < G; ++s) {
-        const qhf_weight *w = &weights[s];
-        gemm_args one = {NULL, NULL, w->w_packed, w->w_scale, w->bias, (int)w->bias_dtype, outs[s],
-                         out_dtype, w->N, NULL, M, w->N, Kp};
-        g[s] = one;
-    }
-    return run_segments(x, x_dtype, M, K, x_stride, prescale, norm_eps, normed, Kp, g, G, n_threads);
-}
-
-/* The signatures and rules of w8a8_vnni.c's qhf_w8a8_quantize_rows and qhf_w8a8_linear_quantized. */
-int qhf_w8a8_quantize_rows(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                           float norm_eps, void *normed, int8_t *q, float *scale) {
-    const size_t elem = x_dtype == DT_F32 ? 4 : 2;
-    for (int64_t m = 0; m < M; ++m)  /* Kp = K: no padding needed in q */
-        scale[m] = quantize_row((const char *)x + (size_t)(m * x_stride) * elem, x_dtype, prescale, K, K, q + m * K, norm_eps,
-                                normed ? (char *)normed + (size_t)(m * K) * elem : NULL);
-    return 0;
-}
-
-int qhf_w8a8_linear_quantized(const int8_t *q, const float *scale, int64_t M, int64_t K, int64_t Kp, int G,
-                              const qhf_weight *weights, void *const *outs, int out_dtype, int n_threads) {
-    if (G < 1 || G > MULTI_MAX) return 2;
-    int8_t *aq = (int8_t *)aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64));
-    if (!aq) return 1;
-    for (int64_t m = 0; m < M; ++m) {
-        memcpy(aq + m * Kp, q + m * K, (size_t)K);
-        memset(aq + m * Kp + K, 0, (size_t)(Kp - K));
-    }
-    gemm_args g[MULTI_MAX];
-    for (int s = 0; s < G; ++s) {
-        const qhf_weight *w = &weights[s];
-        gemm_args one = {aq, scale, w->w_packed, w->w_scale, w->bias, (int)w->bias_dtype, outs[s], out_dtype, w->N, NULL,
-                         M, w->N, Kp};
-        g[s] = one;
-    }
-    const int64_t nblocks = channel_blocks(g, G);
-    if (n_threads > nblocks) n_threads = (int)nblocks;
-    if (n_threads < 1) n_threads = 1;
-#pragma omp parallel num_threads(n_threads) if (n_threads > 1)
-    {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        gemm_share(g, G, nblocks, t, nt);
-    }
-    free(aq);
-    return 0;
+    return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, NULL, NULL, NULL, Kp, &g, 1, n_threads);
 }

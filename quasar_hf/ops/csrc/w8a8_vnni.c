@@ -212,56 +212,24 @@ static void gemm_range(const gemm_args *g, int64_t nb_begin, int64_t nb_end) {
     }
 }
 
-/* ---- entry points --------------------------------------------------------------------------- */
+/* ---- the driver (w8a8_segments.h) and the entry points --------------------------------------- */
 
-/* Thread t of nt: its share of every segment's channel blocks, the segments taken as one range so
- * small weights share a call. */
-static void gemm_share(gemm_args *g, int G, int64_t nblocks, int t, int nt) {
-    const int64_t begin = nblocks * t / nt, end = nblocks * (t + 1) / nt;
-    int64_t offset = 0;
-    for (int s = 0; s < G; ++s) {
-        const int64_t nb = (g[s].N + 15) / 16;
-        const int64_t lo = begin > offset ? begin : offset, hi = end < offset + nb ? end : offset + nb;
-        if (lo < hi) gemm_range(&g[s], lo - offset, hi - offset);
-        offset += nb;
-    }
+typedef uint8_t act_t; /* q + 128 */
+
+static inline void load_row(act_t *aq, const int8_t *q, int64_t K, int64_t Kp) {
+    for (int64_t k = 0; k < K; ++k) aq[k] = (uint8_t)q[k] ^ 0x80; /* q -> q + 128 */
+    for (int64_t k = K; k < Kp; ++k) aq[k] = 128;
 }
 
-static int64_t channel_blocks(const gemm_args *g, int G) {
-    int64_t nblocks = 0;
-    for (int s = 0; s < G; ++s) nblocks += (g[s].N + 15) / 16;
-    return nblocks;
+static inline int8_t stored_q(act_t a) { return (int8_t)(a ^ 0x80); }
+
+static inline gemm_args segment_args(const qhf_weight *w, void *out, int out_dtype, int64_t M, int64_t Kp) {
+    gemm_args g = {NULL, NULL, w->w_packed, w->wsum128, w->w_scale, w->bias, (int)w->bias_dtype, out, out_dtype, w->N,
+                   NULL, M, w->N, Kp};
+    return g;
 }
 
-/* Quantize x [M, K] once into aq/a_scale (filled in every g[s]), then run every segment's GEMM. */
-static int run_segments(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                        float norm_eps, void *normed, int64_t Kp, gemm_args *g, int G, int n_threads) {
-    const int64_t nblocks = channel_blocks(g, G);
-    uint8_t *aq = (uint8_t *)aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64));
-    float *a_scale = (float *)malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
-    if (!aq || !a_scale) { free(aq); free(a_scale); return 1; }
-    for (int s = 0; s < G; ++s) { g[s].aq = aq; g[s].a_scale = a_scale; }
-    const size_t elem = x_dtype == DT_F32 ? 4 : 2;
-    if (n_threads > nblocks) n_threads = (int)nblocks;
-    if (n_threads < 1) n_threads = 1;
-#pragma omp parallel num_threads(n_threads) if (n_threads > 1)
-    {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m)
-            a_scale[m] = quantize_row((const char *)x + (size_t)(m * x_stride) * elem, x_dtype, prescale, K, Kp, aq + m * Kp,
-                                       norm_eps, normed ? (char *)normed + (size_t)(m * K) * elem : NULL);
-        /* implicit barrier: all rows quantized before any thread reads them */
-        gemm_share(g, G, nblocks, t, nt);
-    }
-    free(aq);
-    free(a_scale);
-    return 0;
-}
+#include "w8a8_segments.h"
 
 /* y[M, N] = W8A8(x[M, K]). Returns 0 on success, 1 if scratch memory could not be allocated.
  * x rows are x_stride elements apart; prescale/bias/out/acc_out may be NULL. */
@@ -271,76 +239,5 @@ int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_
                     int32_t *acc_out, int n_threads) {
     gemm_args g = {NULL, NULL, w_packed, wsum128, w_scale, bias, bias_dtype, out, out_dtype, out_stride,
                    acc_out, M, N, Kp};
-    return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, NULL, Kp, &g, 1, n_threads);
-}
-
-/* outs[s][M, N_s] = W8A8(x[M, K]) with weights[s], s < G <= MULTI_MAX: x quantized once, the same
- * bits as G qhf_w8a8_linear calls (contiguous outputs in out_dtype). norm_eps >= 0: x is an
- * RMSNorm's input and prescale its weight, folded into the quantization (see quantize_row); normed
- * (contiguous [M, K] in x_dtype, or NULL) then receives the norm's output. Returns 0, 1 (no scratch memory) or 2 (G out of range). */
-int qhf_w8a8_linear_multi(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                          float norm_eps, void *normed, int64_t Kp, int G, const qhf_weight *weights,
-                          void *const *outs, int out_dtype, int n_threads) {
-    if (G < 1 || G > MULTI_MAX) return 2;
-    gemm_args g[MULTI_MAX];
-    for (int s = 0; s < G; ++s) {
-        const qhf_weight *w = &weights[s];
-        gemm_args one = {NULL, NULL, w->w_packed, w->wsum128, w->w_scale, w->bias, (int)w->bias_dtype, outs[s],
-                         out_dtype, w->N, NULL, M, w->N, Kp};
-        g[s] = one;
-    }
-    return run_segments(x, x_dtype, M, K, x_stride, prescale, norm_eps, normed, Kp, g, G, n_threads);
-}
-
-/* q[M, K] (int8, the reference's per-token values) and scale[M] = W8A8's quantization of x (times
- * prescale; norm_eps >= 0 folds an RMSNorm in, as in qhf_w8a8_linear_multi, and normed, if not NULL,
- * receives the norm's output), each row alone: what qhf_w8a8_linear_quantized takes. Returns 0 or 1. */
-int qhf_w8a8_quantize_rows(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                           float norm_eps, void *normed, int8_t *q, float *scale) {
-    const int64_t Kp = (K + 3) / 4 * 4;
-    uint8_t *aq = (uint8_t *)malloc((size_t)Kp);
-    if (!aq) return 1;
-    const size_t elem = x_dtype == DT_F32 ? 4 : 2;
-    for (int64_t m = 0; m < M; ++m) {
-        scale[m] = quantize_row((const char *)x + (size_t)(m * x_stride) * elem, x_dtype, prescale, K, Kp, aq, norm_eps,
-                                normed ? (char *)normed + (size_t)(m * K) * elem : NULL);
-        for (int64_t k = 0; k < K; ++k) q[m * K + k] = (int8_t)(aq[k] ^ 0x80); /* q + 128 -> q */
-    }
-    free(aq);
-    return 0;
-}
-
-/* outs[s][M, N_s] = the W8A8 GEMM and epilogue of each weight on rows already quantized (q [M, K]
- * int8 and scale [M] from qhf_w8a8_quantize_rows): the same bits as qhf_w8a8_linear_multi on the
- * rows they came from. Returns 0, 1 (no scratch memory) or 2 (G out of range). */
-int qhf_w8a8_linear_quantized(const int8_t *q, const float *scale, int64_t M, int64_t K, int64_t Kp, int G,
-                              const qhf_weight *weights, void *const *outs, int out_dtype, int n_threads) {
-    if (G < 1 || G > MULTI_MAX) return 2;
-    uint8_t *aq = (uint8_t *)aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64));
-    if (!aq) return 1;
-    for (int64_t m = 0; m < M; ++m) {
-        for (int64_t k = 0; k < K; ++k) aq[m * Kp + k] = (uint8_t)q[m * K + k] ^ 0x80; /* q -> q + 128 */
-        for (int64_t k = K; k < Kp; ++k) aq[m * Kp + k] = 128;
-    }
-    gemm_args g[MULTI_MAX];
-    for (int s = 0; s < G; ++s) {
-        const qhf_weight *w = &weights[s];
-        gemm_args one = {aq, scale, w->w_packed, w->wsum128, w->w_scale, w->bias, (int)w->bias_dtype, outs[s],
-                         out_dtype, w->N, NULL, M, w->N, Kp};
-        g[s] = one;
-    }
-    const int64_t nblocks = channel_blocks(g, G);
-    if (n_threads > nblocks) n_threads = (int)nblocks;
-    if (n_threads < 1) n_threads = 1;
-#pragma omp parallel num_threads(n_threads) if (n_threads > 1)
-    {
-        int t = 0, nt = 1;
-#ifdef _OPENMP
-        t = omp_get_thread_num();
-        nt = omp_get_num_threads();
-#endif
-        gemm_share(g, G, nblocks, t, nt);
-    }
-    free(aq);
-    return 0;
+    return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, NULL, NULL, NULL, Kp, &g, 1, n_threads);
 }
