@@ -7,31 +7,13 @@
 
 #include "kernel_builds.def"
 
-// Each build's entry points, as ops/native.py renamed them when it compiled the build (<entry>_<build>).
-#define QHF_DECLARE_w8a8(b)                                                       \
-    extern "C" decltype(qhf_w8a8_linear) qhf_w8a8_linear_##b;                     \
-    extern "C" decltype(qhf_w8a8_linear_multi) qhf_w8a8_linear_multi_##b;        \
-    extern "C" decltype(qhf_w8a8_quantize_rows) qhf_w8a8_quantize_rows_##b;      \
-    extern "C" decltype(qhf_w8a8_linear_quantized) qhf_w8a8_linear_quantized_##b;
-#define QHF_DECLARE_attention(b) extern "C" decltype(qhf_rowstable_attention) qhf_rowstable_attention_##b;
-#define QHF_DECLARE_rowstable_linear(b) extern "C" decltype(qhf_rowstable_linear) qhf_rowstable_linear_##b;
-#define QHF_DECLARE_rms_norm(b) extern "C" decltype(qhf_rms_norm_rows) qhf_rms_norm_rows_##b;
-#define QHF_DECLARE_hadamard(b) extern "C" decltype(qhf_hadamard_rows) qhf_hadamard_rows_##b;
-#define QHF_DECLARE(kernel, build, source, cflags, cpu_flags) QHF_DECLARE_##kernel(build)
-
-// How a chosen build fills the table.
-#define QHF_INSTALL_w8a8(b)                                      \
-    [](quasar::CpuKernels &k) {                                  \
-        k.w8a8_linear = &qhf_w8a8_linear_##b;                    \
-        k.w8a8_linear_multi = &qhf_w8a8_linear_multi_##b;        \
-        k.w8a8_quantize_rows = &qhf_w8a8_quantize_rows_##b;      \
-        k.w8a8_linear_quantized = &qhf_w8a8_linear_quantized_##b; \
-    }
-#define QHF_INSTALL_attention(b) [](quasar::CpuKernels &k) { k.rowstable_attention = &qhf_rowstable_attention_##b; }
-#define QHF_INSTALL_rowstable_linear(b) [](quasar::CpuKernels &k) { k.rowstable_linear = &qhf_rowstable_linear_##b; }
-#define QHF_INSTALL_rms_norm(b) [](quasar::CpuKernels &k) { k.rms_norm_rows = &qhf_rms_norm_rows_##b; }
-#define QHF_INSTALL_hadamard(b) [](quasar::CpuKernels &k) { k.hadamard_rows = &qhf_hadamard_rows_##b; }
-#define QHF_ROW(kernel, build, source, cflags, cpu_flags) {#kernel, #build, source, cpu_flags, QHF_INSTALL_##kernel(build)},
+// Each build's entry points, as ops/native.py renamed them when it compiled the build (<entry>_<build>),
+// and how a chosen build fills the table: both from the kernel's list in qhf_entry_points.h.
+#define QHF_EXTERN(entry, b) extern "C" decltype(::entry) entry##_##b;
+#define QHF_DECLARE(kernel, build, source, cflags, cpu_flags) QHF_ENTRIES_##kernel(QHF_EXTERN, build)
+#define QHF_SET(entry, b) k.entry = &::entry##_##b;
+#define QHF_ROW(kernel, build, source, cflags, cpu_flags) \
+    {#kernel, #build, source, cpu_flags, [](quasar::CpuKernels &k) { QHF_ENTRIES_##kernel(QHF_SET, build) }},
 
 #if defined(QHF_X86)
 QHF_X86_BUILDS(QHF_DECLARE)

@@ -9,15 +9,11 @@
 
 namespace quasar {
 
+// One slot per entry point of qhf_entry_points.h, named after it (null where no build of its kernel runs).
+#define QHF_SLOT(entry, unused) decltype(&::entry) entry = nullptr;
+#define QHF_KERNEL_SLOTS(kernel) QHF_ENTRIES_##kernel(QHF_SLOT, _)
 struct CpuKernels {
-    decltype(&qhf_w8a8_linear) w8a8_linear = nullptr;  // kernel "w8a8"
-    decltype(&qhf_w8a8_linear_multi) w8a8_linear_multi = nullptr;
-    decltype(&qhf_w8a8_quantize_rows) w8a8_quantize_rows = nullptr;
-    decltype(&qhf_w8a8_linear_quantized) w8a8_linear_quantized = nullptr;
-    decltype(&qhf_rowstable_attention) rowstable_attention = nullptr;  // "attention"
-    decltype(&qhf_rowstable_linear) rowstable_linear = nullptr;  // "rowstable_linear"
-    decltype(&qhf_rms_norm_rows) rms_norm_rows = nullptr;  // "rms_norm"
-    decltype(&qhf_hadamard_rows) hadamard_rows = nullptr;  // "hadamard"
+    QHF_KERNELS(QHF_KERNEL_SLOTS)
     std::vector<std::string> chosen;  // "<kernel> <build> <source>" of each kernel that has a build here
 };
 

@@ -105,7 +105,7 @@ at::Tensor native_w8a8_linear(const at::Tensor &x, const at::Tensor &w_packed, c
     const std::optional<at::Tensor> pre = act_prescale ? std::optional<at::Tensor>(fp32_contiguous(*act_prescale)) : std::nullopt;
     const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
     const int code = dtype_code(x);
-    const int status = require(quasar::cpu_kernels().w8a8_linear, "W8A8")(rows.data_ptr(), code, rows.size(0), k, rows.stride(0), pre ? pre->data_ptr<float>() : nullptr,
+    const int status = require(quasar::cpu_kernels().qhf_w8a8_linear, "W8A8")(rows.data_ptr(), code, rows.size(0), k, rows.stride(0), pre ? pre->data_ptr<float>() : nullptr,
                                        w_packed.data_ptr<int8_t>(), wsum128.data_ptr<int32_t>(), n, w_packed.size(1) * 4,
                                        scale.data_ptr<float>(), b ? b->data_ptr() : nullptr, b ? dtype_code(*b) : 0,
                                        out.data_ptr(), code, n, nullptr, threads_for(n * k));
@@ -126,7 +126,7 @@ std::vector<at::Tensor> native_rms_norm_quantize_rows(const at::Tensor &x, const
     at::Tensor scale = at::empty({m}, x.options().dtype(at::kFloat));
     if (m == 0) return {normed, q, scale};
     const int code = dtype_code(x);
-    const int status = require(quasar::cpu_kernels().w8a8_quantize_rows, "W8A8")(
+    const int status = require(quasar::cpu_kernels().qhf_w8a8_quantize_rows, "W8A8")(
         rows.data_ptr(), code, m, k, rows.stride(0), scale_in.data_ptr<float>(), static_cast<float>(eps), normed.data_ptr(),
         q.data_ptr<int8_t>(), scale.data_ptr<float>());
     TORCH_CHECK(status == 0, "rms_norm_quantize_rows: no scratch memory for rows of ", k);
@@ -152,7 +152,7 @@ at::Tensor native_w8a8_linear_quantized(const at::Tensor &like, const at::Tensor
     const qhf_weight weight = {w_packed.data_ptr<int8_t>(), wsum128.data_ptr<int32_t>(), w_scale.data_ptr<float>(),
                                b ? b->data_ptr() : nullptr, b ? dtype_code(*b) : 0, n};
     void *outs[1] = {out.data_ptr()};
-    const int status = require(quasar::cpu_kernels().w8a8_linear_quantized, "W8A8")(
+    const int status = require(quasar::cpu_kernels().qhf_w8a8_linear_quantized, "W8A8")(
         q.data_ptr<int8_t>(), scale.data_ptr<float>(), q.size(0), k, w_packed.size(1) * 4, 1, &weight, outs, dtype_code(like),
         threads_for(n * k));
     TORCH_CHECK(status == 0, "w8a8_linear_quantized: no scratch memory for ", q.size(0), "x", k, " activations");
@@ -198,7 +198,7 @@ std::vector<at::Tensor> native_folded_norm_linears(const at::Tensor &x, const at
         pointers[s] = outs[s + (emit_normed ? 1 : 0)].data_ptr();
     }
     const int code = dtype_code(x);
-    const int status = require(quasar::cpu_kernels().w8a8_linear_multi, "W8A8")(rows.data_ptr(), code, rows.size(0), k, rows.stride(0), norm_scale.data(),
+    const int status = require(quasar::cpu_kernels().qhf_w8a8_linear_multi, "W8A8")(rows.data_ptr(), code, rows.size(0), k, rows.stride(0), norm_scale.data(),
                                              static_cast<float>(eps), emit_normed ? normed.data_ptr() : nullptr,
                                              w_packed[0].size(1) * 4, static_cast<int>(count),
                                              structs, pointers, code, threads_for(total * k));
@@ -225,7 +225,7 @@ at::Tensor rowstable_attention_cpu(const at::Tensor &query, const at::Tensor &ke
     at::Tensor mask;
     if (visible) mask = inner_contiguous(*visible).view(at::kByte);
     const float s = static_cast<float>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim)));
-    const int status = require(quasar::cpu_kernels().rowstable_attention, "row-stable attention")(
+    const int status = require(quasar::cpu_kernels().qhf_rowstable_attention, "row-stable attention")(
         q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.data_ptr(),
         v.stride(0), v.stride(1), v.stride(2), visible ? mask.data_ptr<uint8_t>() : nullptr, visible ? mask.stride(0) : 0,
         visible ? mask.stride(1) : 0, out.data_ptr(), batch, heads, kv_heads, q_len, kv_len, head_dim, s,
@@ -249,7 +249,7 @@ at::Tensor rowstable_linear_cpu(const at::Tensor &x, const at::Tensor &weight, c
     const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
     const int64_t weight_bytes = w.numel() * static_cast<int64_t>(w.element_size());
     const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), weight_bytes / kRowstableMinBytesPerThread)));
-    const int status = require(quasar::cpu_kernels().rowstable_linear, "row-stable linear")(rows.data_ptr(), rows.stride(0), rows.size(0), k, w.data_ptr(), w.stride(0), n,
+    const int status = require(quasar::cpu_kernels().qhf_rowstable_linear, "row-stable linear")(rows.data_ptr(), rows.stride(0), rows.size(0), k, w.data_ptr(), w.stride(0), n,
                                             b ? b->data_ptr() : nullptr, out.data_ptr(), n, dtype_code(x), threads);
     TORCH_CHECK(status != 1, "row-stable linear could not allocate ", rows.size(0), " x ", k, " fp32 scratch");
     TORCH_CHECK(status == 0, "row-stable linear rejected shapes x ", x.sizes(), ", weight ", weight.sizes());
@@ -266,7 +266,7 @@ at::Tensor rms_norm_cpu(const at::Tensor &x, const at::Tensor &weight, double ep
     at::Tensor out = at::empty(x.sizes(), x.options().dtype(dtype));
     if (out.numel() == 0) return out;
     const at::Tensor rows = rows_of(x, k), w = weight.contiguous();
-    require(quasar::cpu_kernels().rms_norm_rows, "RMSNorm")(rows.data_ptr(), dtype_code(x), rows.size(0), k, rows.stride(0), w.data_ptr(), dtype_code(w),
+    require(quasar::cpu_kernels().qhf_rms_norm_rows, "RMSNorm")(rows.data_ptr(), dtype_code(x), rows.size(0), k, rows.stride(0), w.data_ptr(), dtype_code(w),
                       static_cast<float>(eps), static_cast<float>(offset), scale_in_float ? 1 : 0, out.data_ptr(), dtype_code(out));
     return out;
 }
@@ -286,7 +286,7 @@ at::Tensor hadamard_rows_cpu(const at::Tensor &x, const at::Tensor &signs, int64
     const int threads = count < 2 * kHadamardMinRowsPerThread
                             ? 1
                             : static_cast<int>(std::min<int64_t>(at::get_num_threads(), count / kHadamardMinRowsPerThread));
-    const int status = require(quasar::cpu_kernels().hadamard_rows, "Hadamard")(rows.data_ptr(), k, count, dtype_code(x), out.data_ptr<float>(), blocks, m, pow2,
+    const int status = require(quasar::cpu_kernels().qhf_hadamard_rows, "Hadamard")(rows.data_ptr(), k, count, dtype_code(x), out.data_ptr<float>(), blocks, m, pow2,
                                          s.data_ptr<float>(), static_cast<float>(scale), threads);
     TORCH_CHECK(status == 0, "the Hadamard kernel could not allocate a scratch row of ", k, " floats");
     return out;
@@ -304,7 +304,7 @@ at::Tensor native_w8a8_accumulators(const at::Tensor &x, const at::Tensor &w_pac
     at::Tensor acc = at::empty({rows.size(0), n}, x.options().dtype(at::kInt));
     if (acc.numel() == 0) return acc;
     const std::optional<at::Tensor> pre = act_prescale ? std::optional<at::Tensor>(fp32_contiguous(*act_prescale)) : std::nullopt;
-    const int status = require(quasar::cpu_kernels().w8a8_linear, "W8A8")(
+    const int status = require(quasar::cpu_kernels().qhf_w8a8_linear, "W8A8")(
         rows.data_ptr(), dtype_code(x), rows.size(0), k, rows.stride(0), pre ? pre->data_ptr<float>() : nullptr,
         w_packed.data_ptr<int8_t>(), wsum128.data_ptr<int32_t>(), n, w_packed.size(1) * 4, ones.data_ptr<float>(), nullptr, 0,
         nullptr, dtype_code(x), n, acc.data_ptr<int32_t>(), threads_for(n * k));

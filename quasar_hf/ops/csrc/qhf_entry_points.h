@@ -57,4 +57,14 @@ int qhf_hadamard_rows(const void *x, int64_t x_stride, int64_t rows, int dtype, 
 #ifdef __cplusplus
 }
 #endif
+
+/* Each kernel's entry points, by the kernel names of kernel_builds.def: cpu_kernels.{h,cpp} declare,
+ * hold and install every build's from these lists, so an entry point is named here and nowhere else. */
+#define QHF_ENTRIES_w8a8(X, b) X(qhf_w8a8_linear, b) X(qhf_w8a8_linear_multi, b) X(qhf_w8a8_quantize_rows, b) \
+    X(qhf_w8a8_linear_quantized, b)
+#define QHF_ENTRIES_attention(X, b) X(qhf_rowstable_attention, b)
+#define QHF_ENTRIES_rowstable_linear(X, b) X(qhf_rowstable_linear, b)
+#define QHF_ENTRIES_rms_norm(X, b) X(qhf_rms_norm_rows, b)
+#define QHF_ENTRIES_hadamard(X, b) X(qhf_hadamard_rows, b)
+#define QHF_KERNELS(X) X(w8a8) X(attention) X(rowstable_linear) X(rms_norm) X(hadamard)
 #endif
