@@ -153,12 +153,15 @@ def _takes(x: torch.Tensor, weight_q: torch.Tensor) -> bool:
     )
 
 
-def _from_fold(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None]):
-    """folded(act) from fn(x, norm_scale, eps), for backends that quantize the norm's input themselves."""
+def _from_fold(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor], weight_q: torch.Tensor):
+    """folded(act) from fn(x, norm_scale, eps), for backends that quantize the norm's input themselves:
+    fn is called only with an x this weight takes, holding at least one row."""
 
     def folded(act) -> torch.Tensor | None:
         fold = act.fold()
-        return None if fold is None else fn(*fold)
+        if fold is None or not _takes(fold[0], weight_q) or fold[0].numel() == 0:
+            return None
+        return fn(*fold)
 
     return folded
 
@@ -185,13 +188,13 @@ def folded_torch(weights, packed):
     """torch sums the norm's squares in its own order, so it always folds from x (never the C rows)."""
     from quasar_hf.ops.cpu import bind_folded_torch
 
-    return _from_fold(bind_folded_torch(weights, packed))
+    return _from_fold(bind_folded_torch(weights, packed), weights[0])
 
 
 def folded_triton(weights, packed):
     from quasar_hf.ops.triton_w8a8 import bind_folded_triton
 
-    return _from_fold(bind_folded_triton(weights))
+    return _from_fold(bind_folded_triton(weights), weights[0])
 
 
 def folded_cpu_fused(weights, packed):
@@ -204,14 +207,13 @@ def folded_cpu_fused(weights, packed):
     rows_args = (packed.data, packed.wsum128, weight_scale, bias, packed.out_features)
     from_x = torch.ops.quasar.w8a8_folded_norm_linears_cpu_packed.default
     lists = ([packed.data], [packed.wsum128], [weight_scale], [bias], [packed.out_features], False)
-    dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
     def folded(act) -> torch.Tensor | None:
         rows = act.quantized_rows()
         if rows is not None and rows[0].shape[1] == k and rows[0].is_cpu:
             return from_rows(act, *rows, *rows_args)
         fold = act.fold()
-        if fold is None or not (fold[0].is_cpu and fold[0].dtype in dtypes and fold[0].shape[-1] == k):
+        if fold is None or not _takes(fold[0], weight_q):
             return None
         x, norm_scale, eps = fold
         return from_x(x, norm_scale, eps, -0.0, *lists)[0]  # norm_scale is offset + weight already: -0.0 + v is v

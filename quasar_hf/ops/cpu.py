@@ -145,15 +145,11 @@ def rms_factor_torch(x2: torch.Tensor, eps: float) -> torch.Tensor:
 def bind_folded_torch(weights: tuple, packed: object | None):
     """`folded(x, norm_scale, eps)`: W8A8(RMSNorm(x)) with the norm folded into one per-token quantization
     of x * norm_scale, each row's scale times rms_factor_torch (reference.w8a8_linear_rmsnorm_reference
-    with torch's row sum); None for an x this weight does not take."""
+    with torch's row sum); x is one this weight takes (backends._from_fold checks it)."""
     weight_q, weight_scale, bias = weights
     own = packed if isinstance(packed, TorchPackedWeight) else None
 
-    def folded(x: torch.Tensor, norm_scale: torch.Tensor, eps: float) -> torch.Tensor | None:
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.device != weight_q.device:
-            return None
-        if x.shape[-1] != weight_q.shape[1] or x.numel() == 0:
-            return None
+    def folded(x: torch.Tensor, norm_scale: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         a_q, a_scale = quantize_per_token_fast(x2.float() * norm_scale)
         a_scale = torch.where(a_scale == 0, a_scale, a_scale * rms_factor_torch(x2, eps))

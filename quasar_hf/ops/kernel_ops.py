@@ -192,6 +192,8 @@ def _rms_norm_quantize_fake(x, norm_scale, eps: float):
     k = x.shape[-1]
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or tuple(norm_scale.shape) != (k,):
         raise ValueError(f"rms_norm_quantize_rows: float rows x [..., {k}] and an fp32 norm_scale [{k}]")
+    if not (eps >= 0.0 and eps < float("inf")):
+        raise ValueError(f"rms_norm_quantize_rows: eps must be a finite number >= 0, got {eps!r}")
     rows = x.numel() // k if k else 0
     return [x.new_empty(x.shape), x.new_empty(rows, k, dtype=torch.int8), x.new_empty(rows, dtype=torch.float32)]
 

@@ -207,16 +207,13 @@ def w8a8_accumulators_triton(x: torch.Tensor, weight_q: torch.Tensor, act_presca
 
 def bind_folded_triton(weights: tuple):
     """`folded(x, norm_scale, eps)`: one launch with the RMSNorm folded into the kernel's quantization
-    (the bits of reference.w8a8_linear_rmsnorm_reference); None for an x this weight does not take."""
+    (the bits of reference.w8a8_linear_rmsnorm_reference); x is one this weight takes (backends._from_fold
+    checks it)."""
     weight_q, weight_scale, bias = weights
 
-    def folded(x: torch.Tensor, norm_scale: torch.Tensor, eps: float) -> torch.Tensor | None:
-        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.device != weight_q.device:
-            return None
-        if x.shape[-1] != weight_q.shape[1] or x.numel() == 0:
-            return None
+    def folded(x: torch.Tensor, norm_scale: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = _as_rows(x)  # [M, K]
-        r = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)  # [M]: the row factors (unused here)
+        r = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)  # [M]: the kernel writes the row factors
         out, _ = _run(x2, weight_q, weight_scale, bias, norm_scale, False, eps, r)
         return out.reshape(*x.shape[:-1], weight_q.shape[0])
 

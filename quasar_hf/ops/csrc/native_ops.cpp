@@ -119,6 +119,7 @@ std::vector<at::Tensor> native_rms_norm_quantize_rows(const at::Tensor &x, const
     TORCH_CHECK(x.dim() >= 1 && (float_or_bf16(x) || x.scalar_type() == at::kHalf), "rms_norm_quantize_rows: float rows x [..., K]");
     const int64_t k = x.size(-1);
     TORCH_CHECK(norm_scale.scalar_type() == at::kFloat && norm_scale.numel() == k, "rms_norm_quantize_rows: fp32 norm_scale [", k, "]");
+    TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "rms_norm_quantize_rows: eps must be a finite number >= 0, got ", eps);
     const at::Tensor rows = rows_of(x, k), scale_in = norm_scale.contiguous();
     const int64_t m = rows.size(0);
     at::Tensor normed = at::empty(x.sizes(), x.options());
