@@ -279,6 +279,56 @@ def has_accelerate_hook(module: nn.Module) -> bool:
     return hasattr(module, "_hf_hook")
 
 
+def _align_hooks(module: nn.Module) -> list[Any]:
+    """The AlignDevicesHooks accelerate attached to `module` itself (inside a SequentialHook too)."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = list(getattr(hook, "hooks", [hook])) if hook is not None else []
+    return [h for h in hooks if hasattr(h, "execution_device")]
+
+
+def _offloading_hooks(module: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """(submodule, hook) for every accelerate hook under `module` that holds offloaded weights."""
+    return [
+        (sub, hook)
+        for sub in module.modules()
+        for hook in _align_hooks(sub)
+        if getattr(hook, "offload", False) and getattr(hook, "weights_map", None) is not None
+    ]
+
+
+def accelerate_holds_weights(module: nn.Module) -> bool:
+    """True when accelerate hooks under `module` hold the values of its offloaded (meta) weights."""
+    return bool(_offloading_hooks(module))
+
+
+def detach_accelerate_hook(module: nn.Module, device: torch.device) -> None:
+    """Remove the accelerate hooks under `module`, first giving every weight they held offloaded (on the
+    meta device) its value on `device`: the module then runs like any resident module."""
+    from accelerate.hooks import remove_hook_from_module
+    from accelerate.utils import named_module_tensors, set_module_tensor_to_device
+
+    for sub, hook in _offloading_hooks(module):
+        tensors = named_module_tensors(sub, include_buffers=hook.offload_buffers, recurse=hook.place_submodules)
+        for name, tensor in list(tensors):
+            if tensor.device.type == "meta":
+                set_module_tensor_to_device(sub, name, device, value=hook.weights_map[name])
+    remove_hook_from_module(module, recurse=True)
+
+
+def dispatch_resident(module: nn.Module, device: torch.device, skip_keys: Any = None) -> None:
+    """Attach an accelerate hook that runs `module`, resident on `device`, there: its inputs are moved to
+    `device` (except `skip_keys`, e.g. the KV cache), as a device_map's dispatch does for resident layers."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    add_hook_to_module(module, AlignDevicesHook(execution_device=device, io_same_device=False, skip_keys=skip_keys))
+
+
+def accelerate_skip_keys(module: nn.Module) -> Any:
+    """The inputs accelerate's hooks on `module` leave where they are (None without hooks)."""
+    hooks = _align_hooks(module)
+    return hooks[0].skip_keys if hooks else None
+
+
 def move_accelerate_hook(old: nn.Module, new: nn.Module) -> bool:
     """Attach `old`'s accelerate hook to `new`, a replacement holding the same resident Parameters.
     False (nothing done) when `old` has no hook or its weights are offloaded (on the meta device)."""

@@ -51,3 +51,24 @@ def test_cpu_and_disk_map_gives_identical_logits_and_generation(saved, tmp_path)
             spread.generate(ids, max_new_tokens=8, do_sample=False, quasar=True),
             whole.generate(ids, max_new_tokens=8, do_sample=False, quasar=True),
         )
+
+
+def test_quantizing_with_an_offloaded_layer_equals_quantizing_in_one_piece(tmp_path):
+    """A device_map that offloads a decoder layer ("disk" here; "cpu" beside a GPU is the same accelerate
+    mechanism) quantizes: the offloaded layer is materialized for its turn and stays resident after, and the
+    result has the bits of the model quantized in one piece."""
+    from test_hub_support import quantize_tiny
+
+    base = make_tiny_checkpoint(tmp_path / "base")
+    whole = quantize_tiny(base)
+    spread = quantize_tiny(base, device_map=DEVICE_MAP, offload_folder=str(tmp_path / "offload"))
+    assert spread.model.layers[1].mlp.down_proj.weight.device.type == "cpu"  # resident now: int8, half the bytes
+    ids = torch.randint(0, 250, (1, 16), generator=torch.Generator().manual_seed(0))
+    unfold_norms(whole)  # accelerate dispatches `spread`'s layers, so their norms are not folded (computed norm first)
+    with torch.no_grad():
+        assert torch.equal(spread(ids).logits, whole(ids).logits)
+    spread.save_pretrained(tmp_path / "saved")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
+    unfold_norms(reloaded)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, whole(ids).logits)

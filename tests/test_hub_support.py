@@ -59,7 +59,7 @@ def make_tiny_checkpoint(path: Path, chat_template: bool = True, seed: int = 0) 
     return path
 
 
-def quantize_tiny(path: Path, **overrides):
+def quantize_tiny(path: Path, device_map=None, offload_folder=None, **overrides):
     """Quantize the tiny checkpoint at `path` with Quasar (small, fast calibration)."""
     from transformers import AutoModelForCausalLM
 
@@ -68,7 +68,11 @@ def quantize_tiny(path: Path, **overrides):
     options = dict(alpha=0.5, calibration_dataset=CALIBRATION_TEXT, num_calibration_samples=2, calibration_seq_len=32)
     options.update(overrides)
     return AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=quasar_hf.QuasarConfig(**options), dtype=torch.float32
+        path,
+        quantization_config=quasar_hf.QuasarConfig(**options),
+        dtype=torch.float32,
+        device_map=device_map,
+        offload_folder=offload_folder,
     ).eval()
 
 

@@ -45,6 +45,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         options["weight_rounding"] = args.weight_rounding
     if args.calibration_dtype is not None:
         options["calibration_dtype"] = args.calibration_dtype
+    if args.calibration_device is not None:
+        options["calibration_device"] = args.calibration_device
     state = resume_folder(args.out)
     options["resume_dir"] = state
     print(

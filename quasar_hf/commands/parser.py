@@ -102,6 +102,11 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="what calibration computes in (default auto: float32 on a CPU without native bf16)",
     )
+    quantize.add_argument(
+        "--calibration-device",
+        default=None,
+        help="where each layer is calibrated: auto (a GPU when torch sees one, default), cpu, or e.g. cuda:1",
+    )
     quantize.add_argument("--profile", action="store_true", help="print where the quantization time went, by phase")
     quantize.add_argument("--push-to-hub", metavar="REPO", help="also push the result to this Hub repo")
     quantize.add_argument("--token", help="Hub token for --push-to-hub (default: the stored login)")

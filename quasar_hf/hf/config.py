@@ -11,6 +11,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from quasar_hf.architectures import ARCHITECTURES
 from quasar_hf.ops.dispatch import BACKENDS
 from quasar_hf.smoothquant.math_dtype import CALIBRATION_DTYPES
+from quasar_hf.smoothquant.placement import validate_calibration_device
 
 QUASAR_FORMAT_VERSION = "1"
 DEFAULT_ALPHA_GRID = [round(0.1 * i, 1) for i in range(11)]
@@ -23,7 +24,7 @@ _WEIGHT_ROUNDINGS = ("nearest", "gptq")
 ROTATABLE = tuple(dict.fromkeys(path.rsplit(".", 1)[-1] for spec in ARCHITECTURES.values() for path in spec.rotatable))
 DEFAULT_ROTATE = ["down_proj"]  # o_proj: +1.6 dB on SmolLM2 but -2.3 dB on Qwen 0.5B (benchmarks/rotation_sqnr.md)
 # Fields that are run-time inputs only (never written to config.json).
-_RUNTIME_ONLY = ("tokenizer", "calibration_dataset", "resume_dir")
+_RUNTIME_ONLY = ("tokenizer", "calibration_dataset", "resume_dir", "calibration_device")
 
 
 @dataclass
@@ -67,6 +68,9 @@ class QuasarConfig(QuantizationConfigMixin):
         calibration_dtype: what calibration, the alpha search and GPTQ compute in: "auto" (fp32 on a
             CPU that emulates the model's bf16/fp16, i.e. without AVX512-BF16 or AMX; else the model's
             dtype), "model" or "float32". The saved checkpoint keeps the model's dtype either way.
+        calibration_device: where each decoder layer is calibrated, smoothed and rounded: "auto" (the GPU
+            a layer lives on; a CPU layer goes to the current CUDA device for its turn when torch sees one),
+            "cpu" (stay on the CPU), or a device string like "cuda:1". Run-time only (not in config.json).
         rotate: which decoder linears quantize a Hadamard-rotated input instead of a smoothed one
             (RotatedW8A8Linear): any of "down_proj", "o_proj"; [] for SmoothQuant alone. The rotation
             is online, inside the W8A8 verify path only; the draft path and the shared ends are untouched.
@@ -95,6 +99,7 @@ class QuasarConfig(QuantizationConfigMixin):
     draft_vocab_size: int | None = None
     seed: int = 0
     calibration_dtype: str = "auto"
+    calibration_device: str = "auto"
     keep_float: list[str] | str | None = None
     keep_float_budget: float = 0.05
     rotate: list[str] = field(default_factory=lambda: list(DEFAULT_ROTATE))
@@ -164,6 +169,7 @@ class QuasarConfig(QuantizationConfigMixin):
                 f"calibration_dtype must be one of {list(CALIBRATION_DTYPES)} ('auto': fp32 on a CPU that emulates "
                 f"the model's bf16/fp16, else the model's dtype); got {self.calibration_dtype!r}"
             )
+        self.calibration_device = validate_calibration_device(self.calibration_device)
         if self.backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}; got {self.backend!r}")
         if self.draft_dtype not in _DRAFT_DTYPES:

@@ -31,6 +31,7 @@ from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibratio
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
 from quasar_hf.smoothquant.mappings import decoder_layers, resolve_mappings
 from quasar_hf.smoothquant.phase_times import PhaseTimes
+from quasar_hf.smoothquant.placement import compute_device_for
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +243,7 @@ def quantize_model(
         "layer_inputs": layer_inputs,
         "math_dtype": result.math_dtype,
         "math_dtype_reason": result.math_dtype_reason,
+        "device": result.compute_device,
         "seconds": round(time.perf_counter() - started, 2),
         "timing": times.summary(),
     }
@@ -268,6 +270,7 @@ def resume_state(
             "settings": settings,
             "calibration_dataset": repr(config.calibration_dataset),
             "layer_inputs": layer_inputs,
+            "compute": compute_device_for(config.calibration_device, torch.device("cpu")).type,  # GPU bits differ from CPU bits
             "blocks": hashlib.sha256(blocks.numpy().tobytes()).hexdigest(),
             "weights": weights.hexdigest(),
             "model": type(model).__name__,

@@ -7,7 +7,8 @@ the hidden states for layer i+1 are produced by the float layer i (default) or b
 layer i (`layer_inputs="quantized"`, GPTQ-style). Peak memory is
 the model plus one layer's fp32 working copies and the calibration batch's hidden states.
 
-A layer on the CPU is moved to the CUDA device for its turn when one is present, then back.
+Each layer computes on the device `placement.py` chooses for it (`QuasarConfig(calibration_device=...)`:
+a GPU when torch sees one, unless told "cpu") and goes back to its home after its turn.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from quasar_hf import compat
 from quasar_hf.architectures import ARCHITECTURES
 from quasar_hf.hf.config import QuasarConfig
 from quasar_hf.hf.resume_state import ResumeState
@@ -39,6 +39,7 @@ from quasar_hf.smoothquant.linear_error import column_row_factors
 from quasar_hf.smoothquant.mappings import ArchitectureMappings, SmoothMapping, decoder_layers
 from quasar_hf.smoothquant.math_dtype import activations_rounded_to, calibration_dtype, cast_layer, restore_dtypes
 from quasar_hf.smoothquant.phase_times import PhaseTimes
+from quasar_hf.smoothquant.placement import place_layers, stats_to_compute
 from quasar_hf.smoothquant.smoothing import smooth_mapping
 
 # Which activations feed layer i+1 during calibration: "quantized" (layer i after W8A8) or
@@ -55,6 +56,7 @@ class SequentialResult:
     rotated: list[str] = field(default_factory=list)  # full names of the RotatedW8A8Linears
     math_dtype: str = ""  # what calibration computed in (math_dtype.calibration_dtype)
     math_dtype_reason: str = ""
+    compute_device: str = ""  # where the layers were calibrated ("cuda:0", "cpu", or several, comma-separated)
 
 
 def cast_layer_calls(calls: list[list[LayerCall]], dtype: torch.dtype) -> list[list[LayerCall]]:
@@ -86,29 +88,6 @@ def w8a8_biases_to(layer: nn.Module, dtype: torch.dtype) -> None:
 def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(root.get_submodule(parent_name) if parent_name else root, child, module)
-
-
-def _layer_device(layer: nn.Module, index: int) -> torch.device:
-    tensors = list(layer.parameters()) + list(layer.buffers())
-    devices = {t.device for t in tensors}
-    if any(d.type == "meta" for d in devices):
-        raise ValueError(
-            f"decoder layer {index} has weights on the meta device (offloaded by device_map); "
-            "Quasar quantization needs every decoder layer's weights in memory: load with a device_map "
-            'that keeps layers on "cpu" or a GPU (no "disk" offload), or without device_map'
-        )
-    if len(devices) != 1:
-        raise ValueError(
-            f"decoder layer {index} is split across devices {sorted(map(str, devices))}; keep each layer on one device"
-        )
-    return devices.pop()
-
-
-def _compute_device(home: torch.device, layer: nn.Module) -> torch.device:
-    """Where a layer is calibrated: a CPU layer goes to CUDA when present, unless accelerate dispatches it."""
-    if home.type == "cpu" and torch.cuda.is_available() and not compat.has_accelerate_hook(layer):
-        return torch.device("cuda", torch.cuda.current_device())
-    return home
 
 
 def active_mappings(arch: ArchitectureMappings, quantized: set[str], rotated: set[str] = frozenset()) -> list[SmoothMapping]:
@@ -259,6 +238,7 @@ def quantize_layers_sequentially(
     keep: KeepFloatSelector | None = None,
     times: PhaseTimes | None = None,
     resume: ResumeState | None = None,
+    device: str | torch.device | None = None,
 ) -> SequentialResult:
     """Calibrate, smooth and W8A8-quantize the named linears (full names) one decoder layer at a time.
 
@@ -268,7 +248,8 @@ def quantize_layers_sequentially(
     model's bf16), with every module's inputs and outputs rounded to the model dtype's values (the
     activations deployment sees), and gets its own dtype back after its turn; `times` collects the phases' seconds.
     With `resume`, each finished layer's state is saved, and a saved state of this same run is
-    continued from its next layer (resume_state.py).
+    continued from its next layer (resume_state.py). `device` overrides `config.calibration_device`
+    (placement.py decides each layer's compute device from it).
     """
     if layer_inputs not in LAYER_INPUTS:
         raise ValueError(f"layer_inputs must be one of {LAYER_INPUTS}; got {layer_inputs!r}")
@@ -276,9 +257,9 @@ def quantize_layers_sequentially(
     layers = decoder_layers(model, arch)
     known = ARCHITECTURES.get(type(model).__name__)
     rotatable = known.rotatable if known is not None else None  # custom mappings: any linear named in `rotate`
-    homes = [_layer_device(layer, i) for i, layer in enumerate(layers)]
+    placements = place_layers(layers, config.calibration_device if device is None else device)
     model_dtype = next(layers[0].parameters()).dtype
-    math_dtype, reason = calibration_dtype(model_dtype, _compute_device(homes[0], layers[0]), config.calibration_dtype)
+    math_dtype, reason = calibration_dtype(model_dtype, placements[0].compute, config.calibration_dtype)
     with times.phase("capture_inputs"):
         captured = capture_layer_inputs(model, layers, blocks, progress)
         hidden, captured.hidden = captured.hidden, []  # per block [1, T, H]; only `hidden` keeps them alive
@@ -288,6 +269,7 @@ def quantize_layers_sequentially(
     rows_per_block = max(1, config.calibration_sample_rows // len(hidden))
     generator = torch.Generator().manual_seed(config.seed)
     result = SequentialResult(math_dtype=str(math_dtype).replace("torch.", ""), math_dtype_reason=reason)
+    result.compute_device = ",".join(sorted({str(p.compute) for p in placements}))
     first = 0
     saved = resume.progress() if resume is not None else None
     if saved is not None:
@@ -306,9 +288,9 @@ def quantize_layers_sequentially(
         times.start_layer()
         prefix = f"{arch.layers_path}.{index}."
         local = [name[len(prefix) :] for name in names if name.startswith(prefix)]
-        home = homes[index]
-        device = _compute_device(home, layer)
-        layer.to(device)
+        placement = placements[index]
+        device = placement.compute
+        placement.enter(layer)
         restore = cast_layer(layer, math_dtype)
         with activations_rounded_to(layer, model_dtype) if math_dtype != model_dtype else contextlib.nullcontext():
             stats = CalibrationStats(num_blocks=len(hidden), seq_len=int(blocks.shape[1]))
@@ -322,6 +304,7 @@ def quantize_layers_sequentially(
                     out = run_layer(layer, block_hidden, calls[index], device)
                     if layer_inputs == "float":
                         outputs.append(out)
+            stats_to_compute(stats, device)
             layer_output = None
             if config.alpha == "auto" and config.alpha_search == "layer":
                 few = list(zip(hidden, captured.calls))[: config.alpha_search_blocks]
@@ -346,6 +329,7 @@ def quantize_layers_sequentially(
                             None if module.bias is None else module.bias.to(model_dtype),
                             prescales.get(name),
                             rotation,
+                            placement.home,
                         )
             swap_in_w8a8(layer, float_weights, prescales, config.backend, stats if gptq else None, rotated, times)
             del stats
@@ -355,8 +339,8 @@ def quantize_layers_sequentially(
             hidden = outputs
         restore_dtypes(restore)
         w8a8_biases_to(layer, model_dtype)
-        layer.to(home)
-        result.prescales.update({prefix + p: v for p, v in prescales.items()})
+        placement.leave(layer)
+        result.prescales.update({prefix + p: placement.to_home(v) for p, v in prescales.items()})
         result.alphas.update(alphas)
         result.rotated.extend(prefix + p for p in sorted(rotated))
         if resume is not None:

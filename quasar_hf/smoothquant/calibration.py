@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from quasar_hf.smoothquant.placement import to_compute
+
 
 @dataclass
 class LinearInputStats:
@@ -233,18 +235,8 @@ def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, blocks: torch.
     return LayerInputs(hidden=hidden, calls=all_calls)
 
 
-def move_to(obj: Any, device: torch.device) -> Any:
-    """Tensors inside tuples/lists/dicts moved to `device`; everything else as is."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(move_to(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: move_to(v, device) for k, v in obj.items()}
-    return obj
-
-
 def run_layer(layer: nn.Module, hidden: torch.Tensor, call: LayerCall, device: torch.device) -> torch.Tensor:
-    """One decoder layer on one block's hidden states [1, T, H], called as the model called it."""
-    out = layer(hidden.to(device), *move_to(call.args, device), **move_to(call.kwargs, device))
+    """One decoder layer on one block's hidden states [1, T, H], called as the model called it, its inputs
+    moved to `device` (the layer's compute device: placement.py)."""
+    out = layer(hidden.to(device), *to_compute(call.args, device), **to_compute(call.kwargs, device))
     return out[0] if isinstance(out, (tuple, list)) else out

@@ -89,11 +89,12 @@ class KeepFloatSelector:
         bias: torch.Tensor | None,
         prescale: torch.Tensor | None,
         rotation: HadamardRotation | None = None,
+        home: torch.device | None = None,
     ) -> None:
         """One candidate before its W8A8 swap: samples [S, K] original inputs, weights [N, K], bias [N]
         (smoothed, as deployed), prescale [K] or None, rotation: its input's Hadamard rotation when it
         becomes a RotatedW8A8Linear (measured as such; a kept float copy computes unrotated). The float
-        copy is kept in the original dtype."""
+        copy is kept in the original dtype, on `home` (the layer's device after its turn; default: the weight's)."""
         if name not in self.candidates:
             return
         dtype = original_weight.dtype
@@ -108,7 +109,8 @@ class KeepFloatSelector:
             chosen = choose_keep_float(both, self.added, self.int8_total, self.budget)
         if name in chosen:
             weight = smoothed_weight.float() * (prescale.float() if prescale is not None else 1.0)  # x*p @ W.T
-            self._weights[name] = (weight.to(dtype), None if bias is None else bias.detach().clone())
+            home = weight.device if home is None else home
+            self._weights[name] = (weight.to(home, dtype), None if bias is None else bias.detach().to(home, copy=True))
         self._weights = {n: w for n, w in self._weights.items() if n in chosen}
         self.chosen = chosen
 
