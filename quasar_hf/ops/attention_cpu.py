@@ -40,15 +40,20 @@ def is_available() -> bool:
     return unavailable_reason() is None
 
 
-def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """True if these tensors can go to the kernel: CPU, float32 or bfloat16, the layout of
-    `reference.attention_layout_ok`, and the kernel built here (if not, the reason is logged once)."""
-    if not _fits(query, key, value):
-        return False
+@torch.compiler.assume_constant_result
+def serves() -> bool:
+    """`is_available()`, logging once why not: a constant for torch.compile, called rather than traced."""
     reason = unavailable_reason()
     if reason is not None:
         warn_fallback_once("the row-stable CPU attention kernel", "SDPA", reason)
     return reason is None
+
+
+def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """True if these tensors can go to the kernel: CPU, float32 or bfloat16, the layout of
+    `reference.attention_layout_ok`, and the kernel built here (if not, the reason is logged once).
+    Traceable: the availability answer is a constant of the graph."""
+    return _fits(query, key, value) and serves()
 
 
 def _fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:

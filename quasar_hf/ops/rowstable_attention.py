@@ -26,7 +26,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from quasar_hf import compat
-from quasar_hf.ops import attention_cpu, native
+from quasar_hf.ops import attention_cpu
 
 QUASAR_ATTENTION = "quasar_rowstable"
 QUASAR_SDPA = "quasar_sdpa"
@@ -70,6 +70,23 @@ def rowstable_kernel_for(query, key, value):
     else:
         supported = False
     return _attention_op if supported else None
+
+
+def decide_kernels(device: str | torch.device) -> bool:
+    """Run, eagerly and once per process, the first-use checks a step on `device` reads (the row-stable
+    attention kernel: C on CPU, Triton on CUDA); True when it serves that device. Called before a step is
+    compiled (and when a model is switched to QUASAR_ATTENTION), so traced code only reads decided
+    constants and never runs a check itself."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return attention_cpu.serves()
+    if device.type == "cuda":
+        try:
+            from quasar_hf.ops import triton_attention
+        except ImportError:
+            return False
+        return triton_attention.triton is not None and triton_attention.works_on(device)
+    return False
 
 
 def _attention_op(query, key, value, visible, scale):
@@ -159,7 +176,7 @@ def use_rowstable_attention(model: torch.nn.Module) -> bool:
     if compat.attn_implementation(model) not in ("sdpa", QUASAR_ATTENTION):
         return False
     register_attention()
-    if any(p.device.type == "cpu" for p in model.parameters()):
-        native.is_available()  # load the op's C++ implementation now (kernels unavailable: SDPA runs instead)
+    for device in {p.device for p in model.parameters() if p.device.type != "meta"}:
+        decide_kernels(device)  # now, not inside a traced step (kernels unavailable: SDPA runs instead)
     model.set_attn_implementation(QUASAR_ATTENTION)
     return compat.attn_implementation(model) == QUASAR_ATTENTION

@@ -88,14 +88,8 @@ def _block_sizes(head_dim: int) -> tuple[int, int]:
     return (16 if _interpret_mode() else max(16, 8192 // block_d)), block_d
 
 
-@torch.compiler.assume_constant_result
-@functools.cache
-def works_on(device: torch.device) -> bool:
-    """Compile and run a small GQA case on `device` against the fp64 oracle, once per device.
-
-    Decided once (and a constant for torch.compile), so a process never mixes this kernel with
-    SDPA between decode and verify steps.
-    """
+def _first_use_check(device: torch.device) -> bool:
+    """Compile and run a small GQA case on `device` against the fp64 oracle."""
     try:
         g = torch.Generator().manual_seed(0)
         q, k, v = (
@@ -109,30 +103,58 @@ def works_on(device: torch.device) -> bool:
         return False
 
 
-def unavailable_reason(device: str | torch.device = "cuda") -> str | None:
-    """None when the kernel runs on `device` (checked once by `works_on`), else why not. Never raises."""
+_CHECKED: dict[str, bool] = {}  # device -> passed its first-use check (the kernel is built once per process)
+
+
+@torch.compiler.assume_constant_result
+def works_on(device: torch.device) -> bool:
+    """Whether the kernel passed its first-use check on `device` (run once per device, logged once when it fails).
+
+    Decided once, so a process never mixes this kernel with SDPA between decode and verify steps. A plain
+    function, not a cache wrapper: marked as a constant, torch.compile calls it instead of tracing it on
+    every torch version (Dynamo 2.11 ignores the mark on a functools cache wrapper and traces into the
+    check, which builds a Generator). `rowstable_attention.decide_kernels` runs it before compiling.
+    """
+    key = str(torch.device(device))
+    if key not in _CHECKED:
+        _CHECKED[key] = _first_use_check(torch.device(device))
+        if not _CHECKED[key]:
+            warn_fallback_once("the row-stable Triton attention kernel", "SDPA", _why_not(torch.device(device)))
+    return _CHECKED[key]
+
+
+def _why_not(device: torch.device) -> str:
+    reason = _static_reason(device)
+    return reason or f"the kernel failed its first-use check on {device} (compile error or wrong result)"
+
+
+def _static_reason(device: torch.device) -> str | None:
+    """Why the kernel cannot run on `device` before trying it, or None."""
     if triton is None:
         return "the triton package is not installed (pip install 'quasar-hf[triton]')"
-    device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         return "no CUDA device is visible to torch"
     if device.type != "cuda" and not (device.type == "cpu" and _interpret_mode()):
         return f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {device.type!r}"
-    if not works_on(device):
-        return f"the kernel failed its first-use check on {device} (compile error or wrong result)"
     return None
+
+
+def unavailable_reason(device: str | torch.device = "cuda") -> str | None:
+    """None when the kernel runs on `device` (checked once by `works_on`), else why not. Never raises."""
+    device = torch.device(device)
+    reason = _static_reason(device)
+    if reason is not None:
+        return reason
+    return None if works_on(device) else _why_not(device)
 
 
 def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """True for CUDA tensors of one float dtype in the layout of `reference.attention_layout_ok`,
-    when triton is importable and the kernel passed its first-use check on that device (if not,
-    the reason is logged once)."""
+    when triton is importable and the kernel passed its first-use check on that device (which logs,
+    once, why not). Traceable: nothing here is a cache wrapper."""
     if not (query.device.type == "cuda" and query.dtype in _DTYPES and attention_layout_ok(query, key, value)):
         return False
-    if triton is not None and works_on(query.device):
-        return True
-    warn_fallback_once("the row-stable Triton attention kernel", "SDPA", unavailable_reason(query.device) or "unknown")
-    return False
+    return triton is not None and works_on(query.device)
 
 
 def _row_ends(visible: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:

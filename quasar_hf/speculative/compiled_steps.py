@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from quasar_hf import compat
+from quasar_hf.ops.rowstable_attention import decide_kernels
 
 MAX_COMPILED_SHAPES = 32  # shape keys kept per model (each: a decode graph and a verify graph)
 COMPILED_SLOTS_BASE = 256  # the smallest compiled cache; larger ones double
@@ -87,6 +88,8 @@ class CompiledSteps:
         return step
 
     def _compile(self, key: tuple) -> Callable:
+        for device in {p.device for p in self.model.parameters()}:
+            decide_kernels(device)  # first-use checks run here, eagerly: the traced step reads their answers
         self.compiled_keys += 1
         name = "quasar_step_b{}_s{}".format(*key)
         return compat.compiled_step(self.model, self.compile_config, name)
