@@ -6,6 +6,9 @@
 Sections (each in its own try/except: a failure is recorded and the next section still runs;
 results are rewritten to DIR/gpu_check.json and .md after every section):
   environment   versions, device, threads
+  user_path     what a user does first: quantize through from_pretrained(quantization_config=QuasarConfig())
+                on the device, save, reload (same logits), generate(quasar=True) vs plain greedy, eager and
+                compiled, batch 1 and a left-padded batch of 2 (gpu_user_path.py)
   bandwidth     measured device copy bandwidth (the floor's denominator)
   correctness   every available W8A8 backend vs ops.reference at decode / verify / prefill shapes
   kernels       W8A8 linear vs BF16 linear (cuBLAS), per backend, M in 1..64, 8B shapes, GB/s
@@ -15,7 +18,8 @@ results are rewritten to DIR/gpu_check.json and .md after every section):
   compiled_*    static-cache decode/verify steps eager vs compiled (CUDA graphs) against the floor,
                 and compiled quasar=True vs compiled plain greedy, BF16 and W8A8 (gpu_compiled.py)
   targets       the H200 acceptance targets, checked against the numbers above (report, not assert)
-Optional packages (bitsandbytes, datasets, gguf, optimum) are never required here.
+Optional packages (bitsandbytes, datasets, gguf, optimum) are never required here. Errors are recorded
+with their full tracebacks.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 
 from benchmarks import gpu_compiled
 from benchmarks.gpu_report import to_markdown
+from benchmarks.gpu_user_path import user_path
 from quasar_hf.bench.timing import median_time, sync
 
 TINY_SHAPES = [("tiny.up 128x256", 128, 256), ("tiny.down 256x128", 256, 128)]  # (label, K, N) as benchmarks.kernels
@@ -309,7 +314,7 @@ def _section(result: dict, out_dir: str, name: str, fn: Callable[[], Any], budge
     try:
         result[name] = fn()
     except Exception:
-        result.setdefault("errors", {})[name] = traceback.format_exc(limit=6)
+        result.setdefault("errors", {})[name] = traceback.format_exc()
     result.setdefault("section_s", {})[name] = time.monotonic() - start
     _save(result, out_dir)
     return result.get(name)
@@ -325,7 +330,14 @@ def compiled_sections(result: dict, out_dir: str, model, label: str, device: str
     gpu_compiled.reset_compiled(model)
 
 
-def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 540.0, backend: str = "auto", command: str = "") -> dict:
+def run_gpu_check(
+    out_dir: str,
+    tiny: bool = False,
+    budget_s: float = 540.0,
+    backend: str = "auto",
+    command: str = "",
+    tokenizer: str | None = None,
+) -> dict:
     """Run every section within `budget_s` seconds; write DIR/gpu_check.{json,md}; return the result."""
     from benchmarks.attention_check import attention_check
     from quasar_hf.bench.report import environment
@@ -339,6 +351,9 @@ def run_gpu_check(out_dir: str, tiny: bool = False, budget_s: float = 540.0, bac
     started = time.monotonic()
     result: dict = {"command": command, "tiny": tiny, "device": device, "budget_s": budget_s}
     _section(result, out_dir, "environment", environment, budget, 0)
+    user = _section(result, out_dir, "user_path", lambda: user_path(device, tiny, tokenizer), budget, 60)
+    if user is not None and user.get("errors"):
+        result.setdefault("errors", {}).update({f"user_path.{k}": v for k, v in user["errors"].items()})
     backends = [b for b in available_backends(device) if b != "reference" or tiny]
     result["backends"] = backends
     bw = _section(result, out_dir, "bandwidth", lambda: measure_copy_bandwidth(device, tiny), budget, 5)
@@ -390,10 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (a test of the code paths)")
     parser.add_argument("--budget-s", type=float, default=None, help="global time budget (default 540, tiny 180)")
     parser.add_argument("--backend", default="auto", help="W8A8 backend of the quantized model (default auto)")
+    parser.add_argument("--tokenizer", help="tokenizer folder for the user-path section (default: the embedded SmolLM2's)")
     args = parser.parse_args(argv)
     budget = args.budget_s if args.budget_s is not None else (180.0 if args.tiny else 540.0)
     command = "python -m benchmarks gpu-check " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    result = run_gpu_check(args.out, tiny=args.tiny, budget_s=budget, backend=args.backend, command=command)
+    result = run_gpu_check(args.out, args.tiny, budget, args.backend, command, args.tokenizer)
     print(to_markdown(result))
     return 1 if result.get("errors") else 0
 

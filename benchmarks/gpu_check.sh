@@ -5,6 +5,11 @@
 # datasets/optimum requirements are not needed here). bitsandbytes is used when importable; to
 # include it, carry a CUDA bitsandbytes wheel and install it first with `pip install --no-deps`.
 # Writes OUT_DIR/gpu_check.json and OUT_DIR/gpu_check.md (also when a section fails).
+# The first section quantizes a random-weight Llama with a real tokenizer through from_pretrained: the
+# embedded SmolLM2's where quasar_hf's demo packages are installed; a GPU image has none, so save it here
+# and carry the folder (device tool: carry=["out/smollm2_tokenizer"]), then QUASAR_TOKENIZER names it:
+#   .venv/bin/python -c "from transformers import AutoTokenizer as T; from quasar_hf.models import smollm2_135m_instruct as m; T.from_pretrained(m()).save_pretrained('out/smollm2_tokenizer')"
+#   QUASAR_TOKENIZER=out/smollm2_tokenizer benchmarks/gpu_check.sh "$OUT"
 set -u
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${1:-${OUT:-$here/benchmarks/gpu_h200}}"
@@ -12,7 +17,9 @@ shift || true
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 python="${PYTHON:-python}"
 "$python" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
-timeout 570 "$python" -m benchmarks gpu-check --out "$out" "$@"
+tokenizer=()
+if [ -n "${QUASAR_TOKENIZER:-}" ]; then tokenizer=(--tokenizer "$QUASAR_TOKENIZER"); fi
+timeout 570 "$python" -m benchmarks gpu-check --out "$out" "${tokenizer[@]}" "$@"
 status=$?
 # Optional: where vLLM imports (CUDA image with vLLM) and QUASAR_CHECKPOINT=DIR names a saved
 # SmolLM2 Quasar checkpoint, run the vLLM check on it (export, greedy vs ours, n-gram, no server).

@@ -20,6 +20,7 @@ def to_markdown(result: dict) -> str:
         f"wall time {result.get('wall_s', 0):.0f} s.",
         "",
     ]
+    lines += user_path_markdown(result.get("user_path"))
     bw = result.get("bandwidth")
     if bw:
         lines += [f"Measured copy bandwidth: {bw['gbps']:.0f} GB/s.", ""]
@@ -66,4 +67,29 @@ def to_markdown(result: dict) -> str:
         lines += ["## Targets", ""] + _table(["target", "measured"], [[k, v] for k, v in result["targets"].items()]) + [""]
     if result.get("errors"):
         lines += ["## Errors", ""] + [f"- **{k}**: `{v.splitlines()[-1]}`" for k, v in result["errors"].items()] + [""]
+        lines += ["Full tracebacks: `errors` in gpu_check.json.", ""]
     return "\n".join(lines)
+
+
+def user_path_markdown(user: dict | None) -> list[str]:
+    """The user-path section: quantize, reload, and each generation comparison."""
+    from quasar_hf.bench.report import _table
+
+    if not user:
+        return []
+    quantize, reload = user.get("quantize") or {}, user.get("save_reload") or {}
+    lines = [
+        "## What a user does first (random-weight Llama, real tokenizer)",
+        "",
+        f"Quantized through `from_pretrained(..., quantization_config=QuasarConfig(), device_map={user['device']!r})` "
+        f"in {quantize.get('seconds')} s, calibrated on {quantize.get('calibrated_on')} ({quantize.get('math_dtype')}); "
+        f"saved and reloaded: identical logits {reload.get('identical_logits')}.",
+        "",
+    ]
+    rows = [
+        [k, v["equal"], v["equal_rows"], v["new_tokens"], v["plain_s"], v["quasar_s"]]
+        for k, v in (user.get("generate") or {}).items()
+    ]
+    if rows:
+        lines += _table(["generate", "quasar = plain", "per row", "new tokens", "plain s", "quasar s"], rows) + [""]
+    return lines

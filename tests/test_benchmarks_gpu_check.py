@@ -43,7 +43,13 @@ def test_tiny_check_runs_every_section_without_optional_packages(tmp_path):
         assert [r["tokens"] for r in result[f"compiled_steps_{label}"]] == [1, 6]
         assert all(r["compiled_ms"] > 0 and r["floor_ms"] > 0 for r in result[f"compiled_steps_{label}"])
         assert result[f"compiled_end_to_end_{label}"]["quasar_equals_plain"] is True, label
+    user = result["user_path"]  # from_pretrained quantization, save/reload, generate: exact in every mode and batch
+    assert user["ok"] and user["save_reload"]["identical_logits"] is True, user
+    assert user["quantize"]["calibrated_on"] == "cpu"
+    assert set(user["generate"]) == {f"{m}_{b}" for m in ("eager", "compiled") for b in ("batch1", "batch2_left_padded")}
+    assert all(len(row["equal_rows"]) == (2 if "batch2" in name else 1) for name, row in user["generate"].items())
     md = (tmp_path / "gpu_check.md").read_text()
+    assert "## What a user does first" in md
     assert "## Verify step (W8A8)" in md and "## Targets" in md
     assert "## Static-cache steps, eager vs compiled (W8A8)" in md
 
