@@ -310,6 +310,7 @@ def test_a_compiled_step_checks_quantized_modules_by_dict_tags_and_still_sees_a_
 
     model = quasar_model(tmp_path, "llama", torch.float32)
     torch._dynamo.reset()
+    callers_setting = torch._dynamo.config.use_recursive_dict_tags_for_guards  # False on 2.13, True on 2.11
     step = compat.compiled_step(model, AOT_EAGER)
     ids = repeating_prompt(0)
     with torch.no_grad():
@@ -327,7 +328,7 @@ def test_a_compiled_step_checks_quantized_modules_by_dict_tags_and_still_sees_a_
         eager = model(input_ids=ids, use_cache=False).logits
     torch._dynamo.reset()
     assert (after - before).abs().max() > 1e-3
-    assert not torch._dynamo.config.use_recursive_dict_tags_for_guards  # the caller's setting never changed
+    assert torch._dynamo.config.use_recursive_dict_tags_for_guards == callers_setting  # never changed
     torch.testing.assert_close(after, eager)
 
 
@@ -339,7 +340,8 @@ def test_a_compiled_step_never_changes_the_callers_dynamo_settings(tmp_path):
 
     from quasar_hf import compat
 
-    assert compat.dict_tag_context() is not None  # torch 2.13 keeps Dynamo's settings in context variables
+    if compat.dict_tag_context() is None:
+        pytest.skip("this torch keeps Dynamo's settings outside context variables: steps compile with its defaults")
     model = quasar_model(tmp_path, "llama", torch.float32)
     torch._dynamo.reset()
     seen_inside, seen_outside = [], []
