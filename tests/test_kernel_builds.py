@@ -201,3 +201,11 @@ def test_the_oracle_sqrt_is_correctly_rounded_for_every_fp32_in_one_binade_pair(
 
     values = torch.arange(0x3F800000, 0x40800000, dtype=torch.int32).view(torch.float32)
     assert torch.equal(sqrt_correctly_rounded(values), torch.from_numpy(np.sqrt(values.numpy())))
+
+
+def test_cxx_standard_follows_torch_headers():
+    """torch 2.14's headers use C++20 `requires`: built as C++17 every op fell back to torch."""
+    from quasar_hf.ops.native import cxx_standard
+
+    assert cxx_standard("2.11.0+cu130") == "c++17" and cxx_standard("2.13.0+cpu") == "c++17"
+    assert cxx_standard("2.14.1+cu130") == "c++20" and cxx_standard("3.0.0") == "c++20"

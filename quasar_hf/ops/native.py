@@ -67,6 +67,12 @@ def _entry_points() -> tuple[str, ...]:
     return tuple(re.findall(r"^int (qhf_\w+)\(", (CSRC / "qhf_entry_points.h").read_text(), flags=re.M))
 
 
+def cxx_standard(torch_version: str) -> str:
+    """The C++ standard torch's headers need: C++20 from torch 2.14 (its headers use `requires`), else C++17."""
+    major, minor = (int(part) for part in re.findall(r"\d+", torch_version)[:2])
+    return "c++20" if (major, minor) >= (2, 14) else "c++17"
+
+
 def _cxx_flags() -> tuple[str, ...]:
     from torch.utils.cpp_extension import include_paths
 
@@ -74,7 +80,15 @@ def _cxx_flags() -> tuple[str, ...]:
     version = "".join(ch if ch.isalnum() else "_" for ch in torch.__version__)
     x86 = ("-DQHF_X86",) if is_x86_64() else ()
     includes = tuple(f"-I{path}" for path in include_paths())
-    return ("-O2", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DQUASAR_TORCH_{version}", *x86, *includes)
+    return (
+        "-O2",
+        "-fPIC",
+        f"-std={cxx_standard(torch.__version__)}",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-DQUASAR_TORCH_{version}",
+        *x86,
+        *includes,
+    )
 
 
 def compile_units() -> list[CompileUnit]:
