@@ -67,6 +67,10 @@ def test_quantizing_with_an_offloaded_layer_equals_quantizing_in_one_piece(tmp_p
     unfold_norms(whole)  # accelerate dispatches `spread`'s layers, so their norms are not folded (computed norm first)
     with torch.no_grad():
         assert torch.equal(spread(ids).logits, whole(ids).logits)
+        assert torch.equal(  # the re-dispatched layer leaves the KV cache where it is
+            spread.generate(ids, max_new_tokens=8, do_sample=False, quasar=True),
+            whole.generate(ids, max_new_tokens=8, do_sample=False, quasar=True),
+        )
     spread.save_pretrained(tmp_path / "saved")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
     unfold_norms(reloaded)

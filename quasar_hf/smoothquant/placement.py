@@ -96,6 +96,7 @@ class LayerPlacement:
     compute: torch.device
     offloaded: bool = False  # accelerate held its weights (meta device): resident on `home` after its turn
     hooked: bool = False  # accelerate dispatches it (device_map): dispatched again after its turn
+    skip_keys: Any = None  # the inputs its accelerate hooks left in place (the KV cache): kept so
 
     def enter(self, layer: nn.Module) -> None:
         """Put the layer on its compute device, its weights resident and no accelerate hook moving them."""
@@ -107,7 +108,7 @@ class LayerPlacement:
         """Back home; a layer that accelerate dispatched is dispatched again, resident on its home."""
         layer.to(self.home)
         if self.hooked:
-            compat.dispatch_resident(layer, self.home)
+            compat.dispatch_resident(layer, self.home, self.skip_keys)
 
     def to_home(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.home)
@@ -136,5 +137,6 @@ def place_layers(layers: nn.ModuleList, requested: str | torch.device = AUTO) ->
             )
         else:
             home = devices.pop()
-        placements.append(LayerPlacement(index, home, compute_device_for(requested, home), offloaded, hooked))
+        skip = compat.accelerate_skip_keys(layer)
+        placements.append(LayerPlacement(index, home, compute_device_for(requested, home), offloaded, hooked, skip))
     return placements
