@@ -128,6 +128,7 @@ def user_path(device: str, tiny: bool, tokenizer_dir: str | None = None, work_di
             return out
         out["base_model"] = {"config": USER_MODEL_TINY if tiny else USER_MODEL, "vocab": len(tokenizer)}
         config = QuasarConfig(num_calibration_samples=4, calibration_seq_len=64) if tiny else QuasarConfig()
+        holder: dict = {}  # the models the steps hand on (kept out of the JSON result)
 
         def quantize():
             start = time.perf_counter()
@@ -140,7 +141,6 @@ def user_path(device: str, tiny: bool, tokenizer_dir: str | None = None, work_di
             holder["model"] = model.eval()
             return {"seconds": round(seconds, 2), "calibrated_on": info.get("device"), "math_dtype": info.get("math_dtype")}
 
-        holder: dict = {}
         if _step(out, "quantize", quantize) is None:
             return out
         model = holder.pop("model")

@@ -87,4 +87,4 @@ def test_kernels_are_decided_before_a_step_is_compiled() -> None:
     assert decide_kernels("cpu") == attention_cpu.is_available()
     assert decide_kernels("meta") is False
     triton_attention.works_on(torch.device("cpu"))
-    assert "cpu" in triton_attention._CHECKED
+    assert torch.device("cpu") in triton_attention._CHECKED

@@ -270,7 +270,9 @@ def resume_state(
             "settings": settings,
             "calibration_dataset": repr(config.calibration_dataset),
             "layer_inputs": layer_inputs,
-            "compute": compute_device_for(config.calibration_device, torch.device("cpu")).type,  # GPU bits differ from CPU bits
+            "compute": compute_device_for(
+                config.calibration_device, torch.device("cpu")
+            ).type,  # another device's kernels may round otherwise
             "blocks": hashlib.sha256(blocks.numpy().tobytes()).hexdigest(),
             "weights": weights.hexdigest(),
             "model": type(model).__name__,

@@ -103,7 +103,7 @@ def _first_use_check(device: torch.device) -> bool:
         return False
 
 
-_CHECKED: dict[str, bool] = {}  # device -> passed its first-use check (the kernel is built once per process)
+_CHECKED: dict[torch.device, bool] = {}  # device -> passed its first-use check (built once per process)
 
 
 @torch.compiler.assume_constant_result
@@ -114,13 +114,16 @@ def works_on(device: torch.device) -> bool:
     function, not a cache wrapper: marked as a constant, torch.compile calls it instead of tracing it on
     every torch version (Dynamo 2.11 ignores the mark on a functools cache wrapper and traces into the
     check, which builds a Generator). `rowstable_attention.decide_kernels` runs it before compiling.
+    Eager attention asks on every call: a decided device costs one dict lookup.
     """
-    key = str(torch.device(device))
-    if key not in _CHECKED:
-        _CHECKED[key] = _first_use_check(torch.device(device))
-        if not _CHECKED[key]:
-            warn_fallback_once("the row-stable Triton attention kernel", "SDPA", _why_not(torch.device(device)))
-    return _CHECKED[key]
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    passed = _CHECKED.get(device)
+    if passed is None:
+        passed = _CHECKED[device] = _first_use_check(device)
+        if not passed:
+            warn_fallback_once("the row-stable Triton attention kernel", "SDPA", _why_not(device))
+    return passed
 
 
 def _why_not(device: torch.device) -> str:

@@ -94,9 +94,8 @@ class LayerPlacement:
     index: int
     home: torch.device
     compute: torch.device
-    offloaded: bool = False  # accelerate held its weights (meta device): resident on `home` after its turn
-    hooked: bool = False  # accelerate dispatches it (device_map): dispatched again after its turn
-    skip_keys: Any = None  # the inputs its accelerate hooks left in place (the KV cache): kept so
+    hooked: bool = False  # accelerate dispatches it (device_map): dispatched again, resident, after its turn
+    skip_keys: Any = None  # the inputs its accelerate hooks leave where they are (the KV cache), kept as they were
 
     def enter(self, layer: nn.Module) -> None:
         """Put the layer on its compute device, its weights resident and no accelerate hook moving them."""
@@ -138,5 +137,5 @@ def place_layers(layers: nn.ModuleList, requested: str | torch.device = AUTO) ->
         else:
             home = devices.pop()
         skip = compat.accelerate_skip_keys(layer)
-        placements.append(LayerPlacement(index, home, compute_device_for(requested, home), offloaded, hooked, skip))
+        placements.append(LayerPlacement(index, home, compute_device_for(requested, home), hooked, skip))
     return placements
