@@ -199,3 +199,90 @@ def test_a_process_killed_by_sigkill_resumes_to_the_same_checkpoint(source, tmp_
     whole, resumed = load_file(str(tmp_path / "whole" / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert whole.keys() == resumed.keys()
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def _killed_run(source: str, state: str, monkeypatch, kill_at: int) -> None:
+    """A run stopped during layer `kill_at`, its state left in `state`."""
+    swap = sequential.swap_in_w8a8
+    swaps = {"count": 0}
+
+    def dying_swap(*args, **kwargs):
+        if swaps["count"] == kill_at:
+            raise Killed(f"killed during layer {kill_at}")
+        swaps["count"] += 1
+        return swap(*args, **kwargs)
+
+    monkeypatch.setattr(sequential, "swap_in_w8a8", dying_swap)
+    with pytest.raises(Killed):
+        quantize(source, resume_dir=state)
+    monkeypatch.setattr(sequential, "swap_in_w8a8", swap)
+
+
+def _truncate(path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _flip_last_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # a weight byte: the file still parses, its values differ
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, victim",
+    [(_truncate, "layer_0002.safetensors"), (_truncate, "hidden_0003.safetensors"), (_flip_last_byte, "layer_0001.safetensors")],
+    ids=["truncated-layer", "truncated-hidden", "flipped-byte"],
+)
+def test_a_damaged_state_is_reported_once_and_the_run_starts_over(source, tmp_path, monkeypatch, damage, victim):
+    """Every state file is checked against the SHA-256 progress.json recorded: a damaged one is named
+    in one warning, the state is deleted, and the run gives an uninterrupted run's weights (never a
+    mix with the damaged tensors, never the same failure on each rerun)."""
+    state = tmp_path / "state"
+    _killed_run(source, str(state), monkeypatch, kill_at=3)
+    damage(state / victim)
+    with pytest.warns(UserWarning, match=rf"{victim}.*(SHA-256|cannot be read).*quantizing from layer 0") as caught:
+        model = quantize(source, resume_dir=str(state))
+    assert sum("not resuming" in str(w.message) for w in caught) == 1
+    timing = model.config.quantization_config.calibration_info["timing"]
+    assert len(timing["per_layer_s"]) == LAYERS and "resume_restore" not in timing["total_s"]
+    whole = quantize(source).state_dict()
+    resumed = model.state_dict()
+    assert [k for k in whole if not torch.equal(whole[k], resumed[k])] == []
+
+
+def test_a_state_of_other_settings_or_an_unreadable_progress_file_is_reported(source, tmp_path, monkeypatch):
+    state = tmp_path / "state"
+    _killed_run(source, str(state), monkeypatch, kill_at=2)
+    with pytest.warns(UserWarning, match="holds the state of another run"):
+        quantize(source, resume_dir=str(state), alpha=0.5, seed=1)
+    _killed_run(source, str(state), monkeypatch, kill_at=2)
+    (state / "progress.json").write_text('{"format": 3, "next')
+    with pytest.warns(UserWarning, match=r"progress.json cannot be read"):
+        quantize(source, resume_dir=str(state))
+
+
+def test_a_failed_save_keeps_the_finished_layers_and_says_so(source, tmp_path, monkeypatch, capsys):
+    """A full disk at the save: OUT.partial stays (the rerun only restores and saves) and the message
+    names it, the cause and both ways out."""
+    import errno
+    import os
+
+    from quasar_hf.cli import main
+    from quasar_hf.commands import loading
+
+    out = tmp_path / "out"
+    argv = ["quantize", source, "--out", str(out), "--num-samples", "2", "--seq-len", "32", "--weight-rounding", "nearest"]
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loading, "save_quantized", full_disk)
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert f"saving to {out} failed" in err and "free disk space" in err and f"delete {out}.partial" in err
+    monkeypatch.undo()
+    assert main([*argv, "--profile"]) == 0
+    printed = capsys.readouterr().out
+    assert "resume_restore" in printed and "statistics_forward" not in printed, "the rerun only restored and saved"
+    assert out.is_dir() and not os.path.exists(f"{out}.partial")

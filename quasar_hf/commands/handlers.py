@@ -63,7 +63,15 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             print(f"stopped after {done} finished decoder layers; run the same command again to resume", file=sys.stderr)
         raise
     tokenizer = load_tokenizer(path)
-    save_quantized(model, tokenizer, args.out)
+    try:
+        save_quantized(model, tokenizer, args.out)
+    except BaseException:  # a full disk, say: the finished layers stay, so a rerun only saves
+        print(
+            f"saving to {args.out} failed; every quantized layer is kept in {state}: fix the cause (free disk "
+            f"space) and run the same command again to save without recalibrating, or delete {state}",
+            file=sys.stderr,
+        )
+        raise
     shutil.rmtree(state, ignore_errors=True)  # saved: the state is not needed any more
     qconfig = model.config.quantization_config
     count = len(getattr(qconfig, "quantized_modules", None) or [])

@@ -11,9 +11,12 @@ output: `quasar-hf quantize` uses OUT.partial):
   depends on. Each file is written to a temporary name and renamed, so a kill at any moment leaves
   the previous state whole.
 
-A rerun with the same model and settings finds the fingerprint equal, rebuilds layers 0..i from
-their files, and continues at layer i+1 with the same hidden states and generator state: the
-result is bit-identical to an uninterrupted run. Other settings start from layer 0.
+progress.json also records the SHA-256 of every state file. A rerun with the same model and
+settings finds the fingerprint equal, checks each file against its digest, rebuilds layers 0..i
+from the bytes it checked, and continues at layer i+1 with the same hidden states and generator
+state: the result is bit-identical to an uninterrupted run. A state of other settings, or one whose
+files are missing, truncated or changed, is reported once (naming the file), deleted, and the run
+starts from layer 0: it never loops on a damaged file and never mixes damaged tensors in.
 """
 
 from __future__ import annotations
@@ -23,16 +26,17 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_bytes
+from safetensors.torch import save as save_bytes
 from torch import nn
 
 from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
 
 PROGRESS = "progress.json"
-STATE_FORMAT = 2  # 2: fp32 calibration rounds activations to the model dtype
+STATE_FORMAT = 3  # 2: fp32 calibration rounds activations to the model dtype; 3: per-file SHA-256
 
 
 def fingerprint(parts: dict) -> str:
@@ -40,16 +44,24 @@ def fingerprint(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _atomic_write(path: str, write) -> None:
+def _atomic_write(path: str, data: bytes) -> str:
+    """Write `data` to a temporary name, flush it to disk and rename it to `path`; its SHA-256."""
     folder = os.path.dirname(path)
     handle, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    os.close(handle)
     try:
-        write(tmp)
+        with os.fdopen(handle, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+    return hashlib.sha256(data).hexdigest()
+
+
+class DamagedState(ValueError):
+    """A state file does not match the digest progress.json recorded for it."""
 
 
 class ResumeState:
@@ -61,17 +73,29 @@ class ResumeState:
         os.makedirs(folder, exist_ok=True)
 
     def progress(self) -> dict | None:
-        """The saved progress when it belongs to this run (same fingerprint), else None."""
+        """The saved progress when it belongs to this run and every file it names is whole, else None.
+
+        A state of another run, or a damaged one, is reported (a warning naming the cause and the
+        file) and deleted, so the run starts from layer 0 and a rerun does not meet it again."""
         path = os.path.join(self.folder, PROGRESS)
         if not os.path.isfile(path):
             return None
         try:
             with open(path) as f:
                 saved = json.load(f)
-        except (OSError, json.JSONDecodeError):
-            return None
+            if not isinstance(saved, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as error:
+            return self._start_over(f"{path} cannot be read ({error})")
         if saved.get("format") != STATE_FORMAT or saved.get("fingerprint") != self.key:
-            return None
+            return self._start_over(
+                f"{self.folder} holds the state of another run (a different model, settings or quasar_hf version)"
+            )
+        try:
+            for name in self._files_of(saved):
+                self._verified_bytes(saved, name)
+        except DamagedState as error:
+            return self._start_over(str(error))
         return saved
 
     def save_layer(
@@ -84,27 +108,31 @@ class ResumeState:
             if isinstance(m, W8A8Linear)
         }
         tensors = {name: t.detach().cpu().contiguous() for name, t in layer.state_dict().items()}
-        _atomic_write(self._layer_path(index), lambda p: save_file(tensors, p, metadata={"kinds": json.dumps(kinds)}))
+        previous = self._recorded_digests(index)
+        layer_name, hidden_name = _layer_name(index), _hidden_name(index + 1)
+        digests = {name: previous[name] for name in map(_layer_name, range(index)) if name in previous}
+        digests[layer_name] = _atomic_write(self._path(layer_name), save_bytes(tensors, metadata={"kinds": json.dumps(kinds)}))
         stacked = {f"block_{i}": h.detach().cpu().contiguous() for i, h in enumerate(hidden)}
-        _atomic_write(self._hidden_path(index + 1), lambda p: save_file(stacked, p))
+        digests[hidden_name] = _atomic_write(self._path(hidden_name), save_bytes(stacked))
         progress = {
             "format": STATE_FORMAT,
             "fingerprint": self.key,
             "next_layer": index + 1,
             "gathered": gathered,
             "generator": base64.b64encode(generator.get_state().numpy().tobytes()).decode(),
+            "sha256": digests,
         }
-        _atomic_write(os.path.join(self.folder, PROGRESS), lambda p: _write_json(p, progress))
-        stale = self._hidden_path(index)
+        _atomic_write(self._path(PROGRESS), json.dumps(progress).encode())
+        stale = self._path(_hidden_name(index))
         if os.path.exists(stale):
             os.remove(stale)
 
-    def restore_layer(self, index: int, layer: nn.Module, backend: str, bias_dtype: torch.dtype) -> None:
-        """Put the finished layer `index` back: W8A8 modules where it had them, then all its tensors."""
-        path = self._layer_path(index)
-        with safe_open(path, framework="pt") as handle:
-            kinds = json.loads(handle.metadata()["kinds"])
-        tensors = load_file(path)
+    def restore_layer(self, progress: dict, index: int, layer: nn.Module, backend: str, bias_dtype: torch.dtype) -> None:
+        """Put the finished layer `index` back from the bytes its digest vouches for: W8A8 modules
+        where it had them, then all its tensors."""
+        data = self._verified_bytes(progress, _layer_name(index))
+        kinds = json.loads(_header_metadata(data)["kinds"])
+        tensors = load_bytes(data)
         for name, kind in kinds.items():
             linear = layer.get_submodule(name)
             cls = RotatedW8A8Linear if kind == "rotated" else W8A8Linear
@@ -128,18 +156,56 @@ class ResumeState:
         """The hidden states feeding the next layer; sets `generator` to the saved state."""
         raw = base64.b64decode(progress["generator"])
         generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        saved = load_file(self._hidden_path(progress["next_layer"]))
+        saved = load_bytes(self._verified_bytes(progress, _hidden_name(progress["next_layer"])))
         return [saved[f"block_{i}"] for i in range(len(saved))]
 
-    def _layer_path(self, index: int) -> str:
-        return os.path.join(self.folder, f"layer_{index:04d}.safetensors")
+    def _files_of(self, progress: dict) -> list[str]:
+        """The state files a resume from `progress` reads: every finished layer and the next hidden states."""
+        return [*map(_layer_name, range(progress["next_layer"])), _hidden_name(progress["next_layer"])]
 
-    def _hidden_path(self, index: int) -> str:
-        return os.path.join(self.folder, f"hidden_{index:04d}.safetensors")
+    def _verified_bytes(self, progress: dict, name: str) -> bytes:
+        """The file's bytes, after checking them against the digest progress.json recorded."""
+        expected = (progress.get("sha256") or {}).get(name)
+        path = self._path(name)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as error:
+            raise DamagedState(f"{path} cannot be read ({error.strerror or error})") from None
+        if expected is None or hashlib.sha256(data).hexdigest() != expected:
+            raise DamagedState(f"{path} does not match the SHA-256 recorded in progress.json (truncated or changed)")
+        return data
+
+    def _recorded_digests(self, index: int) -> dict:
+        """The digests of the state this run continues (layers before `index`), or none."""
+        if index == 0:
+            return {}
+        with open(self._path(PROGRESS)) as f:
+            return json.load(f).get("sha256", {})
+
+    def _start_over(self, cause: str) -> None:
+        warnings.warn(
+            f"{cause}: not resuming. Deleted the saved state in {self.folder}; quantizing from layer 0.",
+            stacklevel=3,
+        )
+        for entry in os.listdir(self.folder):
+            if entry == PROGRESS or entry.endswith(".safetensors"):
+                os.remove(os.path.join(self.folder, entry))
+        return None
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.folder, name)
 
 
-def _write_json(path: str, data: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
+def _layer_name(index: int) -> str:
+    return f"layer_{index:04d}.safetensors"
+
+
+def _hidden_name(index: int) -> str:
+    return f"hidden_{index:04d}.safetensors"
+
+
+def _header_metadata(data: bytes) -> dict:
+    """The `__metadata__` of a safetensors file held in memory."""
+    size = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + size]).get("__metadata__", {})

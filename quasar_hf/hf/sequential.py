@@ -276,7 +276,7 @@ def quantize_layers_sequentially(
         with times.phase("resume_restore"):
             first = saved["next_layer"]
             for index in range(first):
-                resume.restore_layer(index, layers[index], config.backend, model_dtype)
+                resume.restore_layer(saved, index, layers[index], config.backend, model_dtype)
             hidden = resume.restore_run(saved, generator)
             gathered = saved["gathered"]
             result.alphas, result.rotated = dict(gathered["alphas"]), list(gathered["rotated"])
