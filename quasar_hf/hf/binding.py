@@ -1,7 +1,7 @@
 """What a Quasar model does beyond its class: bound on the model instance by the quantizer.
 
 `bind_quasar_methods(model)` (called when a model is quantized on load and when a saved Quasar
-checkpoint is reloaded) sets three instance attributes; Transformers' classes are never changed,
+checkpoint is reloaded) sets these instance attributes; Transformers' classes are never changed,
 so every other model in the process behaves exactly as without quasar_hf.
   * generate: `quasar=True | dict | QuasarGenerationConfig` runs Quasar speculative decoding
     (`quasar_hf.speculative.strategy.generate_with_quasar`); `assistant_model=` alone means W8A8
@@ -11,6 +11,10 @@ so every other model in the process behaves exactly as without quasar_hf.
     swapped in whole (`quasar_hf.atomic_folder`).
   * push_to_hub: the class's signature (repo_id positional, the options as keywords, plus
     `tokenizer=` and `base_model=`), uploaded with the card kept (`hub.push_quasar_model`).
+  * _apply (behind `.to()`, `.cuda()`, `.bfloat16()`, ...), half, float: a dtype change is all or
+    nothing. The compute dtypes the kernels take (float32, bfloat16, float16) convert the whole model,
+    with int8 weights and fp32 scales kept (PreparedModule.fp32_buffers); any other dtype is refused
+    before a tensor changes.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import inspect
 import os
 import warnings
 from typing import Any
+
+import torch
 
 from quasar_hf.atomic_folder import atomic_folder
 from quasar_hf.detect import is_quasar_model
@@ -55,6 +61,33 @@ def bind_quasar_methods(model: Any) -> None:
     model.generate = ModelMethod(quasar_generate, model)
     model.save_pretrained = ModelMethod(save_pretrained_with_card, model)
     model.push_to_hub = ModelMethod(push_to_hub_with_card, model)
+    model._apply = ModelMethod(apply_all_or_nothing, model)
+    model.half = ModelMethod(to_dtype, model, torch.float16)
+    model.float = ModelMethod(to_dtype, model, torch.float32)
+
+
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the W8A8 and attention kernels take
+
+
+def apply_all_or_nothing(self: Any, fn: Any, recurse: bool = True) -> Any:
+    """The class's `_apply`, after checking on a probe tensor that `fn` keeps floats in a compute dtype."""
+    param = next(self.parameters(), None)
+    probe = torch.zeros(4, 1, 1, 1, device=param.device if param is not None else "cpu")
+    try:
+        target = fn(probe).dtype
+    except (RuntimeError, TypeError, ValueError):  # fn does not apply to the probe: the class decides
+        target = probe.dtype
+    if target not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"a Quasar model computes in float32, bfloat16 or float16, not {target}; nothing was converted. "
+            f"Use model.to(torch.bfloat16) (or float16/float32): int8 weights and their fp32 scales stay as they are."
+        )
+    return type(self)._apply(self, fn, recurse)
+
+
+def to_dtype(self: Any, dtype: torch.dtype, *args: Any) -> Any:
+    """`.half()` / `.float()`: the whole model in that compute dtype, as `.to(dtype)` (apply_all_or_nothing)."""
+    return self.to(dtype)
 
 
 def quasar_generate(self: Any, *args: Any, quasar: Any = None, **kwargs: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 
+import torch
 from torch import nn
 
 
@@ -11,17 +12,25 @@ class PreparedModule(nn.Module, metaclass=abc.ABCMeta):
     """Calls `prepare()` after `_apply` (`.to()`, `.cpu()`, ...), `load_state_dict`, copies and unpickling.
 
     `derived` names the attributes holding bound kernels (closures over raw pointers): copies and
-    pickles drop them and prepare their own.
+    pickles drop them and prepare their own. `fp32_buffers` names buffers that stay float32 through a
+    dtype change (`.to(torch.float16)` moves them but keeps their exact values), as quantization
+    scales must.
     """
 
     derived: tuple[str, ...] = ()
+    fp32_buffers: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def prepare(self) -> None:
         """Validate, pack and bind from the module's current tensors (each subclass says how)."""
 
     def _apply(self, fn, recurse: bool = True):
+        kept = {name: getattr(self, name) for name in self.fp32_buffers if getattr(self, name, None) is not None}
         module = super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after.dtype != torch.float32:  # a dtype change: the original values, on the new device
+                self._buffers[name] = before.to(device=after.device)
         self.prepare()
         return module
 

@@ -37,6 +37,7 @@ class W8A8Linear(PreparedModule):
     """
 
     derived = ("_prepared", "_op_layout", "_folded")
+    fp32_buffers = ("weight_scale", "act_prescale")
 
     def __init__(
         self,
