@@ -279,3 +279,22 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from quasar_hf.commands.doctor import run_doctor
 
     return run_doctor()
+
+
+def cmd_mark(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from quasar_hf.hf.checkpoint_config import is_marked, mark_checkpoint
+
+    folder = Path(args.model)
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"{args.model} is not a local checkpoint folder (no config.json)")
+    if is_marked(folder):
+        print(f"{folder} is already marked: nothing changed")
+        return 0
+    try:
+        mark_checkpoint(folder)
+    except ValueError as error:
+        raise UsageError(f"{args.model}: {error}") from None
+    print(f"marked {folder}: config.json says model_type quasar_hf; Transformers without quasar_hf now refuses it")
+    return 0

@@ -11,7 +11,16 @@ import sys
 import traceback
 from collections.abc import Callable
 
-from quasar_hf.commands.handlers import cmd_bench, cmd_demo, cmd_doctor, cmd_eval, cmd_export, cmd_generate, cmd_quantize
+from quasar_hf.commands.handlers import (
+    cmd_bench,
+    cmd_demo,
+    cmd_doctor,
+    cmd_eval,
+    cmd_export,
+    cmd_generate,
+    cmd_mark,
+    cmd_quantize,
+)
 from quasar_hf.commands.loading import DTYPES, UsageError
 
 DRAFTERS = ("ngram", "assistant", "self")
@@ -133,6 +142,13 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument(
         "--no-fold-prescale", action="store_true", help="refuse layers with an unfolded act_prescale instead of folding it"
     )
+
+    mark = command(
+        "mark",
+        cmd_mark,
+        "Mark a Quasar checkpoint saved by an older quasar_hf, so that Transformers without quasar_hf refuses it",
+    )
+    mark.add_argument("model", help="a local Quasar checkpoint folder (rewrites its config.json; the weights stay)")
 
     # The benchmark runner owns its options: everything after `bench` goes to it verbatim
     # (prefix_chars="+" keeps argparse from reading its --options here; `bench --help` is the runner's).

@@ -119,15 +119,27 @@ def save_pretrained_with_card(self: Any, save_directory: Any, *args: Any, **kwar
     arguments = inspect.signature(original).bind(self, save_directory, *args, **kwargs).arguments
     if not is_quasar_model(self) or not arguments.get("is_main_process", True):
         return original(self, save_directory, *args, **kwargs)
-    if kwargs.get("push_to_hub") and "repo_id" not in kwargs:
-        kwargs["repo_id"] = os.path.basename(os.path.normpath(os.fspath(save_directory)))  # not the staging folder's name
+    options = {name: value for name, value in arguments.items() if name not in ("self", "save_directory", "kwargs")}
+    options.update(arguments.get("kwargs", {}))
+    hub = {}
+    if options.pop("push_to_hub", False):  # uploaded after the save by push_to_hub: marked, with the card
+        hub_names = inspect.signature(type(self).push_to_hub).parameters
+        hub = {name: options.pop(name) for name in list(options) if name in hub_names and name != "max_shard_size"}
+        hub.setdefault("repo_id", os.path.basename(os.path.normpath(os.fspath(save_directory))))
     with atomic_folder(save_directory) as staging:
-        return save_quasar_files(self, staging, *args, **kwargs)
+        result = save_quasar_files(self, staging, **options)
+    if hub:
+        push_to_hub_with_card(self, hub.pop("repo_id"), max_shard_size=options.get("max_shard_size", "50GB"), **hub)
+    return result
 
 
 def save_quasar_files(model: Any, folder: Any, *args: Any, **kwargs: Any) -> Any:
-    """The class's save_pretrained into `folder` as it is (no staging), then the model card."""
+    """The class's save_pretrained into `folder` as it is (no staging), the mark that makes Transformers
+    without quasar_hf refuse it (hf/checkpoint_config.py), then the model card."""
+    from quasar_hf.hf.checkpoint_config import mark_checkpoint
+
     result = type(model).save_pretrained(model, folder, *args, **kwargs)
+    mark_checkpoint(folder)
     save_card(model, folder)
     return result
 
