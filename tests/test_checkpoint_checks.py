@@ -94,6 +94,15 @@ EDITS = [
     ("prescaled", "rotated_modules + 1", "rotated_modules", lambda q: q["rotated_modules"].append(q["quantized_modules"][0])),
     ("prescaled", "draft_info.vocab_size", "draft_info.vocab_size", lambda q: q["draft_info"].update(vocab_size=32)),
     ("prescaled", "draft_vocab_size", "draft_vocab_size", lambda q: q.update(draft_vocab_size=None)),
+    ("rotated", "alpha", "alpha", lambda q: q.update(alpha=0.5)),
+    ("rotated", "rotate", "rotate", lambda q: q.update(rotate=["down_proj"])),
+    ("rotated", "weight_rounding", "weight_rounding", lambda q: q.update(weight_rounding="gptq")),
+    (
+        "prescaled",
+        "modules_to_not_convert",
+        "modules_to_not_convert",
+        lambda q: q.update(modules_to_not_convert=["lm_head", "gate_proj"]),
+    ),
 ]
 
 
@@ -197,3 +206,34 @@ def test_bytes_changed_on_disk_are_refused_naming_the_tensor_unless_checks_are_o
     monkeypatch.setenv("QUASAR_VERIFY_CHECKSUMS", "0")
     AutoModelForCausalLM.from_pretrained(folder)  # the user's call: loads the changed bytes
     assert DIGESTS_KEY in open(path, "rb").read(20000).decode("latin-1")
+
+
+def test_a_renamed_or_thinned_digest_entry_is_refused_not_skipped(saved, tmp_path):
+    """A header with a layout record always carries every tensor's SHA-256: renaming the entry (which
+    used to turn verification off) or dropping one tensor's digest is refused, naming the file."""
+    from safetensors import safe_open
+
+    from quasar_hf.hf.checksums import DIGESTS_KEY
+
+    def rewritten(name: str, edit) -> str:
+        folder = edited_copy(saved["rotated"], tmp_path / name, lambda q: None)
+        path = f"{folder}/model.safetensors"
+        with safe_open(path, framework="pt") as handle:
+            metadata = dict(handle.metadata())
+        tensors = load_file(path)
+        edit(metadata)
+        save_file(tensors, path, metadata=metadata)
+        return folder
+
+    renamed = rewritten("renamed", lambda m: m.update(renamed_sha256=m.pop(DIGESTS_KEY)))
+    with pytest.raises(ValueError, match=rf"model\.safetensors: its header has no {DIGESTS_KEY} entry.*edited"):
+        AutoModelForCausalLM.from_pretrained(renamed)
+
+    def drop_one(metadata):
+        digests = json.loads(metadata[DIGESTS_KEY])
+        digests.pop(sorted(digests)[0])
+        metadata[DIGESTS_KEY] = json.dumps(digests)
+
+    thinned = rewritten("thinned", drop_one)
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor '.+' has no SHA-256"):
+        AutoModelForCausalLM.from_pretrained(thinned)

@@ -10,6 +10,9 @@ checked against the SHA-256 saved with them (checksums.py). A config edited by h
 hand-merged config or a Hub repo whose config.json was changed apart from its weights then fails
 to load instead of computing garbage.
 
+The record also keeps the settings that made the weights (alpha, rotate, weight_rounding,
+modules_to_not_convert), so a config.json edited to describe other settings is refused too. A
+shard with a record must carry a SHA-256 for every tensor (a renamed or removed digest entry is refused).
 Checkpoints saved before the record existed load as before (the tensor checks still run); saving
 them again adds it.
 """
@@ -47,8 +50,17 @@ def layout_metadata(model: nn.Module, config: QuasarConfig) -> dict[str, str]:
         "draft_layers": list(draft.get("layers") or []),
         "draft_dtype": draft.get("dtype"),
         "draft_vocab_size": draft.get("vocab_size"),
+        "recipe": _recipe(config),
     }
     return {LAYOUT_KEY: json.dumps(layout, sort_keys=True)}
+
+
+RECIPE_FIELDS = ("alpha", "rotate", "weight_rounding", "modules_to_not_convert")
+
+
+def _recipe(config: QuasarConfig) -> dict[str, Any]:
+    """The settings that made the weights (JSON values): config.json must keep describing them."""
+    return {name: json.loads(json.dumps(getattr(config, name))) for name in RECIPE_FIELDS}
 
 
 def _is_float_linear(module: nn.Module | None) -> bool:
@@ -70,24 +82,24 @@ def check_checkpoint_files(checkpoint_files: list[str] | None, config: QuasarCon
     _check_quantized_tensors(tensors, config, [os.path.basename(f) for f in checkpoint_files])
     if checks_enabled():
         for path in checkpoint_files:
-            check_file_digests(str(path))
+            check_file_digests(str(path), required=str(path) in layouts)
     if not layouts:
         logger.warning(
             "This Quasar checkpoint predates the layout record that lets a load check config.json against the "
             "weights; it loads as before. Save it again with quasar_hf to add the record."
         )
         return
-    if len({json.dumps(layout, sort_keys=True) for layout in layouts}) > 1:
+    if len({json.dumps(layout, sort_keys=True) for layout in layouts.values()}) > 1:
         raise ValueError(f"the shards of this Quasar checkpoint come from different saves (their {LAYOUT_KEY} differ); {_FIX}")
-    _check_layout(layouts[0], config)
+    _check_layout(next(iter(layouts.values())), config)
 
 
-def _read_headers(checkpoint_files: list[str]) -> tuple[dict[str, tuple[str, list[int]]], list[dict]]:
-    """{tensor name: (dtype, shape)} over all shards, and each shard's layout record (parsed)."""
+def _read_headers(checkpoint_files: list[str]) -> tuple[dict[str, tuple[str, list[int]]], dict[str, dict]]:
+    """{tensor name: (dtype, shape)} over all shards, and {shard path: its layout record (parsed)}."""
     from safetensors import safe_open
 
     tensors: dict[str, tuple[str, list[int]]] = {}
-    layouts = []
+    layouts = {}
     for path in checkpoint_files:
         with safe_open(path, framework="pt") as handle:
             for key in handle.keys():
@@ -96,7 +108,7 @@ def _read_headers(checkpoint_files: list[str]) -> tuple[dict[str, tuple[str, lis
             record = (handle.metadata() or {}).get(LAYOUT_KEY)
         if record is not None:
             try:
-                layouts.append(json.loads(record))
+                layouts[str(path)] = json.loads(record)
             except json.JSONDecodeError:
                 raise ValueError(
                     f"{os.path.basename(path)}: its {LAYOUT_KEY} header entry is not JSON; the file was modified."
@@ -178,6 +190,15 @@ def _check_shapes(name: str, shapes: dict[str, list[int]]) -> None:
 
 def _check_layout(layout: dict[str, Any], config: QuasarConfig) -> None:
     """Each math-changing field of `config` against the record written with the tensors."""
+    saved_recipe = layout.get("recipe")  # absent in records written before it
+    if saved_recipe is not None:
+        listed_recipe = _recipe(config)
+        for name in RECIPE_FIELDS:
+            if name in saved_recipe and listed_recipe[name] != saved_recipe[name]:
+                raise ValueError(
+                    f"quantization_config.{name} is {listed_recipe[name]!r}, but these weights were made with "
+                    f"{saved_recipe[name]!r}; {_FIX}"
+                )
     rotated = layout.get("rotated_modules") or {}
     _same_names("quantized_modules", config.quantized_modules, layout.get("quantized_modules"))
     _same_names("rotated_modules", config.rotated_modules, list(rotated))

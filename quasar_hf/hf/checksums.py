@@ -39,14 +39,22 @@ def checks_enabled() -> bool:
     return os.environ.get(SKIP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def check_file_digests(path: str) -> int:
+def check_file_digests(path: str, required: bool = False) -> int:
     """Hash each tensor of the safetensors file at `path` that its header has a digest for; raise on
-    the first mismatch. Returns how many tensors were checked (0 for a file without digests)."""
+    the first mismatch. Returns how many tensors were checked (0 for a file without digests).
+    `required` (a file quasar_hf saved with digests, as its layout record shows): a header without
+    them, or a tensor without one, was edited, and is refused rather than loaded unchecked."""
+    name = os.path.basename(path)
     with open(path, "rb") as handle:
         header_len = struct.unpack("<Q", handle.read(8))[0]
         header = json.loads(handle.read(header_len))
         recorded = (header.get("__metadata__") or {}).get(DIGESTS_KEY)
         if recorded is None:
+            if required:
+                raise ValueError(
+                    f"{name}: its header has no {DIGESTS_KEY} entry, which quasar_hf writes with every layout record, so "
+                    f"the header was edited. Download or save the checkpoint again (to load it anyway, set {SKIP_ENV}=0)."
+                )
             return 0
         try:
             digests = json.loads(recorded)
@@ -54,6 +62,12 @@ def check_file_digests(path: str) -> int:
             raise ValueError(
                 f"{os.path.basename(path)}: its {DIGESTS_KEY} header entry is not JSON; the file was modified."
             ) from None
+        unrecorded = sorted(key for key in header if key != "__metadata__" and key not in digests) if required else []
+        if unrecorded:
+            raise ValueError(
+                f"{name}: tensor {unrecorded[0]!r} has no SHA-256 in the header's {DIGESTS_KEY} entry, so the header was "
+                f"edited. Download or save the checkpoint again (to load it anyway, set {SKIP_ENV}=0)."
+            )
         start = 8 + header_len
         if os.fstat(handle.fileno()).st_size <= start:
             return _check_each(header, digests, memoryview(b""), start, path)

@@ -164,6 +164,8 @@ class QuasarConfig(QuantizationConfigMixin):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer (it seeds the calibration sampling); got {self.seed!r}")
         if self.calibration_dtype not in CALIBRATION_DTYPES:
             raise ValueError(
                 f"calibration_dtype must be one of {list(CALIBRATION_DTYPES)} ('auto': fp32 on a CPU that emulates "

@@ -27,7 +27,7 @@ from quasar_hf.self_draft.layer_search import (
     top1_agreement,
 )
 from quasar_hf.self_draft.path import attach_draft_layers, module_bytes
-from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibration_texts
+from quasar_hf.smoothquant.data import MIN_BLOCK_TOKENS, build_calibration_blocks, load_calibration_texts
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
 from quasar_hf.smoothquant.mappings import decoder_layers, resolve_mappings
 from quasar_hf.smoothquant.phase_times import PhaseTimes
@@ -191,8 +191,24 @@ def _load_tokenizer(model: nn.Module, config: QuasarConfig):
         ) from None
 
 
+def check_calibration_length(seq_len: int, model: nn.Module) -> None:
+    """Blocks long enough to measure activations, and no longer than the model's context."""
+    if seq_len < MIN_BLOCK_TOKENS:
+        raise ValueError(
+            f"calibration_seq_len={seq_len} is too short to calibrate on: activation statistics and GPTQ need blocks of "
+            f"at least {MIN_BLOCK_TOKENS} tokens (512, the default, to 2048 is typical)"
+        )
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(context, int) and seq_len > context:
+        raise ValueError(
+            f"calibration_seq_len={seq_len} is longer than the model's context ({context} tokens, "
+            f"max_position_embeddings): use calibration_seq_len <= {context}"
+        )
+
+
 def calibration_blocks(model: nn.Module, config: QuasarConfig) -> tuple[torch.Tensor, str]:
     """(blocks [N, T] of token ids, source description) from the configured calibration text."""
+    check_calibration_length(config.calibration_seq_len, model)
     tokenizer = _load_tokenizer(model, config)
     texts, source = load_calibration_texts(
         config.calibration_dataset, config.calibration_text_column, config.calibration_split, tokenizer

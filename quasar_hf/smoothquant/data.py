@@ -61,6 +61,8 @@ def load_calibration_texts(source, text_column: str | None = None, split: str = 
         source = BUILTIN_NAME
     if source in BUILTIN_SOURCES:
         return builtin_source_texts(source, "calibration", tokenizer), source
+    if isinstance(source, str) and source.startswith("builtin:"):
+        raise ValueError(f"no built-in calibration text is named {source!r}; the built-in ones are {sorted(BUILTIN_SOURCES)}")
     if isinstance(source, (list, tuple)):
         wrong = next((t for t in source if not isinstance(t, str)), None)
         if wrong is not None:

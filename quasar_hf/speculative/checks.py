@@ -6,6 +6,8 @@ decoding algorithm.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import GenerationConfig
 
@@ -25,6 +27,21 @@ _UNSUPPORTED_OPTIONS = {
     "token_healing": (False, "token healing"),
 }
 _SUPPORTED_CACHES = (None, "dynamic", "static")  # "static": the loop's StaticVerifierCache
+
+
+_SHORT_INT_DTYPES = (torch.int32, torch.int16, torch.int8, torch.uint8)
+INPUTS_EMBEDS_HELP = (
+    "generate(quasar=...) drafts and verifies token ids, so it needs the prompt as input_ids; inputs_embeds is not "
+    "supported. Pass input_ids, or call generate without quasar for a prompt given as embeddings."
+)
+
+
+def as_long_ids(input_ids: Any) -> Any:
+    """Token ids in a narrower integer dtype (int32 from some tokenizers and ONNX pipelines) as int64, as
+    plain generate takes them; anything else as it is (`_check_inputs` judges it)."""
+    if isinstance(input_ids, torch.Tensor) and input_ids.dtype in _SHORT_INT_DTYPES:
+        return input_ids.long()
+    return input_ids
 
 
 def _check_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:

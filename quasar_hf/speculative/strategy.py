@@ -31,7 +31,7 @@ from transformers import (
 from quasar_hf import compat
 
 from .attention import verification_attention
-from .checks import _check_inputs, _refuse_unsupported
+from .checks import INPUTS_EMBEDS_HELP, _check_inputs, _refuse_unsupported, as_long_ids
 from .compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for
 from .config import QuasarGenerationConfig
 from .drafters import make_drafter
@@ -81,6 +81,9 @@ def run_prepared(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor | QuasarGenerateOutput:
     """Run the speculative loop on what `generate` prepared for this call."""
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError(INPUTS_EMBEDS_HELP)
+    input_ids = as_long_ids(input_ids)
     attention_mask = model_kwargs.get("attention_mask")
     _check_inputs(model, input_ids, attention_mask)
     _refuse_unsupported(generation_config, {k: v for k, v in model_kwargs.items() if k not in _PREPARED_MODEL_KWARGS})
@@ -224,7 +227,12 @@ def generate_with_quasar(
     if assistant_model is not None:
         drafter = "assistant" if config.drafter == "ngram" else config.drafter
         config = QuasarGenerationConfig(**{**config.__dict__, "assistant_model": assistant_model, "drafter": drafter})
-    input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+    if kwargs.get("inputs_embeds") is not None:
+        raise ValueError(INPUTS_EMBEDS_HELP)
+    if inputs is not None:
+        input_ids = inputs = as_long_ids(inputs)
+    else:
+        input_ids = kwargs["input_ids"] = as_long_ids(kwargs.get("input_ids"))
     if input_ids is None:
         raise ValueError("generate(quasar=...) needs input_ids (the tokenized prompt).")
     _check_inputs(model, input_ids, kwargs.get("attention_mask"))
