@@ -137,20 +137,32 @@ def test_rotated_linears_export_as_one_shared_input_transform(rotated, tmp_path)
     assert torch.equal(tensors[stored[0]].double() / rotation.size**0.5, rotation.matrix())
 
 
-def test_compressed_tensors_applies_the_rotation_with_close_logits(rotated, tmp_path):
-    from compressed_tensors.transform import TransformConfig, apply_transform_config
+def test_the_rotated_exports_card_says_how_transformers_reads_it_right(rotated, tmp_path):
+    """Transformers' compressed-tensors loader (5.x) leaves transform_config alone and nothing in the
+    format makes it refuse: the export's config.json and card say so, and the card's recipe (run here
+    as written) makes the loaded model right."""
+    import re
 
-    loaded, ids, ours, unrotated = export_and_reload(rotated, tmp_path)
-    # Transformers' compressed-tensors loader (5.x) leaves transform_config alone: without the
-    # rotation the W Q weights meet unrotated inputs (the negative control of this test).
-    assert relative_error(unrotated, ours) > 0.1
-    config = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["transform_config"]
-    apply_transform_config(loaded, TransformConfig.model_validate(config))
-    transforms = {k: v for k, v in load_file(tmp_path / "model.safetensors").items() if "_input.weight" in k}
-    assert loaded.load_state_dict(transforms, strict=False).unexpected_keys == []
+    folder = tmp_path / "rotated-ct"
+    loaded, ids, ours, unrotated = export_and_reload(rotated, folder)
+    assert relative_error(unrotated, ours) > 0.1  # from_pretrained alone: W Q weights on unrotated inputs
+    said = json.loads((folder / "config.json").read_text())["quasar_export"]
+    assert said["rotated_modules"] == 2 and said["transformers"].startswith("from_pretrained alone gives wrong outputs")
+    card = (folder / "README.md").read_text()
+    assert "from_pretrained alone gives wrong outputs" in card
+    (recipe,) = re.findall(r"```python\n(.*?)```", card, flags=re.S)
+    namespace: dict = {}
+    exec(recipe.replace('path = "rotated-ct"', f"path = {str(folder)!r}"), namespace)
     with torch.no_grad():
-        theirs = loaded(ids).logits
+        theirs = namespace["model"](ids).logits
     assert relative_error(theirs, ours) < 0.02  # as the unrotated export: activation rounding only
+
+
+def test_an_unrotated_export_says_transformers_reads_it(quantized, tmp_path):
+    export_compressed_tensors(quantized, tmp_path)
+    said = json.loads((tmp_path / "config.json").read_text())["quasar_export"]
+    assert said["rotated_modules"] == 0 and said["transformers"].startswith("supported")
+    assert "```python" not in (tmp_path / "README.md").read_text()
 
 
 @pytest.mark.parametrize("size", [96, 1536, 4864, 6])  # Paley 12 x 8, 12 x 128, 76 x 64, 3 blocks of 2

@@ -11,7 +11,9 @@ The layout (what llm-compressor writes for a W8A8-INT8 model, and what vLLM's
 
 Hadamard-rotated linears (RotatedW8A8Linear, the default for `down_proj`) store W Q as above and
 their rotation as a compressed-tensors input transform (`export/ct_transforms.py`), listed under
-`quantization_config.transform_config`; vLLM and compressed-tensors apply it online.
+`quantization_config.transform_config`; vLLM and compressed-tensors apply it online, Transformers'
+loader does not: `config.json["quasar_export"]` and the export's README.md say which loader reads
+the export right (`export/card.py`).
 
 SmoothQuant factors folded into the RMSNorm weights are already part of the exported norms.
 A W8A8Linear that still carries an unfolded `act_prescale` p computes `(x * p) @ W.T`, which
@@ -32,6 +34,7 @@ from torch import nn
 
 from quasar_hf.atomic_folder import atomic_folder
 from quasar_hf.detect import is_quasar_model
+from quasar_hf.export.card import export_card, loading_block
 from quasar_hf.export.ct_transforms import transform_config_and_tensors
 from quasar_hf.ops.reference import quantize_weight_per_channel
 
@@ -179,6 +182,8 @@ def export_compressed_tensors(
     """Write `model` (a Quasar W8A8 model) to `out_dir` in the compressed-tensors int-quantized layout."""
     from safetensors.torch import save_file
 
+    from quasar_hf import __version__
+
     if not is_quasar_model(model):
         raise ValueError(
             "export_compressed_tensors expects a Quasar W8A8 model (quantize it first: "
@@ -193,7 +198,13 @@ def export_compressed_tensors(
     with atomic_folder(out) as staging:  # a failed export leaves what was in `out` as it was
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         with open(staging / "config.json", "w") as handle:
-            json.dump(export_config(model, report.ignored_modules, transform_config), handle, indent=2, sort_keys=True)
+            config = export_config(model, report.ignored_modules, transform_config)
+            config["quasar_export"] = loading_block(report.rotated_modules, __version__)
+            json.dump(config, handle, indent=2, sort_keys=True)
+        (staging / "README.md").write_text(
+            export_card(out.name, len(report.quantized_modules), report.ignored_modules, report.rotated_modules, __version__),
+            encoding="utf-8",
+        )
         generation_config = getattr(model, "generation_config", None)
         if generation_config is not None:
             generation_config.save_pretrained(staging)
