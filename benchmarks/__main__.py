@@ -57,6 +57,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
     "per-layer": ("benchmarks.per_layer:main", "W8A8 error per decoder linear: weight-only, activation-only"),
     "per-layer-compare": ("benchmarks.per_layer_compare:main", "two per-layer reports of one model side by side (dB change)"),
     "humaneval": ("quasar_hf.eval.humaneval:main", "HumanEval pass@1: unquantized vs W8A8 vs W8A8 with Quasar decoding"),
+    "export-loaders": (
+        "benchmarks.export_loaders:main",
+        "compressed-tensors exports read by Transformers' loader, against the Quasar model they came from",
+    ),
     "gpu-check": ("benchmarks.gpu_check:main", "one-call GPU check: kernels, verify step, end to end (--tiny on CPU)"),
     "load-checksum": (
         "benchmarks.load_checksum:main",
