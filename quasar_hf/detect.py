@@ -1,4 +1,4 @@
-"""Tell whether a model was quantized by quasar_hf (without importing the quantizer)."""
+"""Tell whether a model was quantized by quasar_hf (without importing the quantizer), and which quasar_hf this is."""
 
 from __future__ import annotations
 
@@ -13,3 +13,13 @@ def is_quasar_model(model: object) -> bool:
         return False
     method = qconfig.get("quant_method") if isinstance(qconfig, dict) else getattr(qconfig, "quant_method", None)
     return str(getattr(method, "value", method)) == QUANT_METHOD
+
+
+def package_version() -> str:
+    """The installed quasar-hf distribution's version, or "source" for a tree run without installing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("quasar-hf")
+    except PackageNotFoundError:
+        return "source"

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "quasar_hf"
 ALLOWED_FILES = {PACKAGE / "compat.py"}
 # torch's own private names a module may use (tensor version counters): not Transformers API.
-TORCH_PRIVATE_OK = {"_version"}
+TORCH_PRIVATE_OK = {"_version", "_apply"}  # torch.nn.Module._apply: behind .to(), bound by hf/binding.py
 CACHE_LAYER_SUFFIXES = ("Layer",)
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from quasar_hf.atomic_folder import atomic_folder
-from quasar_hf.detect import is_quasar_model
+from quasar_hf.detect import is_quasar_model, package_version
 from quasar_hf.export.card import export_card, loading_block
 from quasar_hf.export.ct_transforms import transform_config_and_tensors
 from quasar_hf.ops.reference import quantize_weight_per_channel
@@ -182,8 +182,6 @@ def export_compressed_tensors(
     """Write `model` (a Quasar W8A8 model) to `out_dir` in the compressed-tensors int-quantized layout."""
     from safetensors.torch import save_file
 
-    from quasar_hf import __version__
-
     if not is_quasar_model(model):
         raise ValueError(
             "export_compressed_tensors expects a Quasar W8A8 model (quantize it first: "
@@ -199,10 +197,12 @@ def export_compressed_tensors(
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         with open(staging / "config.json", "w") as handle:
             config = export_config(model, report.ignored_modules, transform_config)
-            config["quasar_export"] = loading_block(report.rotated_modules, __version__)
+            config["quasar_export"] = loading_block(report.rotated_modules, package_version())
             json.dump(config, handle, indent=2, sort_keys=True)
         (staging / "README.md").write_text(
-            export_card(out.name, len(report.quantized_modules), report.ignored_modules, report.rotated_modules, __version__),
+            export_card(
+                out.name, len(report.quantized_modules), report.ignored_modules, report.rotated_modules, package_version()
+            ),
             encoding="utf-8",
         )
         generation_config = getattr(model, "generation_config", None)

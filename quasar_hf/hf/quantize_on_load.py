@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from quasar_hf import compat
+from quasar_hf.detect import package_version
 from quasar_hf.hf.checksums import tensor_bytes
 from quasar_hf.hf.config import QUASAR_FORMAT_VERSION, QuasarConfig
 from quasar_hf.hf.resume_state import ResumeState, fingerprint
@@ -292,19 +293,10 @@ def resume_state(
             "blocks": hashlib.sha256(blocks.numpy().tobytes()).hexdigest(),
             "weights": weights.hexdigest(),
             "model": type(model).__name__,
-            "versions": {"format": QUASAR_FORMAT_VERSION, "quasar_hf": _package_version(), "torch": torch.__version__},
+            "versions": {"format": QUASAR_FORMAT_VERSION, "quasar_hf": package_version(), "torch": torch.__version__},
         }
     )
     return ResumeState(config.resume_dir, key)
-
-
-def _package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("quasar-hf")
-    except PackageNotFoundError:
-        return "source"
 
 
 _WRITTEN_BY_QUANTIZER = (
