@@ -17,8 +17,9 @@ DEVICE = "cpu" if INTERPRETED else "cuda"
 runs_kernels = pytest.mark.skipif(
     not INTERPRETED and not torch.cuda.is_available(), reason="running the kernel needs a CUDA device or TRITON_INTERPRET=1"
 )
-# (batch, heads, kv_heads, q_len, kv_len, head_dim): decode, verify, MHA, ragged head dim, M = 1 over 1 key
-SHAPES = [(1, 4, 2, 1, 21, 16), (1, 4, 2, 6, 37, 16), (2, 2, 2, 3, 19, 20), (1, 2, 1, 1, 1, 8)]
+# (batch, heads, kv_heads, q_len, kv_len, head_dim): decode, verify, MHA, ragged head dim, M = 1 over 1 key,
+# and rows over 3 chunks (the interpreter's chunk is 32 keys: one chunk, two, and three are all exercised)
+SHAPES = [(1, 4, 2, 1, 21, 16), (1, 4, 2, 6, 37, 16), (2, 2, 2, 3, 19, 20), (1, 2, 1, 1, 1, 8), (1, 4, 2, 5, 70, 16)]
 
 
 def qkv(shape, dtype, seed=0):
@@ -54,7 +55,7 @@ def test_matches_fp64_reference(shape, dtype):
 
 
 @runs_kernels
-@pytest.mark.parametrize("shape", SHAPES[:3])
+@pytest.mark.parametrize("shape", [*SHAPES[:3], SHAPES[4]])
 def test_each_row_equals_that_row_alone(shape):
     q, k, v = qkv(shape, torch.bfloat16, seed=1)
     q_len, kv_len = shape[3], shape[4]
@@ -66,6 +67,23 @@ def test_each_row_equals_that_row_alone(shape):
     # the same rows through an explicit causal mask (the masked kernel build) give the same bits
     causal = (torch.arange(kv_len)[None, :] <= torch.arange(q_len)[:, None] + (kv_len - q_len)).expand(shape[0], q_len, kv_len)
     assert torch.equal(triton_attention.rowstable_attention_triton(q, k, v, causal.to(DEVICE)), together)
+
+
+@runs_kernels
+def test_rows_of_one_chunk_and_of_several_in_one_call_each_equal_that_row_alone():
+    """A row that fits in the first chunk is finished by the chunk kernel; its neighbours need the merge,
+    and a chunk in the middle of a row can see nothing (masked out): each row still gets its own bits."""
+    q, k, v = qkv((1, 2, 1, 3, 90, 16), torch.bfloat16, seed=2)
+    visible = torch.ones(1, 3, 90, dtype=torch.bool)
+    visible[0, 0, 20:] = False  # row 0: keys 0..19, one chunk
+    visible[0, 1, 32:64] = False  # row 1: its second chunk sees nothing
+    together = triton_attention.rowstable_attention_triton(q, k, v, visible.to(DEVICE))
+    for i in range(3):
+        alone = triton_attention.rowstable_attention_triton(q[:, :, i : i + 1], k, v, visible[:, i : i + 1].to(DEVICE))
+        assert torch.equal(alone[:, 0], together[:, i]), f"row {i}"
+    ref = attention_reference(q.cpu(), k.cpu(), v.cpu(), visible, None)
+    err = (together.cpu().double() - ref).abs()
+    assert bool((err <= ref.abs() * 2.0**-8 + 1e-6).all()), float(err.max())
 
 
 @runs_kernels
@@ -95,19 +113,36 @@ def test_triton_attention_compiles_for_hopper_without_fma_contraction():
         from triton.compiler import ASTSource
     except ImportError as err:
         pytest.skip(f"this triton has no ahead-of-time compile API: {err}")
-    kernel = triton_attention._jitted_kernel(False)
-    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*u8", "end_ptr": "*i32", "out_ptr": "*fp32"}
+    chunk_kernel, combine_kernel = triton_attention._jitted_kernels(False)
+    chunk_pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*u8", "end_ptr": "*i32"}
+    chunk_pointers.update(dict.fromkeys(["out_ptr", "pm_ptr", "pl_ptr", "pacc_ptr"], "*fp32"))
     scalars = dict.fromkeys(
-        ["q_sb", "q_sh", "q_sq", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn", "m_sb", "m_sq", "H", "Q", "D", "GROUP"], "i32"
+        ["q_sb", "q_sh", "q_sq", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn", "m_sb", "m_sq", "H", "Q", "D", "GROUP", "S"],
+        "i32",
     )
-    constants = {"HAS_MASK": True, "BLOCK_N": 64, "BLOCK_D": 128}
-    signature = {**pointers, **scalars, "scale": "fp32", **dict.fromkeys(constants, "constexpr")}
-    try:
-        compiled = triton.compile(
-            ASTSource(fn=kernel, signature=signature, constexprs=constants),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": 4, "enable_fp_fusion": False},
-        )
-    except (TypeError, KeyError) as err:  # signature format of another triton release
-        pytest.skip(f"this triton's ahead-of-time compile API differs: {err!r}")
-    assert "fma.rn.f32" not in compiled.asm["ptx"], "online-softmax updates were contracted into FMAs"
+    builds = [
+        (
+            chunk_kernel,
+            {**chunk_pointers, **scalars, "scale": "fp32"},
+            {"HAS_MASK": True, "CHUNK": 128, "BLOCK_N": 64, "BLOCK_D": 128},
+        ),
+        (
+            combine_kernel,
+            {
+                "end_ptr": "*i32",
+                **dict.fromkeys(["out_ptr", "pm_ptr", "pl_ptr", "pacc_ptr"], "*fp32"),
+                **dict.fromkeys("HQDS", "i32"),
+            },
+            {"CHUNK": 128, "BLOCK_D": 128},
+        ),
+    ]
+    for kernel, signature, constants in builds:
+        try:
+            compiled = triton.compile(
+                ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(constants, "constexpr")}, constexprs=constants),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": 4, "enable_fp_fusion": False},
+            )
+        except (TypeError, KeyError) as err:  # signature format of another triton release
+            pytest.skip(f"this triton's ahead-of-time compile API differs: {err!r}")
+        assert "fma.rn.f32" not in compiled.asm["ptx"], f"{kernel.fn.__name__}: updates were contracted into FMAs"
