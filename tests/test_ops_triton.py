@@ -1,4 +1,4 @@
-"""The fused Triton W8A8 kernel, run on CPU in Triton's interpreter (TRITON_INTERPRET=1).
+"""The Triton W8A8 kernels (quantize, GEMM, split-K reduce), run on CPU in Triton's interpreter (TRITON_INTERPRET=1).
 
 Triton reads TRITON_INTERPRET when it is first imported; tests/conftest.py sets it on machines
 without CUDA, so these tests (and the "triton" cases of tests/test_ops_backends.py) run in-process.
@@ -7,13 +7,12 @@ without CUDA, so these tests (and the "triton" cases of tests/test_ops_backends.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from quasar_hf.ops.reference import quantize_per_token, quantize_weight_per_channel, w8a8_linear_reference
+from tests.triton_aot import hopper_ptx, run_outside_the_interpreter
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 in_interpreter = pytest.mark.skipif(
@@ -73,55 +72,83 @@ def test_triton_outputs_bit_identical(dtype):
 
 
 @in_interpreter
-def test_triton_launch_config_covers_decode_and_prefill(monkeypatch):
-    """The CUDA tile heuristic: thin BLOCK_M=16 tiles for M <= 16, 64/128-row tiles for prefill."""
+def test_triton_launch_configs_cover_decode_and_prefill(monkeypatch):
+    """The CUDA heuristics: decode rows fill about 2 programs per SM by splitting K (as a function of N
+    and K only), prefill takes 64/128-row tiles of the fused kernel."""
+    import triton
+
     from quasar_hf.ops import triton_w8a8
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # ask for the GPU configs (read at call time)
-    decode = triton_w8a8._launch_config(1, 4096)
-    prefill = triton_w8a8._launch_config(512, 4096)
-    assert decode["BLOCK_M"] == 16 and prefill["BLOCK_M"] == 128
-    assert all(cfg[key] >= 16 for cfg in (decode, prefill) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+    for n, k in ((1024, 4096), (4096, 4096), (12288, 4096), (4096, 12288)):
+        for m in (1, 16):
+            cfg = triton_w8a8.launch_config(m, n, k)
+            programs = triton.cdiv(n, cfg["BLOCK_N"]) * cfg["SPLITS"]
+            assert programs >= triton_w8a8.TARGET_PROGRAMS // 2 and cfg["K_SPLIT"] % cfg["BLOCK_K"] == 0, (n, k, cfg)
+            assert (cfg["SPLITS"] - 1) * cfg["K_SPLIT"] < k <= cfg["SPLITS"] * cfg["K_SPLIT"], "no empty split"
+            assert cfg == triton_w8a8.launch_config(1, n, k), "the split depends on N and K only"
+    for m, rows in ((17, 64), (64, 64), (512, 128)):
+        cfg = triton_w8a8.launch_config(m, 4096, 4096)
+        assert cfg["BLOCK_M"] == rows and cfg["SPLITS"] == 1
 
 
-def test_triton_kernel_compiles_for_hopper_with_exact_arithmetic():
-    """Ahead-of-time build for sm_90 (no GPU needed): int8 tensor-core MMA, IEEE division, no FMA contraction.
+@in_interpreter
+@pytest.mark.parametrize("k,n", [(70, 37), (200, 48), (33, 17)])
+def test_decode_rows_are_the_same_bits_whatever_m_and_the_split(k, n):
+    """Each row of a 1..16-row call equals that row alone and the reference, bit for bit, with several K
+    splits (the interpreter's tiles: 16 columns, 32-wide K blocks), ragged K and N, bias and prescale."""
+    from quasar_hf.ops.triton_w8a8 import launch_config, w8a8_linear_triton
 
-    These are what the GPU bit-exactness with the reference relies on; the interpreter cannot show
-    them, so an interpreted session runs this test in a child process with TRITON_INTERPRET=0.
-    """
-    if INTERPRETED:
-        env = {**os.environ, "TRITON_INTERPRET": "0"}
-        test_id = f"{__file__}::test_triton_kernel_compiles_for_hopper_with_exact_arithmetic"
-        child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_id],
-                               env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
-        assert child.returncode == 0 and " passed" in child.stdout, child.stdout[-4000:] + child.stderr[-2000:]
+    assert launch_config(1, n, k)["SPLITS"] > 1
+    w_q, w_scale, bias = layer(n, k, seed=3)
+    prescale = torch.linspace(0.5, 2.0, k)
+    x = activations(16, k, seed=4).to(torch.bfloat16)
+    x[2, 5] = float("nan")  # a row with NaN gives NaN; its neighbours are untouched
+    x[3] = 0.0
+    for m in (1, 6, 16):
+        together = w8a8_linear_triton(x[:m], w_q, w_scale, bias.bfloat16(), prescale)
+        reference = w8a8_linear_reference(x[:m], w_q, w_scale, bias.bfloat16(), prescale)
+        same = together.isnan() == reference.isnan()
+        assert bool(same.all()) and torch.equal(together.nan_to_num(), reference.nan_to_num())
+        for i in range(m):
+            alone = w8a8_linear_triton(x[i : i + 1], w_q, w_scale, bias.bfloat16(), prescale)
+            assert torch.equal(alone.nan_to_num(), together[i : i + 1].nan_to_num()), (m, i)
+
+
+def test_triton_kernels_compile_for_hopper_with_exact_arithmetic():
+    """Ahead-of-time builds for sm_90 (no GPU needed): int8 tensor-core MMA in the GEMM, IEEE division and
+    square root in the quantizer, no FMA contraction anywhere. These are what the GPU bit-exactness with
+    the reference relies on; the interpreter cannot show them (an interpreted session runs this in a child)."""
+    if run_outside_the_interpreter(__file__, "test_triton_kernels_compile_for_hopper_with_exact_arithmetic"):
         return
-    triton = pytest.importorskip("triton", reason="triton is not installed")
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError as err:
-        pytest.skip(f"this triton has no ahead-of-time compile API: {err}")
+    pytest.importorskip("triton", reason="triton is not installed")
     from quasar_hf.ops import triton_w8a8
 
-    kernel = triton_w8a8._jitted_kernel(False)
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*i8", "ws_ptr": "*fp32", "bias_ptr": "*bf16", "pre_ptr": "*fp32",
-                "out_ptr": "*bf16", "acc_ptr": "*i32", "r_ptr": "*fp32"}  # fmt: skip
-    scalars = {**dict.fromkeys(["M", "N", "K", "stride_xm", "stride_wn", "stride_om"], "i32"), "norm_eps": "fp32"}
-    constants = {"HAS_BIAS": True, "HAS_PRESCALE": True, "WRITE_ACC": False, "FOLD_NORM": True,
-                 "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 256}  # fmt: skip
-    signature = {**pointers, **scalars, **dict.fromkeys(constants, "constexpr")}
-    try:
-        compiled = triton.compile(
-            ASTSource(fn=kernel, signature=signature, constexprs=constants),
-            target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": 4, "enable_fp_fusion": False},
-        )
-    except (TypeError, KeyError) as err:  # signature format of another triton release
-        pytest.skip(f"this triton's ahead-of-time compile API differs: {err!r}")
-    ptx = compiled.asm["ptx"]
-    assert "mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32" in ptx or "wgmma" in ptx
-    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
-    assert "sqrt.rn.f32" in ptx and "sqrt.approx" not in ptx  # the folded norm's 1 / sqrt(mean + eps)
-    assert "fma.rn.f32" not in ptx, "x * inv + 0.5 or the epilogue was contracted into an FMA"
+    quantize, gemm, reduce = triton_w8a8.jitted_kernels(False)
+    ints = lambda *names: dict.fromkeys(names, "i32")  # noqa: E731
+    builds = {
+        "quantize": (
+            quantize,
+            {"x_ptr": "*bf16", "pre_ptr": "*fp32", "q_ptr": "*i8", "scale_ptr": "*fp32", "r_ptr": "*fp32",
+             **ints("K", "stride_xm"), "norm_eps": "fp32"},
+            {"HAS_PRESCALE": True, "FOLD_NORM": True, "BLOCK_K": 1024},
+        ),
+        "gemm": (
+            gemm,
+            {"q_ptr": "*i8", "scale_ptr": "*fp32", "w_ptr": "*i8", "ws_ptr": "*fp32", "bias_ptr": "*bf16",
+             "out_ptr": "*bf16", "part_ptr": "*i32", **ints("M", "N", "K", "K_SPLIT", "stride_wn", "stride_om")},
+            {"HAS_BIAS": True, "ONE_SPLIT": True, "WRITE_ACC": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128},
+        ),
+        "reduce": (
+            reduce,
+            {"part_ptr": "*i32", "scale_ptr": "*fp32", "ws_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+             "acc_ptr": "*i32", **ints("M", "N", "SPLITS", "stride_om")},
+            {"HAS_BIAS": True, "WRITE_ACC": False, "BLOCK_M": 16, "BLOCK_N": 256},
+        ),
+    }  # fmt: skip
+    ptx = {name: hopper_ptx(*build) for name, build in builds.items()}
+    for name, text in ptx.items():
+        assert "fma.rn.f32" not in text, f"{name}: x * inv + 0.5 or the epilogue was contracted into an FMA"
+    assert "mma.sync.aligned.m16n8k32.row.col.satfinite.s32.s8.s8.s32" in ptx["gemm"] or "wgmma" in ptx["gemm"]
+    assert "div.rn.f32" in ptx["quantize"] and "div.full" not in ptx["quantize"] and "div.approx" not in ptx["quantize"]
+    assert "sqrt.rn.f32" in ptx["quantize"] and "sqrt.approx" not in ptx["quantize"]  # the folded norm's 1 / sqrt(mean + eps)

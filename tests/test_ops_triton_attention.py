@@ -1,13 +1,12 @@
 """Row-stable Triton attention: accuracy and row stability in the interpreter, sm_90 compile ahead of time."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from quasar_hf.ops.reference import attention_reference
+from tests.triton_aot import hopper_ptx, run_outside_the_interpreter
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 from quasar_hf.ops import triton_attention  # noqa: E402
@@ -100,49 +99,17 @@ def test_a_row_that_sees_nothing_gets_zeros_and_bad_shapes_raise():
 
 
 def test_triton_attention_compiles_for_hopper_without_fma_contraction():
-    """Ahead-of-time sm_90 build (no GPU needed); an interpreted session runs it in a child process."""
-    if INTERPRETED:
-        env = {**os.environ, "TRITON_INTERPRET": "0"}
-        test_id = f"{__file__}::test_triton_attention_compiles_for_hopper_without_fma_contraction"
-        child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_id],
-                               env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
-        assert child.returncode == 0 and " passed" in child.stdout, child.stdout[-4000:] + child.stderr[-2000:]
+    """Ahead-of-time sm_90 builds of both kernels (no GPU needed); an interpreted session runs it in a child process."""
+    if run_outside_the_interpreter(__file__, "test_triton_attention_compiles_for_hopper_without_fma_contraction"):
         return
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-    except ImportError as err:
-        pytest.skip(f"this triton has no ahead-of-time compile API: {err}")
     chunk_kernel, combine_kernel = triton_attention._jitted_kernels(False)
-    chunk_pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*u8", "end_ptr": "*i32"}
-    chunk_pointers.update(dict.fromkeys(["out_ptr", "pm_ptr", "pl_ptr", "pacc_ptr"], "*fp32"))
-    scalars = dict.fromkeys(
-        ["q_sb", "q_sh", "q_sq", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn", "m_sb", "m_sq", "H", "Q", "D", "GROUP", "S"],
-        "i32",
-    )
+    floats = dict.fromkeys(["out_ptr", "pm_ptr", "pl_ptr", "pacc_ptr"], "*fp32")
+    strides = ["q_sb", "q_sh", "q_sq", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn", "m_sb", "m_sq"]
+    chunk = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*u8", "end_ptr": "*i32", **floats}
+    chunk.update({**dict.fromkeys([*strides, "H", "Q", "D", "GROUP", "S"], "i32"), "scale": "fp32"})
     builds = [
-        (
-            chunk_kernel,
-            {**chunk_pointers, **scalars, "scale": "fp32"},
-            {"HAS_MASK": True, "CHUNK": 128, "BLOCK_N": 64, "BLOCK_D": 128},
-        ),
-        (
-            combine_kernel,
-            {
-                "end_ptr": "*i32",
-                **dict.fromkeys(["out_ptr", "pm_ptr", "pl_ptr", "pacc_ptr"], "*fp32"),
-                **dict.fromkeys("HQDS", "i32"),
-            },
-            {"CHUNK": 128, "BLOCK_D": 128},
-        ),
+        (chunk_kernel, chunk, {"HAS_MASK": True, "CHUNK": 128, "BLOCK_N": 64, "BLOCK_D": 128}),
+        (combine_kernel, {"end_ptr": "*i32", **floats, **dict.fromkeys("HQDS", "i32")}, {"CHUNK": 128, "BLOCK_D": 128}),
     ]
     for kernel, signature, constants in builds:
-        try:
-            compiled = triton.compile(
-                ASTSource(fn=kernel, signature={**signature, **dict.fromkeys(constants, "constexpr")}, constexprs=constants),
-                target=GPUTarget("cuda", 90, 32),
-                options={"num_warps": 4, "enable_fp_fusion": False},
-            )
-        except (TypeError, KeyError) as err:  # signature format of another triton release
-            pytest.skip(f"this triton's ahead-of-time compile API differs: {err!r}")
-        assert "fma.rn.f32" not in compiled.asm["ptx"], f"{kernel.fn.__name__}: updates were contracted into FMAs"
+        assert "fma.rn.f32" not in hopper_ptx(kernel, signature, constants), f"{kernel.fn.__name__}: contracted into FMAs"

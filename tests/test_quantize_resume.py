@@ -35,11 +35,10 @@ class Killed(Exception):
     pass
 
 
-def test_a_run_killed_at_a_random_layer_resumes_to_bit_identical_weights(source, tmp_path, monkeypatch):
-    whole = quantize(source).state_dict()
-    kill_at = random.Random(1234).randrange(1, LAYERS)  # a layer after at least one finished
-    swaps = {"count": 0}
+def _killed_run(source: str, state: str, monkeypatch, kill_at: int) -> None:
+    """A run stopped during layer `kill_at`, its state left in `state`."""
     swap = sequential.swap_in_w8a8
+    swaps = {"count": 0}
 
     def dying_swap(*args, **kwargs):
         if swaps["count"] == kill_at:
@@ -49,8 +48,14 @@ def test_a_run_killed_at_a_random_layer_resumes_to_bit_identical_weights(source,
 
     monkeypatch.setattr(sequential, "swap_in_w8a8", dying_swap)
     with pytest.raises(Killed):
-        quantize(source, resume_dir=str(tmp_path / "state"))
+        quantize(source, resume_dir=state)
     monkeypatch.setattr(sequential, "swap_in_w8a8", swap)
+
+
+def test_a_run_killed_at_a_random_layer_resumes_to_bit_identical_weights(source, tmp_path, monkeypatch):
+    whole = quantize(source).state_dict()
+    kill_at = random.Random(1234).randrange(1, LAYERS)  # a layer after at least one finished
+    _killed_run(source, str(tmp_path / "state"), monkeypatch, kill_at)
     resumed_model = quantize(source, resume_dir=str(tmp_path / "state"))
     timing = resumed_model.config.quantization_config.calibration_info["timing"]
     assert len(timing["per_layer_s"]) == LAYERS - kill_at, "only the unfinished layers ran again"
@@ -199,23 +204,6 @@ def test_a_process_killed_by_sigkill_resumes_to_the_same_checkpoint(source, tmp_
     whole, resumed = load_file(str(tmp_path / "whole" / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert whole.keys() == resumed.keys()
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
-
-
-def _killed_run(source: str, state: str, monkeypatch, kill_at: int) -> None:
-    """A run stopped during layer `kill_at`, its state left in `state`."""
-    swap = sequential.swap_in_w8a8
-    swaps = {"count": 0}
-
-    def dying_swap(*args, **kwargs):
-        if swaps["count"] == kill_at:
-            raise Killed(f"killed during layer {kill_at}")
-        swaps["count"] += 1
-        return swap(*args, **kwargs)
-
-    monkeypatch.setattr(sequential, "swap_in_w8a8", dying_swap)
-    with pytest.raises(Killed):
-        quantize(source, resume_dir=state)
-    monkeypatch.setattr(sequential, "swap_in_w8a8", swap)
 
 
 def _truncate(path) -> None:
