@@ -14,6 +14,8 @@ results are rewritten to DIR/gpu_check.json and .md after every section):
   kernels       W8A8 linear vs BF16 linear (cuBLAS), per backend, M in 1..64, 8B shapes, GB/s
                 (`benchmarks.kernels.run_kernel_benchmark`, the ops helper's micro-benchmark)
   verify        verify-step latency of a random Qwen3-8B-shaped model, BF16 vs W8A8, 1..8 draft tokens
+  profile_*     one eager 6-token verify step under torch.profiler: device kernels (per decoder layer),
+                their summed time, launch calls, host wall time, host us per quasar:: op call (gpu_profile.py)
   end_to_end    tokens/s with n-gram drafts: BF16 generate, BF16-verify loop, Quasar (W8A8) loop
   compiled_*    static-cache decode/verify steps eager vs compiled (CUDA graphs) against the floor,
                 and compiled quasar=True vs compiled plain greedy, BF16 and W8A8 (gpu_compiled.py)
@@ -36,7 +38,8 @@ from typing import Any
 import torch
 
 from benchmarks import gpu_compiled
-from benchmarks.gpu_report import to_markdown
+from benchmarks.gpu_profile import profile_step
+from benchmarks.gpu_report import check_targets, to_markdown
 from benchmarks.gpu_user_path import user_path
 from quasar_hf.bench.timing import median_time, sync
 
@@ -272,29 +275,6 @@ def end_to_end(model: torch.nn.Module, variants: list[str], device: str, tiny: b
     return out
 
 
-def check_targets(result: dict) -> dict:
-    """The H200 acceptance targets against this run (None where the inputs are missing)."""
-    kernels = [
-        r
-        for r in result.get("kernels") or []
-        if r.get("backend") == "triton" and r.get("M", 99) <= 16 and "time_us" in r and "qwen3" in r.get("shape", "")
-    ]
-    verify = {r["draft_tokens"]: r for r in (result.get("verify_bf16") or []) if "ms" in r}
-    verify_q = {r["draft_tokens"]: r for r in (result.get("verify_w8a8") or []) if "ms" in r}
-    ratios = [verify[k]["ms"] / verify_q[k]["ms"] for k in verify if k in verify_q]
-    e2e = result.get("end_to_end") or {}
-    e2e_ratio = None
-    if "bf16_verify_ngram" in e2e and "quasar_ngram" in e2e:
-        e2e_ratio = e2e["quasar_ngram"]["tokens_per_s_median"] / e2e["bf16_verify_ngram"]["tokens_per_s_median"]
-    return {
-        **gpu_compiled.compiled_targets(result),
-        "triton_min_speedup_m_le_16 (target >= 1.7)": min((r["speedup_vs_bf16"] for r in kernels), default=None),
-        "triton_min_fraction_of_copy_bw_m_le_16 (target >= 0.75)": min((r["fraction_of_copy_bw"] for r in kernels), default=None),
-        "verify_step_min_speedup (target >= 1.6)": min(ratios, default=None),
-        "end_to_end_speedup_vs_bf16_verify (target >= 1.4)": e2e_ratio,
-    }
-
-
 # ---------------------------------------------------------------- orchestration
 def _save(result: dict, out_dir: str) -> None:
     """Rewrite gpu_check.json and gpu_check.md (called after every section)."""
@@ -367,6 +347,7 @@ def run_gpu_check(
     model = holder.pop("model", None)
     if model is not None:
         _section(result, out_dir, "verify_bf16", lambda: verify_latency(model, device, tiny, copy_gbps, budget), budget, 30)
+        _section(result, out_dir, "profile_bf16", lambda: profile_step(model, device, tiny), budget, 10)
         e2e = _section(
             result,
             out_dir,
@@ -379,6 +360,7 @@ def run_gpu_check(
         if _section(result, out_dir, "quantized_linears", lambda: quantize_in_place(model, backend), budget, 20):
             result["model"]["bytes_read_per_step_w8a8"] = weight_bytes(model)
             _section(result, out_dir, "verify_w8a8", lambda: verify_latency(model, device, tiny, copy_gbps, budget), budget, 30)
+            _section(result, out_dir, "profile_w8a8", lambda: profile_step(model, device, tiny), budget, 10)
             quasar = _section(
                 result, out_dir, "end_to_end_w8a8", lambda: end_to_end(model, ["quasar_ngram"], device, tiny), budget, 30
             )

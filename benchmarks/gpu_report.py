@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from benchmarks import gpu_compiled
+from benchmarks.gpu_profile import profile_markdown
 
 
 def to_markdown(result: dict) -> str:
@@ -48,6 +49,7 @@ def to_markdown(result: dict) -> str:
                 ["draft tokens", "ms", "floor ms", "fraction of floor"],
                 [[r["draft_tokens"], r.get("ms"), r.get("floor_ms"), r.get("fraction_of_floor")] for r in result[key]],
             ) + [""]
+    lines += profile_markdown(result)
     if result.get("end_to_end"):
         lines += ["## End to end (n-gram drafts, random weights)", ""]
         lines += _table(
@@ -93,3 +95,36 @@ def user_path_markdown(user: dict | None) -> list[str]:
     if rows:
         lines += _table(["generate", "quasar = plain", "per row", "new tokens", "plain s", "quasar s"], rows) + [""]
     return lines
+
+
+def check_targets(result: dict) -> dict:
+    """The H200 acceptance targets against this run (None where the inputs are missing)."""
+    kernels = [
+        r
+        for r in result.get("kernels") or []
+        if r.get("backend") == "triton" and r.get("M", 99) <= 16 and "time_us" in r and "qwen3" in r.get("shape", "")
+    ]
+    verify = {r["draft_tokens"]: r for r in (result.get("verify_bf16") or []) if "ms" in r}
+    verify_q = {r["draft_tokens"]: r for r in (result.get("verify_w8a8") or []) if "ms" in r}
+    ratios = [verify[k]["ms"] / verify_q[k]["ms"] for k in verify if k in verify_q]
+    e2e = result.get("end_to_end") or {}
+    e2e_ratio = None
+    if "bf16_verify_ngram" in e2e and "quasar_ngram" in e2e:
+        e2e_ratio = e2e["quasar_ngram"]["tokens_per_s_median"] / e2e["bf16_verify_ngram"]["tokens_per_s_median"]
+    attention = result.get("attention") or {}
+    attention_ratios = [
+        attention[f"us_rows{rows}_kernel"] / attention[f"us_rows{rows}_sdpa"]
+        for rows in (1, 6)
+        if attention.get(f"us_rows{rows}_kernel") and attention.get(f"us_rows{rows}_sdpa")
+    ]
+    w8a8_ops = (result.get("profile_w8a8") or {}).get("quasar_ops") or {}
+    host_us = [op["host_us_per_call"] for name, op in w8a8_ops.items() if name.startswith("quasar::w8a8")]
+    return {
+        **gpu_compiled.compiled_targets(result),
+        "attention_max_time_vs_sdpa (target <= 1.3)": max(attention_ratios, default=None),
+        "eager_host_us_per_w8a8_call (target <= 50)": max(host_us, default=None),
+        "triton_min_speedup_m_le_16 (target >= 1.7)": min((r["speedup_vs_bf16"] for r in kernels), default=None),
+        "triton_min_fraction_of_copy_bw_m_le_16 (target >= 0.75)": min((r["fraction_of_copy_bw"] for r in kernels), default=None),
+        "verify_step_min_speedup (target >= 1.6)": min(ratios, default=None),
+        "end_to_end_speedup_vs_bf16_verify (target >= 1.4)": e2e_ratio,
+    }

@@ -52,6 +52,13 @@ def test_tiny_check_runs_every_section_without_optional_packages(tmp_path):
     assert "## What a user does first" in md
     assert "## Verify step (W8A8)" in md and "## Targets" in md
     assert "## Static-cache steps, eager vs compiled (W8A8)" in md
+    for label in ("bf16", "w8a8"):
+        profile = result[f"profile_{label}"]
+        assert profile["device_kernels"] is None and profile["aten_ops"] > 0 and profile["host_ms_profiled"] > 0, profile
+    ops = result["profile_w8a8"]["quasar_ops"]
+    w8a8_calls = sum(op["calls"] for name, op in ops.items() if name.startswith("quasar::w8a8"))
+    assert w8a8_calls == result["quantized_linears"], f"one op call per W8A8 linear in the profiled step: {ops}"
+    assert "## One eager 6-token verify step, profiled (W8A8)" in md
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
