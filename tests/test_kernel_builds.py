@@ -30,7 +30,7 @@ RUN = textwrap.dedent(
     """
     import sys
     import torch
-    from quasar_hf.ops import attention_cpu, cpu_fused, hadamard_cpu, native, rms_norm_cpu, rowstable_linear
+    from quasar_hf.ops import attention_cpu, cpu_fused, hadamard_cpu, native, rowstable_linear
     from quasar_hf.ops.dispatch import resolve_backend
     from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_reference
     from quasar_hf.ops.reference import (
@@ -99,7 +99,7 @@ RUN = textwrap.dedent(
     # the RMSNorm: both formulas, a width that is not a multiple of 8
     for dtype, offset, in_float in ((torch.bfloat16, 0.0, False), (torch.float32, 1.0, True)):
         x, w = (torch.randn(5, 77, generator=gen) * 3).to(dtype), torch.randn(77, generator=gen).to(dtype)
-        assert torch.equal(rms_norm_cpu.rms_norm_rows(x, w, 1e-6, offset, in_float), rowstable_rms_norm_reference(x, w, 1e-6, offset, in_float))
+        assert torch.equal(torch.ops.quasar.rms_norm(x, w, 1e-6, offset, in_float), rowstable_rms_norm_reference(x, w, 1e-6, offset, in_float))
     print("exact")
 
     # attention: decode, verification, GQA, MHA, ragged head sizes; a peaked softmax and NaNs

@@ -12,7 +12,7 @@ import torch._dynamo
 
 from quasar_hf.nn import FoldedRMSNorm, RowStableRMSNorm
 from quasar_hf.nn.rowstable_norm import RMSNORM_FORMULAS, compiled_rms_norm
-from quasar_hf.ops import rms_norm_cpu
+from quasar_hf.ops import native
 from quasar_hf.ops.reference import rowstable_rms_norm_reference
 from tests.tiny_models import tiny_model
 
@@ -57,7 +57,7 @@ def test_the_module_and_the_op_give_the_class_bits(name, dtype):
         assert bool(((op.float() - expected.float()).abs() <= step * expected.float().abs() + 1e-30).all())
 
 
-@pytest.mark.skipif(not rms_norm_cpu.is_available(), reason="the row-stable RMSNorm C kernel did not build")
+@pytest.mark.skipif(native.unavailable_reason("rms_norm") is not None, reason="the row-stable RMSNorm C kernel did not build")
 @pytest.mark.parametrize("width", [1, 7, 8, 9, 64, 576, 1001, 1027])  # 1001, 1027: past one 512-wide chunk, ragged tails
 @pytest.mark.parametrize("formula", [(1e-6, 0.0, False), (1e-6, 1.0, True)])
 def test_the_kernel_equals_its_reference_and_a_row_alone(width, formula):
@@ -65,9 +65,9 @@ def test_the_kernel_equals_its_reference_and_a_row_alone(width, formula):
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(6, width, generator=generator) * 5).to(dtype)
         w = torch.randn(width, generator=generator).to(dtype)
-        out = rms_norm_cpu.rms_norm_rows(x, w, *formula)
+        out = torch.ops.quasar.rms_norm(x, w, *formula)  # the C++ implementation (checked above)
         assert torch.equal(out, rowstable_rms_norm_reference(x, w, *formula)), (dtype, width)
-        assert torch.equal(torch.cat([rms_norm_cpu.rms_norm_rows(x[i : i + 1], w, *formula) for i in range(6)]), out)
+        assert torch.equal(torch.cat([torch.ops.quasar.rms_norm(x[i : i + 1], w, *formula) for i in range(6)]), out)
 
 
 def test_the_op_takes_transposed_views_and_matches_its_fake():
