@@ -130,3 +130,18 @@ def test_the_mark_command_refuses_a_folder_that_is_not_a_quasar_checkpoint(tmp_p
     assert main(["mark", plain]) != 0
     assert "is not a Quasar checkpoint" in capsys.readouterr().err
     assert (tmp_path / "plain" / "config.json").read_text() == before
+
+
+def test_a_config_with_its_own_custom_config_class_is_saved_unmarked_with_a_warning(saved, tmp_path, capsys):
+    """The mark's AutoConfig entry would replace a remote-code config class: the save warns and leaves
+    config.json as Transformers wrote it; the mark command refuses it unchanged."""
+    folder, _ = saved
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    model.config.auto_map = {"AutoConfig": "configuration_custom.CustomConfig"}
+    with pytest.warns(UserWarning, match=r"without the mark.*configuration_custom\.CustomConfig"):
+        model.save_pretrained(tmp_path / "custom")
+    config = json.loads((tmp_path / "custom" / "config.json").read_text())
+    assert config["model_type"] == "llama" and not (tmp_path / "custom" / CODE_FILE).exists()
+    assert main(["mark", str(tmp_path / "custom")]) != 0
+    assert "cannot be marked" in capsys.readouterr().err
+    assert json.loads((tmp_path / "custom" / "config.json").read_text()) == config

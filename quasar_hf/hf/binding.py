@@ -136,10 +136,18 @@ def save_pretrained_with_card(self: Any, save_directory: Any, *args: Any, **kwar
 def save_quasar_files(model: Any, folder: Any, *args: Any, **kwargs: Any) -> Any:
     """The class's save_pretrained into `folder` as it is (no staging), the mark that makes Transformers
     without quasar_hf refuse it (hf/checkpoint_config.py), then the model card."""
-    from quasar_hf.hf.checkpoint_config import mark_checkpoint
+    from quasar_hf.hf.checkpoint_config import mark_checkpoint, why_unmarkable
 
     result = type(model).save_pretrained(model, folder, *args, **kwargs)
-    mark_checkpoint(folder)
+    reason = why_unmarkable(model.config.to_dict())
+    if reason is None:
+        mark_checkpoint(folder)
+    else:
+        warnings.warn(
+            f"saved without the mark that makes Transformers refuse this checkpoint when quasar_hf is missing: {reason}",
+            UserWarning,
+            stacklevel=3,
+        )
     save_card(model, folder)
     return result
 

@@ -102,7 +102,8 @@ def marked(config_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def mark_checkpoint(folder: str | os.PathLike) -> None:
-    """Mark the Quasar checkpoint saved in `folder`: its config.json and the file it names."""
+    """Mark the Quasar checkpoint saved in `folder`: its config.json and the file it names. Refuses,
+    before writing anything, a folder that is not a Quasar checkpoint or cannot carry the mark."""
     folder = Path(folder)
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text())
@@ -110,9 +111,24 @@ def mark_checkpoint(folder: str | os.PathLike) -> None:
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if method != QUANT_METHOD:
         raise ValueError(f"{folder} is not a Quasar checkpoint (its quant_method is {method!r}, not {QUANT_METHOD!r})")
-    unmarked(marked(config))  # a base model type this Transformers does not know: refused before writing
+    reason = why_unmarkable(config)
+    if reason is not None:
+        raise ValueError(f"{folder} cannot be marked: {reason}")
     write_text_atomically(folder / CODE_FILE, CODE)
     write_text_atomically(config_path, json.dumps(marked(config), indent=2, sort_keys=True) + "\n")
+
+
+def why_unmarkable(config_dict: dict[str, Any]) -> str | None:
+    """Why this (unmarked) config.json cannot carry the mark, or None: the mark's AutoConfig entry would
+    replace a config class of the model's own custom code, or its type is unknown to this Transformers."""
+    if config_dict.get("model_type") == MODEL_TYPE:
+        return None
+    own = (config_dict.get("auto_map") or {}).get("AutoConfig")
+    if own is not None and own != CLASS_REF:
+        return f"its config class comes from the model's own code ({own}), which the mark's AutoConfig entry would replace"
+    if config_dict.get("model_type") not in CONFIG_MAPPING:
+        return f"its model type {config_dict.get('model_type')!r} is not one this Transformers knows"
+    return None
 
 
 def is_marked(folder: str | os.PathLike) -> bool:
