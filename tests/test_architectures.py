@@ -80,3 +80,28 @@ def test_rotate_is_checked_against_the_specs():
     assert ROTATABLE == ("down_proj", "o_proj")
     with pytest.raises(ValueError, match="only the inputs of"):
         QuasarConfig(rotate=["q_proj"])
+
+
+def test_decoder_layers_are_found_where_the_spec_or_the_custom_mappings_say():
+    """The self-draft path and the quantizer find decoder layers through one lookup (no path written
+    elsewhere): the architecture spec, or the custom SmoothQuant mappings a model was quantized with."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quasar_hf.architectures import UnknownArchitectureError
+    from quasar_hf.smoothquant.mappings import layers_path_of, model_decoder_layers
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=64)
+    model = LlamaForCausalLM(config)
+    assert layers_path_of(model) == "model.layers" and model_decoder_layers(model) is model.model.layers
+
+    class CustomCausalLM(LlamaForCausalLM):  # a class name the spec does not know
+        pass
+
+    custom = CustomCausalLM(config)
+    with pytest.raises(UnknownArchitectureError, match="CustomCausalLM"):
+        layers_path_of(custom)
+    custom.config.quantization_config = {
+        "quant_method": "quasar",
+        "smoothquant_mappings": {"layers_path": "model.layers", "mappings": []},
+    }
+    assert model_decoder_layers(custom) is custom.model.layers

@@ -30,7 +30,7 @@ from quasar_hf.self_draft.layer_search import (
 from quasar_hf.self_draft.path import attach_draft_layers, module_bytes
 from quasar_hf.smoothquant.data import MIN_BLOCK_TOKENS, build_calibration_blocks, load_calibration_texts
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
-from quasar_hf.smoothquant.mappings import decoder_layers, resolve_mappings
+from quasar_hf.smoothquant.mappings import decoder_layers, model_decoder_layers, resolve_mappings
 from quasar_hf.smoothquant.phase_times import PhaseTimes
 from quasar_hf.smoothquant.placement import compute_device_for
 
@@ -323,7 +323,7 @@ def build_draft_path(model: nn.Module, config: QuasarConfig, blocks: torch.Tenso
     Runs on the float model before smoothing, so draft copies hold the original weights.
     """
     sample = blocks[:DRAFT_SEARCH_BLOCKS, :DRAFT_SEARCH_TOKENS]
-    num_layers = len(model.get_submodule("model.layers"))
+    num_layers = len(model_decoder_layers(model))
     if config.draft_layers == "auto":
         found = select_draft_layers(model, sample, config.draft_budget, progress, config.draft_dtype, config.draft_vocab_size)
         layers, agreement = found["layers"], found["top1_agreement"]

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from quasar_hf.self_draft.path import module_bytes, self_draft_model
+from quasar_hf.smoothquant.mappings import model_decoder_layers
 
 HEAD_ATTR = "quasar_draft_head"
 
@@ -141,7 +142,7 @@ def draft_bytes_per_token(model: nn.Module, reduced: bool | None = None) -> dict
     info = model.config.quantization_config.draft_info or {}
     if not info.get("layers"):
         raise ValueError("this model has no self-draft path (QuasarConfig(draft_layers=...))")
-    layers = model.get_submodule("model.layers")
+    layers = model_decoder_layers(model)
     if info.get("dtype") == "int8":
         draft_layers = sum(module_bytes(layers[i]) for i in info["layers"])
     else:

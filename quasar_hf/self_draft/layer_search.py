@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from quasar_hf.self_draft.path import build_draft_model, module_bytes, renumbered
+from quasar_hf.smoothquant.mappings import model_decoder_layers
 
 MAX_DRAFT_TOKENS = 5  # the speculative loop's default draft length
 MIN_LAYER_FRACTION = 0.125  # the search stops at this fraction of the layers (at least 1)
@@ -58,7 +59,7 @@ def layer_bytes(layer: nn.Module, draft_dtype: str) -> int:
 @torch.no_grad()
 def top1_agreement(model: nn.Module, layer_indices: list[int], blocks: torch.Tensor, reference: torch.Tensor) -> float:
     """Fraction of positions where the skipped-layer model's argmax equals `reference` [N, T]."""
-    source = model.get_submodule("model.layers")
+    source = model_decoder_layers(model)
     layers = [renumbered(source[i], slot, deep=False) for slot, i in enumerate(layer_indices)]
     draft = build_draft_model(model, layer_indices, layers)
     device = next(model.parameters()).device
@@ -70,7 +71,7 @@ def top1_agreement(model: nn.Module, layer_indices: list[int], blocks: torch.Ten
 
 def draft_byte_ratio(model: nn.Module, layers: list[int], draft_dtype: str, head_rows: int | None) -> float:
     """Draft bytes per token / verify bytes per step for a draft of `layers` and `head_rows` head rows."""
-    source = model.get_submodule("model.layers")
+    source = model_decoder_layers(model)
     head = model.get_output_embeddings().weight
     row_bytes = head.shape[1] * head.element_size()
     verify = sum(layer_bytes(layer, "int8") for layer in source) + head.shape[0] * row_bytes
@@ -96,7 +97,7 @@ def select_draft_layers(
     """
     from tqdm.auto import tqdm
 
-    num_layers = len(model.get_submodule("model.layers"))
+    num_layers = len(model_decoder_layers(model))
     if num_layers < 2:
         raise ValueError(f"draft_layers='auto' needs at least 2 decoder layers to choose from; this model has {num_layers}")
     target = max(1, math.floor(budget * num_layers))

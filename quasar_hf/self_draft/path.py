@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from quasar_hf import compat
+from quasar_hf.smoothquant.mappings import layers_path_of, model_decoder_layers
 
 DRAFT_ATTR = "quasar_draft"
 
@@ -52,11 +53,12 @@ def build_draft_model(model: nn.Module, layer_indices: list[int], layers: list[n
     """A causal LM of the same class running `layers` (in order) between the shared ends of `model`."""
     with torch.device("meta"):
         draft = type(model)(draft_config(model.config, layer_indices))
-    base, draft_base = model.get_submodule("model"), draft.get_submodule("model")
+    parent, _, attr = layers_path_of(model).rpartition(".")  # "model", "layers" for Llama-like models
+    base, draft_base = model.get_submodule(parent), draft.get_submodule(parent)
     for name, child in base.named_children():
-        if name != "layers":
+        if name != attr:
             setattr(draft_base, name, child)  # embed_tokens, norm, rotary_emb: shared, never copied
-    draft_base.layers = nn.ModuleList(layers)
+    setattr(draft_base, attr, nn.ModuleList(layers))
     draft.lm_head = model.lm_head
     draft.eval()
     return draft
@@ -64,7 +66,7 @@ def build_draft_model(model: nn.Module, layer_indices: list[int], layers: list[n
 
 def attach_draft_layers(model: nn.Module, layer_indices: list[int]) -> nn.ModuleDict:
     """Register unquantized copies of the chosen decoder layers as `model.quasar_draft` (saved with the model)."""
-    source = model.get_submodule("model.layers")
+    source = model_decoder_layers(model)
     bad = [i for i in layer_indices if not 0 <= i < len(source)]
     if bad:
         raise ValueError(
@@ -87,7 +89,7 @@ def self_draft_model(model: nn.Module) -> nn.Module:
             "use drafter='ngram' or drafter='assistant' instead."
         )
     if info.get("dtype") == "int8":
-        verify_layers = model.get_submodule("model.layers")
+        verify_layers = model_decoder_layers(model)
         layers = [renumbered(verify_layers[i], slot, deep=False) for slot, i in enumerate(indices)]
     else:
         copies = getattr(model, DRAFT_ATTR)

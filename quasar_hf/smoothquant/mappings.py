@@ -88,10 +88,28 @@ def resolve_mappings(model: nn.Module, custom: dict | None = None) -> Architectu
 
 def decoder_layers(model: nn.Module, arch: ArchitectureMappings) -> nn.ModuleList:
     """The decoder layer list at `arch.layers_path`, with a clear error if it is not there."""
+    return decoder_layers_at(model, arch.layers_path)
+
+
+def decoder_layers_at(model: nn.Module, path: str) -> nn.ModuleList:
+    """The decoder layer list at `path`, with a clear error if it is not there."""
     try:
-        layers = model.get_submodule(arch.layers_path)
+        layers = model.get_submodule(path)
     except AttributeError:
-        raise ValueError(f"{type(model).__name__} has no decoder layers at {arch.layers_path!r}") from None
+        raise ValueError(f"{type(model).__name__} has no decoder layers at {path!r}") from None
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise ValueError(f"{arch.layers_path!r} in {type(model).__name__} is not a non-empty ModuleList")
+        raise ValueError(f"{path!r} in {type(model).__name__} is not a non-empty ModuleList")
     return layers
+
+
+def layers_path_of(model: nn.Module) -> str:
+    """Where `model`'s decoder layers live: the layers_path of the custom SmoothQuant mappings in its
+    quantization_config when it has them, else its architecture spec's (UnknownArchitectureError if none)."""
+    qconfig = getattr(getattr(model, "config", None), "quantization_config", None)
+    custom = qconfig.get("smoothquant_mappings") if isinstance(qconfig, dict) else getattr(qconfig, "smoothquant_mappings", None)
+    return parse_custom_mappings(custom).layers_path if custom is not None else spec_for(model).layers_path
+
+
+def model_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """`model`'s decoder layer list, where `layers_path_of` says."""
+    return decoder_layers_at(model, layers_path_of(model))
