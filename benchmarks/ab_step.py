@@ -34,7 +34,10 @@ model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
 steps, vocab, compiled = int(sys.argv[2]), model.config.vocab_size, sys.argv[3] == "compiled"
 cpu = torch.device("cpu")
 if compiled:
-    from quasar_hf.ops.graph_passes import compile_config
+    try:  # a tree whose compiled steps need a graph pass names its config there
+        from quasar_hf.ops.graph_passes import compile_config
+    except ImportError:
+        from quasar_hf.compat import default_compile_config as compile_config
     from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
     from quasar_hf import compat
     make_step = getattr(compat, "compiled_step", None)  # a tree that has it compiles steps through it
