@@ -29,6 +29,7 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "benchmarks.compiled_shapes:main",
         "compiled generation over changing batch sizes and lengths: compile cost per new shape, exactness",
     ),
+    "graph-ops": ("benchmarks.graph_ops:main", "our ops per decoder layer in a compiled step's graph, per W8A8 backend"),
     "scaling": ("benchmarks.scaling:main", "quantize cost and step time at real Llama sizes (random weights)"),
     "quantize-rss": (
         "benchmarks.quantize_rss:main",

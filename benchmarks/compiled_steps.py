@@ -36,7 +36,6 @@ from benchmarks.op_overhead import markdown as op_overhead_markdown
 from benchmarks.op_overhead import op_overhead
 from quasar_hf import compat
 from quasar_hf.nn import W8A8Linear
-from quasar_hf.ops.graph_passes import compile_config as compile_config_for
 from quasar_hf.speculative.config import DEFAULT_NUM_DRAFT_TOKENS
 from quasar_hf.speculative.kv_state import RowAlignedCache
 from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
@@ -166,18 +165,6 @@ def guard_check_ms(model, compiled_step, steps: int = 10) -> dict:
         lookup = [e.self_cpu_time_total for e in prof.key_averages() if e.key == "TorchDynamo Cache Lookup"]
         result[f"{tokens}_tokens"] = sum(lookup) / 1e3 / steps
     return result
-
-
-def pass_variants(model, compile_config) -> dict:
-    """Steps compiled like `compile_config` but with no post-grad pass (each norm and its linears apart)."""
-
-    def compiled(custom_pass) -> object:
-        options = {k: v for k, v in compile_config.options.items() if k != "post_grad_custom_post_pass"}
-        if custom_pass is not None:
-            options["post_grad_custom_post_pass"] = custom_pass
-        return torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
-
-    return {"compiled_no_pass": compiled(None)}
 
 
 def end_to_end(model, tokenizer, prompts: int, new_tokens: int, compile_config, gguf: str | None = None) -> dict:
@@ -341,11 +328,6 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend ('aot_eager': a quick mechanics check)")
     parser.add_argument(
-        "--compare-passes",
-        action="store_true",
-        help="also time the step compiled with the fold's Python ops and with no post-grad pass (ops/graph_passes.py)",
-    )
-    parser.add_argument(
         "--gguf", default=None, help="a Q8_0 GGUF of the same checkpoint: time llama.cpp's steps in the same rounds"
     )
     parser.add_argument(
@@ -365,14 +347,12 @@ def main(argv: list[str] | None = None) -> list[str]:
     floors = {"model": floor_ms}
     if args.gguf:  # llama.cpp reads its whole file per step (Q8_0 weights, its output matrix, norms)
         floors["llamacpp_q8_0"] = os.path.getsize(args.gguf) / (read_gbps * 1e9) * 1e3
-    compile_config = compile_config_for(torch.device("cpu"))
+    compile_config = compat.default_compile_config(torch.device("cpu"))
     if args.backend != "inductor":
         compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=args.backend)
     # --plain-guards: Dynamo's default guards (every tensor checked at every call), to compare the guard check
     compiled_step = model.get_compiled_call(compile_config) if args.plain_guards else compat.compiled_step(model, compile_config)
-    variants = pass_variants(model, compile_config) if args.compare_passes else {}
-    if variants:  # every variant compiles its own graphs (one per step shape and thread count) on one code object
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * (len(variants) + 1))
+    variants: dict = {}  # more compiled steps to time beside the default one (none at present)
     with torch.no_grad():
         steps, compile_s = time_steps(model, compiled_step, args.steps, args.rounds, floors, variants, args.gguf)
         guards = guard_check_ms(model, compiled_step)

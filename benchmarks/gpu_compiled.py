@@ -1,7 +1,7 @@
 """gpu-check's compiled sections: eager vs compiled decode and verify steps over the static KV cache,
 against the bytes floor, and compiled `quasar=True` end to end against compiled plain greedy.
 
-On CUDA the steps compile with `ops.graph_passes.compile_config` (what `quasar={"compile": True}`
+On CUDA the steps compile with `compat.default_compile_config` (what `quasar={"compile": True}`
 uses: fullgraph, static shapes, CUDA graphs); on CPU (`--tiny`) the same settings give Inductor's
 C++ code. The step timings and the end-to-end run share one cache size and the verify keywords,
 so they run the same two graphs (decode [1, 1], verify [1, k + 1]) and compile once per model.
@@ -15,7 +15,7 @@ import torch
 
 from quasar_hf import compat
 from quasar_hf.bench.timing import median_time, sync, timed
-from quasar_hf.ops.graph_passes import compile_config
+from quasar_hf.compat import default_compile_config as compile_config
 from quasar_hf.ops.rowstable_attention import ROWSTABLE_KWARG
 from quasar_hf.speculative import speculative_generate
 from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots

@@ -1,11 +1,12 @@
 """Where a compiled CPU step's time goes: the per-call cost of each `torch.ops.quasar.*` op, against
 the package's Python entry point for the same kernel ("direct": the bound linear, `rotate_rows`,
-...) and the C++ library's own name for it (`native_<op>`), times its calls per step.
+...) and the op a compiled step calls, which C++ serves on CPU (the packed `w8a8_linear_cpu_packed` for the
+linears, each op itself for the others), times its calls per step.
 
 A step (eager or compiled) calls our ops; on CPU the dispatcher lands in their C++ implementations
 where ops/native.py's library is had, else in their plain-PyTorch fallbacks. The W8A8 linear's op
 column is the generic `quasar::w8a8_linear` (a step calls the packed op instead). Shapes are the model's own, at M = 1 (decode) and M = 6 (a 5-draft
-verification); the folded norm groups of a compiled step are timed here as their separate linears.
+verification); each norm-folded group (NormFoldedW8A8Linear) is timed as its stacked linear.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import torch
 import quasar_hf.ops.torch_ops  # noqa: F401  (registers torch.ops.quasar.*)
 from quasar_hf.bench.report import _table
 from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
-from quasar_hf.nn.folded_norm import FoldedRMSNorm
 from quasar_hf.nn.rowstable_norm import RowStableRMSNorm
 from quasar_hf.ops import native
 
@@ -37,8 +37,13 @@ def _us(fn: Callable[[], object], calls: int = 300) -> float:
 
 
 def _native(fn: Callable[[], object], calls: int = 300) -> float | None:
-    """`_us(fn)` where the native ops are loaded, else None."""
+    """`_us(fn)` where the C++ library serves the ops on CPU, else None."""
     return _us(fn, calls) if native.is_available() else None
+
+
+def _served(op_us: float) -> float | None:
+    """An op the modules call as it is: its time again where C++ serves it (the op is its C++ implementation)."""
+    return op_us if native.is_available() else None
 
 
 def _linear_costs(model: torch.nn.Module, rows: int) -> dict:
@@ -58,7 +63,7 @@ def _linear_costs(model: torch.nn.Module, rows: int) -> dict:
             measured[key] = (
                 _us(lambda: torch.ops.quasar.w8a8_linear.default(*args)),
                 _us(lambda: prepared.linear(x)),
-                _native(lambda: torch.ops.quasar.native_w8a8_linear_cpu_packed.default(*twin_args))
+                _native(lambda: torch.ops.quasar.w8a8_linear_cpu_packed.default(*twin_args))
                 if prepared.backend == "cpu_fused"
                 else None,
             )
@@ -78,20 +83,20 @@ def _rotation_costs(model: torch.nn.Module, rows: int) -> dict:
     args = module._rotation_op_args  # what the forward passes the op (RotatedW8A8Linear.prepare)
     op = _us(lambda: torch.ops.quasar.hadamard_rows.default(x, *args))
     direct = _us(lambda: hadamard_cpu.rotate_rows(x, module.rotation))
-    twin = _native(lambda: torch.ops.quasar.native_hadamard_rows.default(x, *args))
+    twin = _served(op)
     n = len(rotated)
     return {"calls": n, "op_us": op * n, "direct_us": direct * n, "native_us": None if twin is None else twin * n}
 
 
 def _norm_costs(model: torch.nn.Module, rows: int) -> dict:
     """Compiled, every norm is one `quasar::rms_norm` call (a Python formula of torch ops)."""
-    norms = [m for m in model.modules() if isinstance(m, (RowStableRMSNorm, FoldedRMSNorm)) and m.formula is not None]
+    norms = [m for m in model.modules() if isinstance(m, RowStableRMSNorm)]
     if not norms:
         return {"calls": 0, "op_us": 0.0, "direct_us": None, "native_us": None}
     norm = norms[0]
     x = torch.randn(1, rows, norm.weight.shape[0], dtype=model.dtype)
     op = _us(lambda: torch.ops.quasar.rms_norm.default(x, norm.weight, *norm.formula))
-    twin = _native(lambda: torch.ops.quasar.native_rms_norm.default(x, norm.weight, *norm.formula))
+    twin = _served(op)
     n = len(norms)
     return {"calls": n, "op_us": op * n, "direct_us": None, "native_us": None if twin is None else twin * n}
 
@@ -107,7 +112,7 @@ def _attention_costs(model: torch.nn.Module, rows: int, context: int) -> dict:
     scale = head_dim**-0.5
     op = _us(lambda: torch.ops.quasar.rowstable_attention.default(q, k, k, visible, scale), 100)
     direct = _us(lambda: attention_cpu.rowstable_attention(q, k, k, visible, scale), 100)
-    twin = _native(lambda: torch.ops.quasar.native_rowstable_attention.default(q, k, k, visible, scale), 100)
+    twin = _served(op)
     n = c.num_hidden_layers
     return {"calls": n, "op_us": op * n, "direct_us": direct * n, "native_us": None if twin is None else twin * n}
 
@@ -123,7 +128,7 @@ def _lm_head_costs(model: torch.nn.Module, rows: int) -> dict:
     x = torch.randn(1, rows, head.in_features, dtype=model.dtype)
     op = _us(lambda: torch.ops.quasar.rowstable_linear.default(x, head.weight, head.bias), 10)
     direct = _us(lambda: rowstable_linear.rowstable_linear(x, head.weight, head.bias), 10)
-    twin = _native(lambda: torch.ops.quasar.native_rowstable_linear.default(x, head.weight, head.bias), 10)
+    twin = _served(op)
     return {"calls": 1, "op_us": op, "direct_us": direct, "native_us": twin}
 
 

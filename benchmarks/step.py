@@ -1,12 +1,12 @@
 """Where a verify step's time goes (a Quasar W8A8 checkpoint, CPU), against the bytes it must read.
 
 Times one forward of 1 and of 6 tokens over a 300-token cache (what decode and a 5-draft
-verification run), split into W8A8 linears (with the RMSNorms folded into them: FoldedRMSNorm), attention,
+verification run), split into W8A8 linears (with the RMSNorms folded into them: NormFoldedW8A8Linear), attention,
 lm_head and the rest (other norms, rotary, residuals, cache updates, Python and module
 overhead), and compares the step with the floor `bytes read / read bandwidth` (int8 weights +
 BF16 lm_head; read bandwidth measured in the same process by reading a 512 MiB tensor once).
-Runs with all torch threads, then with one. The same steps with the norm folds undone
-(nn/folded_norm.py) are timed interleaved with the folded ones, so the fold's effect is a ratio
+Runs with all torch threads, then with one. The same steps with the projections unfused
+(hf/fusion.py: each norm alone, each projection its own W8A8) are timed interleaved with the fused ones, so the fusion's effect is a ratio
 measured side by side. Without --quantized, SmolLM2-135M is quantized with QuasarConfig().
 
 --gguf FILE (a Q8_0 GGUF of the same checkpoint; needs llama-cpp-python) also times llama.cpp's
@@ -29,9 +29,9 @@ from transformers import AutoModelForCausalLM
 import quasar_hf  # noqa: F401
 from benchmarks.kernels import measure_copy_bandwidth, measure_read_bandwidth
 from quasar_hf import QuasarConfig
-from quasar_hf.hf.quantize_on_load import fold_norms, unfold_norms
+from quasar_hf.hf.fusion import fuse_projections, unfuse_projections
 from quasar_hf.models import smollm2_135m_instruct
-from quasar_hf.nn import FoldedRMSNorm, W8A8Linear
+from quasar_hf.nn import NormFoldedW8A8Linear, W8A8Linear
 from quasar_hf.ops import attention_cpu
 from quasar_hf.speculative.kv_state import RowAlignedCache
 
@@ -63,9 +63,9 @@ ROUNDS = 4  # folded and unfolded measurements alternate this many times per row
 
 
 def set_folded(model, folded: bool) -> int:
-    """Fold every foldable norm (True) or undo every fold (False); returns how many are folded."""
-    unfold_norms(model)
-    return fold_norms(model, model.config.quantization_config) if folded else 0
+    """Fuse every fusable group (True) or undo every fusion (False); returns how many are fused."""
+    unfuse_projections(model)
+    return fuse_projections(model, model.config.quantization_config.smoothquant_mappings) if folded else 0
 
 
 def llamacpp_steps(gguf: str, thread_counts: list[int], steps: int, floor_ms: float) -> dict:
@@ -122,13 +122,13 @@ def main(argv: list[str] | None = None) -> None:
 
     linears, attention, lm_head = Timer(), Timer(), Timer()
     W8A8Linear.forward = linears.wrap(W8A8Linear.forward)  # instrumentation of this script only
-    FoldedRMSNorm.forward = linears.wrap(FoldedRMSNorm.forward)  # the norm a folded linear's quantization absorbs
+    NormFoldedW8A8Linear.forward = linears.wrap(NormFoldedW8A8Linear.forward)  # a norm and its stacked projections
     attention_cpu.rowstable_attention = attention.wrap(attention_cpu.rowstable_attention)
     model.lm_head.forward = lm_head.wrap(model.lm_head.forward)
     rows, unfolded_rows = {}, {}
     threads = torch.get_num_threads()
     folds = set_folded(model, True)
-    kernel_calls = folds + len(w8a8)  # each folded norm's op, then one op per linear (the fold inside its consumers')
+    kernel_calls = sum(isinstance(m, W8A8Linear) for m in model.modules())  # one op per (stacked) linear
 
     def timed_steps(state, tokens: int, steps: int) -> dict:
         for t in (linears, attention, lm_head):

@@ -4,7 +4,7 @@ One `ArchitectureSpec` per model class (`LlamaForCausalLM`, ...) says:
 - `layers_path`: where the decoder layers live;
 - `norm`: the RMSNorm class the model uses and its formula, x * rsqrt(mean(x^2) + eps) * (offset + w),
   scaled in fp32 before the cast to x's dtype or after (what `nn.RowStableRMSNorm` computes op for
-  op, and what `nn.FoldedRMSNorm` folds);
+  op, and what `nn.NormFoldedW8A8Linear` folds);
 - `mappings`: the SmoothQuant mappings of one decoder layer (`smooth` -> `balance` linears). Those of
   kind "norm" are also the fold groups: the RMSNorm and the W8A8 linears it feeds;
 - `rotatable`: the linears (paths in a decoder layer) whose input may be Hadamard-rotated, named in
@@ -82,7 +82,7 @@ class ArchitectureSpec:
 
     @property
     def fold_groups(self) -> tuple[SmoothMapping, ...]:
-        """The norms that feed a group of linears directly (q/k/v, gate/up): what FoldedRMSNorm folds."""
+        """The norms that feed a group of linears directly (q/k/v, gate/up): what hf.fusion stacks and folds."""
         return tuple(m for m in self.mappings if m.kind == "norm")
 
 

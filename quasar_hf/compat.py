@@ -167,7 +167,7 @@ def set_static_cache_length(cache: Any, length: int) -> None:
         layer.cumulative_length.fill_(length)
 
 
-def default_compile_config(device: torch.device, post_grad_pass: Any = None) -> Any:
+def default_compile_config(device: torch.device) -> Any:
     """The CompileConfig of a compiled step: one full graph per static shape; CUDA graphs on CUDA
     (mode "reduce-overhead"'s option), Inductor's C++ code elsewhere (the CPU opt-in that generate checks).
     `emulate_precision_casts` keeps the bf16 rounding after each op that eager has: without it Inductor
@@ -175,16 +175,14 @@ def default_compile_config(device: torch.device, post_grad_pass: Any = None) -> 
     decode steps (benchmarks/compiled_rows_smollm2_cpu.md). `size_asserts` off drops the size and
     stride check Inductor runs on every graph input and op output at every call (~1,300 per SmolLM2
     step): Dynamo's guards already check the inputs, and our ops' fake implementations are tested
-    against the real ones (opcheck in tests/test_ops_torch_ops.py). `post_grad_pass` becomes Inductor's
-    post-grad custom pass (what `quasar={"compile": True}` passes: ops/graph_passes.compile_config)."""
+    against the real ones (opcheck in tests/test_ops_torch_ops.py). What `quasar={"compile": True}`
+    compiles with: no graph pass, the modules already call the fused ops."""
     from transformers import CompileConfig
 
     cuda = torch.device(device).type == "cuda"
     options = {"emulate_precision_casts": True, "size_asserts": False}
     if cuda:
         options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets (torch takes a mode or options)
-    if post_grad_pass is not None:
-        options["post_grad_custom_post_pass"] = post_grad_pass
     config = CompileConfig(fullgraph=True, dynamic=False, mode=None, options=options)
     config._compile_all_devices = not cuda  # generate compiles CPU steps only when asked to
     return config

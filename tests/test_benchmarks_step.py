@@ -79,6 +79,6 @@ def test_set_folded_toggles_every_fold(tmp_path):
     with torch.no_grad():
         folded = model(ids).logits
         assert breakdown.set_folded(model, False) == 0
-        assert not any(type(m).__name__ == "FoldedRMSNorm" for m in model.modules())
+        assert not any(type(m).__name__ == "NormFoldedW8A8Linear" for m in model.modules())
         assert breakdown.set_folded(model, True) == 4
         assert torch.equal(model(ids).logits, folded)

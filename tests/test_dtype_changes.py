@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig
-from quasar_hf.nn import W8A8Linear
+from quasar_hf.hf.fusion import checkpoint_linears
 from tests.tiny_models import assert_quasar_greedy_equals_plain, save_tiny
 
 
@@ -28,13 +28,10 @@ def _snapshot(model) -> dict[str, torch.Tensor]:
 
 
 def _quantized_tensors(model) -> dict[str, torch.Tensor]:
-    return {
-        f"{name}.{attr}": getattr(module, attr)
-        for name, module in model.named_modules()
-        if isinstance(module, W8A8Linear)
-        for attr in ("weight", "weight_scale", "act_prescale")
-        if getattr(module, attr) is not None
-    }
+    """Every W8A8 linear's int8 weight and fp32 scales, under their checkpoint names (fused groups split)."""
+    state = model.state_dict()
+    keys = (f"{name}.{attr}" for name in checkpoint_linears(model) for attr in ("weight", "weight_scale", "act_prescale"))
+    return {key: state[key] for key in keys if key in state}
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from quasar_hf.export.compressed_tensors import export_compressed_tensors, fold_prescale, is_w8a8_module
+from quasar_hf.hf.fusion import projections_apart
 from quasar_hf.nn import W8A8Linear
 
 pytest.importorskip("compressed_tensors", reason="the compressed-tensors library is needed to read the export back")
@@ -23,7 +24,9 @@ def quantized(tmp_path_factory):
 
 
 def w8a8_modules(model):
-    return {name: module for name, module in model.named_modules() if is_w8a8_module(module)}
+    """Each W8A8 projection under its checkpoint name, as a module of its own (fused groups split)."""
+    with projections_apart(model):
+        return {name: module for name, module in model.named_modules() if is_w8a8_module(module)}
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

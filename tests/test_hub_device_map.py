@@ -1,7 +1,7 @@
 """device_map placement of a Quasar checkpoint (Accelerate): on CPU the multi-device mechanics are
 tested with a map over "cpu" and "disk" (offload_folder); logits and Quasar generation must match
 the model loaded in one piece. Norms that accelerate dispatches are not folded into the W8A8
-quantization (nn/folded_norm.py), so the model in one piece is compared with its folds undone."""
+quantization (nn/norm_folded_linear.py), so the model in one piece is compared with its fusion undone."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import AutoModelForCausalLM
 
-from quasar_hf.hf.quantize_on_load import unfold_norms
-from quasar_hf.nn import FoldedRMSNorm
+from quasar_hf.hf.fusion import unfuse_projections
+from quasar_hf.nn import NormFoldedW8A8Linear
 
 pytest.importorskip("accelerate", reason="device_map needs accelerate")
 
@@ -41,9 +41,9 @@ def test_cpu_and_disk_map_gives_identical_logits_and_generation(saved, tmp_path)
     assert spread.model.layers[1].input_layernorm.weight.device.type == "meta"  # really offloaded
     assert type(spread.model.layers[1].mlp.down_proj).__name__ == "RotatedW8A8Linear"  # the default rotate=["down_proj"]
     assert type(spread.lm_head).__name__ == "RowStableLinear"  # re-hooked by accelerate, same bits as `whole`
-    assert any(isinstance(m, FoldedRMSNorm) for m in whole.modules())
-    assert not any(isinstance(m, FoldedRMSNorm) for m in spread.modules())  # accelerate owns their forward
-    unfold_norms(whole)  # the same function, computed norm first: `spread`'s bits
+    assert any(isinstance(m, NormFoldedW8A8Linear) for m in whole.modules())
+    assert not any(isinstance(m, NormFoldedW8A8Linear) for m in spread.modules())  # accelerate owns their forward
+    unfuse_projections(whole)  # the same function, computed norm first: `spread`'s bits
     ids = torch.randint(0, 250, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(spread(ids).logits, whole(ids).logits)
@@ -64,7 +64,7 @@ def test_quantizing_with_an_offloaded_layer_equals_quantizing_in_one_piece(tmp_p
     spread = quantize_tiny(base, device_map=DEVICE_MAP, offload_folder=str(tmp_path / "offload"))
     assert spread.model.layers[1].mlp.down_proj.weight.device.type == "cpu"  # resident now: int8, half the bytes
     ids = torch.randint(0, 250, (1, 16), generator=torch.Generator().manual_seed(0))
-    unfold_norms(whole)  # accelerate dispatches `spread`'s layers, so their norms are not folded (computed norm first)
+    unfuse_projections(whole)  # accelerate dispatches `spread`'s layers, so they are not fused (computed norm first)
     with torch.no_grad():
         assert torch.equal(spread(ids).logits, whole(ids).logits)
         assert torch.equal(  # the re-dispatched layer leaves the KV cache where it is
@@ -73,6 +73,6 @@ def test_quantizing_with_an_offloaded_layer_equals_quantizing_in_one_piece(tmp_p
         )
     spread.save_pretrained(tmp_path / "saved")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
-    unfold_norms(reloaded)
+    unfuse_projections(reloaded)
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, whole(ids).logits)

@@ -63,24 +63,14 @@ RUN = textwrap.dedent(
             packed = cpu_fused.pack_weight(w)  # the op itself: C++ where the kernel runs, else its fallback
             y = torch.ops.quasar.w8a8_linear_cpu_packed(x, packed.data, packed.wsum128, s, b, None, n)
             assert torch.equal(y, w8a8_linear_reference(x, w, s, b)), ("op", m, k, n, dtype)
-    # an RMSNorm folded into two linears (one call), with the norm's own output
-    w, s = torch.randint(-127, 128, (256, 576), generator=gen, dtype=torch.int8), torch.rand(256, generator=gen) * 1e-3
-    scale, x = torch.rand(576, generator=gen) + 0.5, torch.randn(64, 576, generator=gen) * 3
-    p = cpu_fused.pack_weight(w)
-    normed, *ys = torch.ops.quasar.w8a8_folded_norm_linears_cpu_packed(
-        x, scale, 1e-5, 0.0, [p.data] * 2, [p.wsum128] * 2, [s] * 2, [None] * 2, [256] * 2, True
-    )
-    assert all(torch.equal(y, w8a8_linear_rmsnorm_reference(x, scale, 1e-5, w, s)) for y in ys), "folded rows"
-    # the same norm quantized once (values and int8 rows), then each linear's GEMM alone on those rows;
-    # ragged K, M = 1, a zero row
-    for m, k in ((1, 37), (7, 576), (64, 576)):
+    # an RMSNorm folded into the linear's quantization (one call): ragged K and N, M = 1, a zero row
+    for m, k, n in ((1, 37, 37), (7, 576, 256), (64, 576, 100)):
         xq = torch.randn(m, k, generator=gen) * 3
         xq[m // 2] = 0
-        wq, sq = torch.randint(-128, 128, (37, k), generator=gen, dtype=torch.int8), torch.rand(37, generator=gen) / 100
+        wq, sq = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen) / 100
         scale_q, pq = torch.rand(k, generator=gen) + 0.5, cpu_fused.pack_weight(wq)
-        normed_q, q, row_scale = torch.ops.quasar.rms_norm_quantize_rows(xq.bfloat16(), scale_q, 1e-5)
-        y = torch.ops.quasar.w8a8_linear_quantized_cpu_packed(normed_q, q, row_scale, pq.data, pq.wsum128, sq, None, 37)
-        assert torch.equal(y, w8a8_linear_rmsnorm_reference(xq.bfloat16(), scale_q, 1e-5, wq, sq)), ("rows", m, k)
+        y = torch.ops.quasar.w8a8_folded_norm_linear_cpu_packed(xq.bfloat16(), scale_q, 1e-5, pq.data, pq.wsum128, sq, None, n)
+        assert torch.equal(y, w8a8_linear_rmsnorm_reference(xq.bfloat16(), scale_q, 1e-5, wq, sq)), ("folded", m, k, n)
     # the row-stable linear: long rows too (smaller row groups, several weight chunks); M = 1 is row 0
     for m, k, n in ((1, 37, 5), (6, 100, 37), (7, 576, 64), (13, 4, 16), (7, 2050, 70), (3, 8200, 13)):
         for dtype in (torch.float32, torch.bfloat16):

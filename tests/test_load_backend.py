@@ -39,18 +39,11 @@ def _counting(monkeypatch, name: str) -> list[int]:
         calls.append(1)
         return entry.run(*args, **kwargs)
 
-    fold_bind = entry.bind_folded  # a folded norm's consumers (q/k/v, gate/up) each run their folded form
+    def run_folded(*args):  # a norm-folded group (q/k/v, gate/up) runs its stacked linear's folded form
+        calls.append(1)
+        return entry.run_folded(*args)
 
-    def bind_folded(weights, packed):
-        folded = fold_bind(weights, packed)
-
-        def counted(*args):
-            calls.append(1)
-            return folded(*args)
-
-        return counted
-
-    monkeypatch.setitem(dispatch._TABLE, name, dataclasses.replace(entry, run=run, run_prepacked=run, bind_folded=bind_folded))
+    monkeypatch.setitem(dispatch._TABLE, name, dataclasses.replace(entry, run=run, run_prepacked=run, run_folded=run_folded))
     return calls
 
 

@@ -54,9 +54,9 @@ NO_CXX = textwrap.dedent(
 
 
 def tiny_logits() -> torch.Tensor:
-    """Logits of a tiny bf16 Llama with W8A8 linears, a folded norm group, rotation, row-stable attention and lm_head."""
-    from quasar_hf import QuasarConfig
-    from quasar_hf.hf.quantize_on_load import fold_norms, use_rowstable_lm_head, use_rowstable_norms
+    """Logits of a tiny bf16 Llama with W8A8 linears, norm-folded groups, rotation, row-stable attention and lm_head."""
+    from quasar_hf.hf.fusion import fuse_projections
+    from quasar_hf.hf.quantize_on_load import use_rowstable_lm_head, use_rowstable_norms
     from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
     from quasar_hf.nn.w8a8_linear import rotate_weight
     from quasar_hf.ops.hadamard import HadamardRotation
@@ -71,7 +71,7 @@ def tiny_logits() -> torch.Tensor:
                 setattr(module, name, RotatedW8A8Linear.from_weight(rotate_weight(child.weight.float(), rotation)))
             elif isinstance(child, torch.nn.Linear) and name != "lm_head":
                 setattr(module, name, W8A8Linear.from_linear(child))
-    fold_norms(model, QuasarConfig())
+    fuse_projections(model)
     use_rowstable_norms(model)
     use_rowstable_lm_head(model)
     use_rowstable_attention(model)

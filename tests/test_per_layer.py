@@ -13,6 +13,7 @@ import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from benchmarks.per_layer import main as per_layer_main
 from quasar_hf import QuasarConfig, W8A8Linear
 from quasar_hf.bench.per_layer import evaluate_per_layer, linear_frames
+from quasar_hf.hf.fusion import projections_apart
 from quasar_hf.ops.reference import w8a8_linear_reference
 from quasar_hf.smoothquant.linear_error import add_output_errors, column_row_factors, new_error_sums, summarize
 from quasar_hf.smoothquant.mappings import resolve_mappings
@@ -139,18 +140,21 @@ def test_unsmoothed_input_is_the_float_models_input(outlier_pair):
     """q_proj's captured input times its column factor is the float input_layernorm applied to the same hidden state."""
     _, quantized, reference = outlier_pair
     arch = resolve_mappings(reference)
-    frames = linear_frames(quantized, reference, arch)
-    layer = quantized.model.layers[1]
-    seen = {}
-    hooks = [
-        layer.input_layernorm.register_forward_pre_hook(lambda m, a: seen.__setitem__("h", a[0])),
-        layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("x_s", a[0])),
-    ]
-    with torch.no_grad():
-        quantized(torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88]]))
-        expected = reference.model.layers[1].input_layernorm(seen["h"])
-    for h in hooks:
-        h.remove()
+    with pytest.raises(ValueError, match="projections_apart"):
+        linear_frames(quantized, reference, arch)  # fused projections: refused, naming the way
+    with projections_apart(quantized):
+        frames = linear_frames(quantized, reference, arch)
+        layer = quantized.model.layers[1]
+        seen = {}
+        hooks = [
+            layer.input_layernorm.register_forward_pre_hook(lambda m, a: seen.__setitem__("h", a[0])),
+            layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("x_s", a[0])),
+        ]
+        with torch.no_grad():
+            quantized(torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88]]))
+            expected = reference.model.layers[1].input_layernorm(seen["h"])
+        for h in hooks:
+            h.remove()
     frame = frames["model.layers.1.self_attn.q_proj"]
     assert (frame.column - 1).abs().max() > 1, "outliers must make the factors far from 1"
     torch.testing.assert_close(seen["x_s"] * frame.column, expected, rtol=1e-5, atol=1e-6)
@@ -158,7 +162,7 @@ def test_unsmoothed_input_is_the_float_models_input(outlier_pair):
 
 def test_wrong_float_model_is_refused(outlier_pair):
     arch, quantized, _ = outlier_pair
-    with pytest.raises(ValueError, match="not this W8A8 model's original"):
+    with pytest.raises(ValueError, match="not this W8A8 model's original"), projections_apart(quantized):
         linear_frames(quantized, outlier_model(arch, seed=1), resolve_mappings(quantized))
 
 

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import quasar_hf
 from quasar_hf import QuasarConfig, W8A8Linear, is_quasar_model
+from quasar_hf.hf.fusion import checkpoint_linears
 from tests.tiny_models import save_tiny, tiny_model
 
 IDS = torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88, 12, 3]])
@@ -28,11 +29,12 @@ def test_quantize_save_reload_bit_identical(tmp_path, arch):
     assert is_quasar_model(model)
     linears = [m for n, m in model.named_modules() if n.startswith("model.layers.") and isinstance(m, torch.nn.Linear)]
     assert linears == [], "every decoder linear must be W8A8"
-    w8 = [m for m in model.modules() if isinstance(m, W8A8Linear)]
-    assert len(w8) == 2 * 7 and all(m.weight.dtype == torch.int8 for m in w8)
+    w8 = checkpoint_linears(model)  # each projection under its own name (q/k/v and gate/up fused)
+    assert len(w8) == 2 * 7 and all(m.weight.dtype == torch.int8 for m in w8.values())
+    assert len({id(m) for m in w8.values()}) == 2 * 4 and all(isinstance(m, W8A8Linear) for m in w8.values())
     assert isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.weight.dtype == torch.float32
     if arch == "qwen2":
-        assert model.model.layers[0].self_attn.v_proj.bias is not None
+        assert model.state_dict()["model.layers.0.self_attn.v_proj.bias"] is not None
 
     with torch.no_grad():
         ref = tiny_model(arch)(IDS).logits

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from quasar_hf.nn import FoldedRMSNorm, RowStableRMSNorm
+from quasar_hf.nn import NormFoldedW8A8Linear, RowStableRMSNorm
 from quasar_hf.nn.rowstable_norm import RMSNORM_FORMULAS, compiled_rms_norm
 from quasar_hf.ops import native
 from quasar_hf.ops.reference import rowstable_rms_norm_reference
@@ -105,7 +105,7 @@ def test_a_quasar_model_has_no_torch_rmsnorm_left(tmp_path):
     config = QuasarConfig(num_calibration_samples=2, calibration_seq_len=32, weight_rounding="nearest", alpha=0.5)
     model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config)
     kinds = {type(m).__name__ for m in model.modules()}
-    assert "Gemma3RMSNorm" not in kinds and {"RowStableRMSNorm", "FoldedRMSNorm"} <= kinds
+    assert "Gemma3RMSNorm" not in kinds and {"RowStableRMSNorm", "NormFoldedW8A8Linear"} <= kinds
     source_keys = set(AutoModelForCausalLM.from_pretrained(src).state_dict())
     assert {k for k in model.state_dict() if k.endswith("norm.weight")} == {k for k in source_keys if k.endswith("norm.weight")}
 
@@ -113,4 +113,4 @@ def test_a_quasar_model_has_no_torch_rmsnorm_left(tmp_path):
 def test_unknown_modules_are_refused():
     with pytest.raises(TypeError, match="not an RMSNorm class"):
         RowStableRMSNorm(tiny_model().model.embed_tokens)
-    assert not isinstance(tiny_model().model.norm, (RowStableRMSNorm, FoldedRMSNorm))  # only Quasar models change
+    assert not isinstance(tiny_model().model.norm, (RowStableRMSNorm, NormFoldedW8A8Linear))  # only Quasar models change

@@ -152,7 +152,7 @@ def test_compiled_greedy_quasar_equals_compiled_plain_greedy(checkpoint, prompts
     import torch._dynamo
     from transformers import CompileConfig
 
-    from quasar_hf.ops.graph_passes import compile_config
+    from quasar_hf.compat import default_compile_config as compile_config
 
     model = load(checkpoint, torch.bfloat16, "quasar_rowstable")
     config = compile_config(torch.device("cpu"))

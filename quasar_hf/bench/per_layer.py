@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
+from quasar_hf.hf.fusion import projections_apart
+from quasar_hf.nn import NormFoldedW8A8Linear, RotatedW8A8Linear, W8A8Linear
 from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_float64
 from quasar_hf.smoothquant.linear_error import add_output_errors, new_error_sums, summarize
 from quasar_hf.smoothquant.mappings import ArchitectureMappings, decoder_layers
@@ -87,7 +88,13 @@ def _row_factor(float_linear: nn.Linear, deployed: nn.Module, column: torch.Tens
 
 @torch.no_grad()
 def linear_frames(quantized: nn.Module, reference: nn.Module, arch: ArchitectureMappings) -> dict[str, LinearFrame]:
-    """The frame of every W8A8Linear in the decoder layers of `quantized`, against `reference` (its float original)."""
+    """The frame of every W8A8Linear in the decoder layers of `quantized`, against `reference` (its float original).
+    `quantized` must have its projections apart (`hf.fusion.projections_apart`; per_layer_errors does it)."""
+    if any(isinstance(m, NormFoldedW8A8Linear) for m in quantized.modules()):
+        raise ValueError(
+            "linear_frames reads single projections, but this model's are fused (NormFoldedW8A8Linear): "
+            "call it inside `with quasar_hf.hf.fusion.projections_apart(model):`"
+        )
     qconfig = getattr(quantized.config, "quantization_config", None)
     rounding = qconfig.get("weight_rounding") if isinstance(qconfig, dict) else getattr(qconfig, "weight_rounding", None)
     max_residual = MAX_STEP_RESIDUAL_GPTQ if rounding == "gptq" else MAX_STEP_RESIDUAL
@@ -142,7 +149,15 @@ def linear_frames(quantized: nn.Module, reference: nn.Module, arch: Architecture
 def per_layer_errors(
     quantized: nn.Module, reference: nn.Module, windows: list[torch.Tensor], arch: ArchitectureMappings
 ) -> dict[str, dict]:
-    """Error sums per W8A8 linear over token windows [T] fed to the quantized model."""
+    """Error sums per W8A8 linear over token windows [T] fed to the quantized model, each projection of a
+    fused group measured apart (hf.fusion.projections_apart: its own input, the norm's rounded output)."""
+    with projections_apart(quantized):
+        return _per_layer_errors(quantized, reference, windows, arch)
+
+
+def _per_layer_errors(
+    quantized: nn.Module, reference: nn.Module, windows: list[torch.Tensor], arch: ArchitectureMappings
+) -> dict[str, dict]:
     frames = linear_frames(quantized, reference, arch)
     sums = {name: new_error_sums() for name in frames}
 

@@ -36,6 +36,7 @@ from quasar_hf.atomic_folder import atomic_folder
 from quasar_hf.detect import is_quasar_model, package_version
 from quasar_hf.export.card import export_card, loading_block
 from quasar_hf.export.ct_transforms import transform_config_and_tensors
+from quasar_hf.hf.fusion import projections_apart
 from quasar_hf.ops.reference import quantize_weight_per_channel
 
 CT_FORMAT = "int-quantized"
@@ -121,6 +122,11 @@ def float_dtype(model: nn.Module) -> torch.dtype:
 def collect_tensors(model: nn.Module, fold: bool, report: ExportReport) -> tuple[dict[str, torch.Tensor], dict | None]:
     """(the full exported state dict, the transform_config or None): compressed W8A8 modules, the
     rotations of rotated ones, and every other tensor as the model holds it."""
+    with projections_apart(model):  # each fused projection a module of its own, as the checkpoint names it
+        return _collect_tensors(model, fold, report)
+
+
+def _collect_tensors(model: nn.Module, fold: bool, report: ExportReport) -> tuple[dict[str, torch.Tensor], dict | None]:
     tensors: dict[str, torch.Tensor] = {}
     handled: set[str] = set()
     rotations = {}

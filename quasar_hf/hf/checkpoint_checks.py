@@ -28,6 +28,7 @@ from torch import nn
 
 from quasar_hf.hf.checksums import check_file_digests, checks_enabled
 from quasar_hf.hf.config import QuasarConfig
+from quasar_hf.hf.fusion import checkpoint_linears
 from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
 
 LAYOUT_KEY = "quasar_layout"
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 def layout_metadata(model: nn.Module, config: QuasarConfig) -> dict[str, str]:
     """The safetensors header entry describing what the saved tensors compute (a JSON string)."""
     modules = dict(model.named_modules())
-    w8a8 = {name: m for name, m in modules.items() if isinstance(m, W8A8Linear)}
+    w8a8 = checkpoint_linears(model)  # a fused group's members under their own names
     draft = config.draft_info or {}
     layout = {
         "quantized_modules": sorted(w8a8),

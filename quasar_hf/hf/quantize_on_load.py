@@ -15,8 +15,7 @@ from quasar_hf.hf.checksums import tensor_bytes
 from quasar_hf.hf.config import QUASAR_FORMAT_VERSION, QuasarConfig
 from quasar_hf.hf.resume_state import ResumeState, fingerprint
 from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially, set_submodule
-from quasar_hf.nn import FoldedRMSNorm, RotatedW8A8Linear, RowStableLinear, RowStableRMSNorm, W8A8Linear
-from quasar_hf.nn.folded_norm import rmsnorm_epsilon
+from quasar_hf.nn import RotatedW8A8Linear, RowStableLinear, RowStableRMSNorm, W8A8Linear
 from quasar_hf.nn.rowstable_norm import rms_norm_formula
 from quasar_hf.ops.hadamard import ROTATION_CONSTRUCTION, rotation_layout
 from quasar_hf.self_draft.head import attach_draft_head_skeleton, build_draft_head
@@ -30,7 +29,7 @@ from quasar_hf.self_draft.layer_search import (
 from quasar_hf.self_draft.path import attach_draft_layers, module_bytes
 from quasar_hf.smoothquant.data import MIN_BLOCK_TOKENS, build_calibration_blocks, load_calibration_texts
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
-from quasar_hf.smoothquant.mappings import decoder_layers, model_decoder_layers, resolve_mappings
+from quasar_hf.smoothquant.mappings import model_decoder_layers, resolve_mappings
 from quasar_hf.smoothquant.phase_times import PhaseTimes
 from quasar_hf.smoothquant.placement import compute_device_for
 
@@ -107,49 +106,8 @@ def check_rotation(size: int, info: dict | None) -> None:
         )
 
 
-def fold_norms(model: nn.Module, config: QuasarConfig) -> int:
-    """Replace each RMSNorm that feeds only a group of W8A8 linears (the mappings' "norm" kind: q/k/v,
-    gate/up) with a FoldedRMSNorm over that group (nn/folded_norm.py). Call after prepare_weights.
-    Norms that Accelerate dispatches, and groups holding a float or prescaled linear, stay as they are.
-    Returns the number of norms folded."""
-    try:
-        arch = resolve_mappings(model, config.smoothquant_mappings)
-    except ValueError:  # no mappings for this model: every linear quantizes its own input
-        return 0
-    folded = 0
-    for layer in decoder_layers(model, arch):
-        for mapping in arch.mappings:
-            if mapping.kind != "norm":
-                continue
-            try:
-                norm = layer.get_submodule(mapping.smooth)
-                members = [layer.get_submodule(path) for path in mapping.balance]
-            except AttributeError:  # a layer shaped unlike layer 0: left as it is
-                continue
-            foldable = not isinstance(norm, FoldedRMSNorm) and all(
-                type(m) is W8A8Linear and m.act_prescale is None for m in members
-            )  # a RotatedW8A8Linear quantizes x Q, not the norm's output
-            eps = rmsnorm_epsilon(norm)
-            if not foldable or eps is None or compat.has_accelerate_hook(norm) or compat.has_accelerate_hook(layer):
-                continue
-            set_submodule(layer, mapping.smooth, FoldedRMSNorm(norm, mapping.norm_offset, eps, mapping.balance))
-            folded += 1
-    return folded
-
-
-def unfold_norms(model: nn.Module) -> int:
-    """Undo fold_norms: each FoldedRMSNorm gives its place back to the norm it replaced (measurements
-    compare the two). Returns the number of norms restored."""
-    restored = 0
-    for name, module in list(model.named_modules()):
-        if isinstance(module, FoldedRMSNorm):
-            set_submodule(model, name, module.unfolded[0])
-            restored += 1
-    return restored
-
-
 def use_rowstable_norms(model: nn.Module) -> int:
-    """Replace every RMSNorm of a known class left after fold_norms (the final norm, q/k norms, ...)
+    """Replace every RMSNorm of a known class left after fuse_projections (the final norm, q/k norms, ...)
     with a RowStableRMSNorm over the same Parameter: compiled, each is one opaque op whose rows are
     reduced alone (nn/rowstable_norm.py). Norms that Accelerate dispatches stay. Returns how many."""
     replaced = 0

@@ -14,8 +14,8 @@ from quasar_hf.hf.binding import bind_quasar_methods
 from quasar_hf.hf.checkpoint_checks import check_checkpoint_files, layout_metadata
 from quasar_hf.hf.checksums import tensor_digests
 from quasar_hf.hf.config import QuasarConfig
+from quasar_hf.hf.fusion import fuse_projections
 from quasar_hf.hf.quantize_on_load import (
-    fold_norms,
     quantize_model,
     replace_with_w8a8_skeleton,
     use_rowstable_lm_head,
@@ -59,7 +59,7 @@ class QuasarHfQuantizer(HfQuantizer):
             quantize_model(model, config)
         model.config.quantization_config = config
         prepare_weights(model)  # every W8A8 kernel validated, packed and bound once
-        fold_norms(model, config)  # q/k/v and gate/up: the RMSNorm before them and their GEMMs in one call
+        fuse_projections(model, config.smoothquant_mappings)  # norm + q/k/v, norm + gate/up: one op each
         # Decode and verification attention rows bit-identical (C kernel on CPU, Triton on CUDA), so
         # generate(quasar=True) equals plain greedy generate of this model in one verify call per layer.
         use_rowstable_attention(model)

@@ -1,27 +1,27 @@
-"""prepare_weights(model): pack and bind every W8A8 kernel and folded norm once;
+"""prepare_weights(model): pack and bind every W8A8 kernel and norm-folded linear once;
 set_backend(model, name): run a loaded Quasar model's W8A8 linears on another backend."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from quasar_hf.nn.folded_norm import FoldedRMSNorm
+from quasar_hf.nn.norm_folded_linear import NormFoldedW8A8Linear
 from quasar_hf.nn.w8a8_linear import W8A8Linear
 from quasar_hf.ops.dispatch import BACKENDS, resolve_backend
 
 
 def prepare_weights(model: nn.Module) -> int:
-    """Validate, pack and bind the kernels of every W8A8Linear in `model`, and the folded norms' scales.
+    """Validate, pack and bind the kernels of every W8A8Linear in `model`, and the norm-folded linears' scales.
 
     Loading, `.to()` and `load_state_dict` do this themselves; call it after editing a quantized
-    weight (or a folded norm's weight) in place, which the forward does not check. Returns the
+    weight (or a norm-folded linear's norm weight) in place, which the forward does not check. Returns the
     number of W8A8Linears prepared.
     """
     linears = [m for m in model.modules() if isinstance(m, W8A8Linear)]
     for linear in linears:
         linear.prepare()
     for norm in model.modules():
-        if isinstance(norm, FoldedRMSNorm):
+        if isinstance(norm, NormFoldedW8A8Linear):
             norm.prepare()
     return len(linears)
 

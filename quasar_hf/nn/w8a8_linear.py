@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quasar_hf.nn.folded_norm import RMSNormOutput
 from quasar_hf.nn.prepared_module import PreparedModule
 from quasar_hf.ops import native
 from quasar_hf.ops.dispatch import PreparedW8A8, prepare_w8a8, w8a8_linear
@@ -32,11 +31,11 @@ class W8A8Linear(PreparedModule):
     prepared once (validated, packed, bound) by `prepare()`: at construction, after `.to()` /
     `_apply`, `load_state_dict` and copies. After editing a buffer in place, call `prepare()` (or
     `quasar_hf.prepare_weights(model)`): the forward checks nothing and uses what was prepared.
-    Called with an `RMSNormOutput` (a FoldedRMSNorm's output), it takes the int8 rows the norm
-    quantized, or folds the norm into its own quantization of the norm's input (nn/folded_norm.py).
+    `of_rms_norm(x, norm_scale, eps)` computes this linear of RMSNorm(x) with the norm folded into the
+    activation quantization, in one op (what a NormFoldedW8A8Linear calls).
     """
 
-    derived = ("_prepared", "_op_layout", "_folded")
+    derived = ("_prepared", "_op_layout", "_fold_layout")
     fp32_buffers = ("weight_scale", "act_prescale")
 
     def __init__(
@@ -65,7 +64,7 @@ class W8A8Linear(PreparedModule):
             self.act_prescale = None
         self._prepared: PreparedW8A8 | None = None  # None: not prepared yet, every call dispatches unbound
         self._op_layout: tuple[str, tuple] | None = None  # (quasar:: op name, its arguments after x): prepare
-        self._folded = None  # prepare: folded(RMSNormOutput) -> this linear of it, or None (PreparedW8A8.folded)
+        self._fold_layout: tuple[str, tuple] | None = None  # prepare: the folded op (PreparedW8A8.fold_op)
 
     @property
     def backend(self) -> str:
@@ -137,20 +136,33 @@ class W8A8Linear(PreparedModule):
     def prepare(self) -> None:
         """Validate and pack the buffers and bind the kernel (and its folded form) once. Needed after an
         in-place edit of `weight`, `weight_scale`, `bias` or `act_prescale`."""
-        self._prepared = self._op_layout = self._folded = None  # release the old packed weight first
+        self._prepared = self._op_layout = self._fold_layout = None  # release the old packed weight first
         if self.weight.device.type == "cpu":
             native.is_available()  # the ops' C++ CPU implementations, loaded once (else their Python fallbacks)
         if self.weight.device.type != "meta":  # offloaded or not yet loaded: run unprepared
             self._prepared = prepare_w8a8(self.weight, self.weight_scale, self.bias, self.act_prescale, self.backend)
             self._op_layout = self._prepared.op
-            self._folded = self._prepared.folded
+            self._fold_layout = self._prepared.fold_op
+
+    @property
+    def folds_rms_norm(self) -> bool:
+        """Whether `of_rms_norm` runs here: a prepared backend that folds, and no act_prescale."""
+        return self._fold_layout is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if type(x) is RMSNormOutput and self._folded is not None:
-            y = self._folded(x)  # from its quantized rows, or from the norm's input with the fold; None: neither
-            if y is not None:
-                return y
         return self._linear(x)
+
+    def of_rms_norm(self, x: torch.Tensor, norm_scale: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """W8A8(RMSNorm(x)) [..., in] -> [..., out], the norm folded into the per-token quantization: each row
+        of x * norm_scale (fp32 [in], the norm's offset + weight) is quantized as it is, its scale times
+        1 / sqrt(mean(x^2) + eps) (reference.w8a8_linear_rmsnorm_reference). One op call; the norm's output
+        is never rounded. None where this linear cannot fold (`folds_rms_norm` is False: a backend with no
+        folded form, an act_prescale, or not prepared): compute the norm first and call the module."""
+        layout = self._fold_layout
+        if layout is None:
+            return None
+        name, args = layout
+        return getattr(torch.ops.quasar, name).default(x, norm_scale, eps, *args)
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         """One call of the prepared `quasar::` op, eager and compiled alike. It reads only tensors,

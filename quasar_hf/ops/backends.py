@@ -139,83 +139,32 @@ def unpack_torch(weight_q: torch.Tensor, tensors: list[torch.Tensor]) -> object:
     return TorchPackedWeight(weight_kn=tensors[0])
 
 
-# ---- folded forms: an RMSNormOutput (nn/folded_norm.py) -> this linear of it, the norm folded in ----
-# `act` offers `quantized_rows()` ((int8 [M, K], fp32 scale [M]) or None) and `fold()` ((x, norm_scale,
-# eps) or None). Each form returns None for an act it cannot take (edited, another device, dtype or
-# width): the caller then quantizes the norm's output as any other input.
+# ---- folded forms: W8A8(RMSNorm(x)) with the norm folded into the activation quantization --------
+# run_folded_*(x, norm_scale, eps, weight_q, weight_scale, bias, packed) -> [..., N]: norm_scale is the
+# norm's fp32 (offset + weight) [K]; the bits of reference.w8a8_linear_rmsnorm_reference (torch: with
+# torch's own row sum). `quasar::w8a8_folded_norm_linear` calls them (ops/torch_ops.py).
 
 
-def _takes(x: torch.Tensor, weight_q: torch.Tensor) -> bool:
-    return (
-        x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and x.device == weight_q.device
-        and x.shape[-1] == weight_q.shape[1]
-    )
+def run_folded_reference(x, norm_scale, eps, weight_q, weight_scale, bias, packed):
+    from quasar_hf.ops.reference import w8a8_linear_rmsnorm_reference
+
+    return w8a8_linear_rmsnorm_reference(x, norm_scale, eps, weight_q, weight_scale, bias)
 
 
-def _from_fold(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor], weight_q: torch.Tensor):
-    """folded(act) from fn(x, norm_scale, eps), for backends that quantize the norm's input themselves:
-    fn is called only with an x this weight takes, holding at least one row."""
-
-    def folded(act) -> torch.Tensor | None:
-        fold = act.fold()
-        if fold is None or not _takes(fold[0], weight_q) or fold[0].numel() == 0:
-            return None
-        return fn(*fold)
-
-    return folded
-
-
-def folded_reference(weights, packed):
-    """From the norm's quantized rows when it made them (the reference's bits either way), else from x."""
-    from quasar_hf.ops.reference import w8a8_linear_quantized_reference, w8a8_linear_rmsnorm_reference
-
-    weight_q, weight_scale, bias = weights
-
-    def folded(act) -> torch.Tensor | None:
-        rows = act.quantized_rows()
-        if rows is not None and rows[0].shape[1] == weight_q.shape[1] and rows[0].device == weight_q.device:
-            return w8a8_linear_quantized_reference(act, *rows, weight_q, weight_scale, bias)
-        fold = act.fold()
-        if fold is None or not _takes(fold[0], weight_q):
-            return None
-        return w8a8_linear_rmsnorm_reference(*fold, weight_q, weight_scale, bias)
-
-    return folded
-
-
-def folded_torch(weights, packed):
-    """torch sums the norm's squares in its own order, so it always folds from x (never the C rows)."""
+def run_folded_torch(x, norm_scale, eps, weight_q, weight_scale, bias, packed):
+    """torch sums the norm's squares in its own order (rms_factor_torch)."""
     from quasar_hf.ops.cpu import bind_folded_torch
 
-    return _from_fold(bind_folded_torch(weights, packed), weights[0])
+    return bind_folded_torch((weight_q, weight_scale, bias), packed)(x, norm_scale, eps)
 
 
-def folded_triton(weights, packed):
+def run_folded_triton(x, norm_scale, eps, weight_q, weight_scale, bias, packed):
     from quasar_hf.ops.triton_w8a8 import bind_folded_triton
 
-    return _from_fold(bind_folded_triton(weights), weights[0])
+    return bind_folded_triton((weight_q, weight_scale, bias))(x, norm_scale, eps)
 
 
-def folded_cpu_fused(weights, packed):
-    """The norm's int8 rows through `quasar::w8a8_linear_quantized_cpu_packed` (the GEMM alone); without
-    them, x through `quasar::w8a8_folded_norm_linears_cpu_packed` with this one weight (the op a compiled
-    step's grouping pass calls with every consumer of a norm). The same bits either way."""
-    weight_q, weight_scale, bias = weights
-    k = weight_q.shape[1]
-    from_rows = torch.ops.quasar.w8a8_linear_quantized_cpu_packed.default
-    rows_args = (packed.data, packed.wsum128, weight_scale, bias, packed.out_features)
-    from_x = torch.ops.quasar.w8a8_folded_norm_linears_cpu_packed.default
-    lists = ([packed.data], [packed.wsum128], [weight_scale], [bias], [packed.out_features], False)
-
-    def folded(act) -> torch.Tensor | None:
-        rows = act.quantized_rows()
-        if rows is not None and rows[0].shape[1] == k and rows[0].is_cpu:
-            return from_rows(act, *rows, *rows_args)
-        fold = act.fold()
-        if fold is None or not _takes(fold[0], weight_q):
-            return None
-        x, norm_scale, eps = fold
-        return from_x(x, norm_scale, eps, -0.0, *lists)[0]  # norm_scale is offset + weight already: -0.0 + v is v
-
-    return folded
+def fold_op_cpu_fused(weights: tuple, packed) -> tuple[str, tuple]:
+    """The folded linear on the packed layout: `quasar::w8a8_folded_norm_linear_cpu_packed`."""
+    _, weight_scale, bias, _ = weights
+    return "w8a8_folded_norm_linear_cpu_packed", (packed.data, packed.wsum128, weight_scale, bias, packed.out_features)

@@ -9,7 +9,7 @@ Two C sources, one numerics: `csrc/w8a8_vnni.c` (AVX-512 VNNI) where the CPU has
 `csrc/w8a8_avx2.c` (AVX2; AMD Zen 2/3, Intel before Ice Lake), which computes the same bits, so a
 checkpoint gives the same logits on either kind of CPU. Both are linked into the quasar:: ops' C++
 library (ops/native.py), which picks one at run time; this module packs weights, checks inputs and
-calls the ops `quasar::w8a8_linear_cpu_packed` and `quasar::w8a8_folded_norm_linears_cpu_packed`.
+calls the ops `quasar::w8a8_linear_cpu_packed` and `quasar::w8a8_folded_norm_linear_cpu_packed`.
 
 Public API (used lazily by `ops/dispatch.py`):
     is_available() -> bool                      never raises
@@ -31,9 +31,9 @@ from collections.abc import Callable
 import torch
 
 from quasar_hf.ops import native
-from quasar_hf.ops.cpu_packing import MULTI_MAX, PackedWeight, pack_weight, unpack_weight
+from quasar_hf.ops.cpu_packing import PackedWeight, pack_weight, unpack_weight
 
-__all__ = ["MULTI_MAX", "PackedWeight", "pack_weight", "unpack_weight"]  # the layout, re-exported beside its kernel
+__all__ = ["PackedWeight", "pack_weight", "unpack_weight"]  # the layout, re-exported beside its kernel
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the dtypes the kernel takes
 
 
@@ -189,4 +189,4 @@ def int8_accumulators_cpu_fused(
     _check_inputs(x, weight_q, ones, None, act_prescale, packed)
     _require_kernel()
     packed = packed if packed is not None else pack_weight(weight_q)
-    return torch.ops.quasar.native_w8a8_accumulators(x, packed.data, packed.wsum128, act_prescale, packed.out_features)
+    return torch.ops.quasar.w8a8_accumulators_cpu_packed(x, packed.data, packed.wsum128, act_prescale, packed.out_features)

@@ -1,5 +1,5 @@
 """The fused CPU W8A8 kernel's weight layout (csrc/w8a8_vnni.c, csrc/w8a8_avx2.c): packing a weight
-once, unpacking it (the packed ops' plain-PyTorch fallback), and the folded group's size limit.
+once, and unpacking it (the packed ops' plain-PyTorch fallback).
 """
 
 from __future__ import annotations
@@ -7,8 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-MULTI_MAX = 8  # weights per folded-group call (MULTI_MAX in csrc/qhf_entry_points.h)
 
 
 @dataclass(frozen=True)

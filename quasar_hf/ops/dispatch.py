@@ -11,9 +11,10 @@ CPU: cpu_fused, torch; elsewhere: reference) and logs once, at warning level, wh
 was skipped. `ops/backend_report.py` lists every backend and kernel with the reason it cannot run.
 
 Each row of the table says what a backend can do: run a linear, pack a weight once, bind a
-faster per-weight form, and bind a *folded* form (the linear of an RMSNorm's output computed from
-the norm's input, the norm folded into the activation quantization; nn/folded_norm.py). Weights
-are prepared once (`prepare_w8a8`): validated, their backend resolved and packed, both forms bound.
+faster per-weight form, and run a *folded* form (W8A8(RMSNorm(x)) from the norm's input, the norm
+folded into the activation quantization; nn/norm_folded_linear.py). Weights are prepared once
+(`prepare_w8a8`): validated, their backend resolved and packed, and the `quasar::` ops a module
+calls (plain and folded) laid out.
 
 Backends are imported lazily, so a missing optional package only matters when it is asked for.
 """
@@ -64,11 +65,11 @@ class Backend:
     on_bad_x) -> linear(x) (when the backend has a faster bound form than `run`): it checks x as
     `is_bound_linear_input` does, calls on_bad_x(x) (which raises) when that fails, and handles empty x.
     packed_tensors(packed) / unpack(weight_q, tensors): the packed layout as tensors and back (the
-    `quasar::w8a8_linear` op takes tensors). bind_folded((weight_q, weight_scale, bias), packed) ->
-    folded(act) -> this linear of an RMSNormOutput act with the norm folded into the quantization (the
-    bits of reference.w8a8_linear_rmsnorm_reference; backends.py says how each reads act), or None for
-    an act it does not take (the caller then quantizes the norm's output itself); None: this backend
-    cannot fold. op_call(weights, packed) ->
+    `quasar::w8a8_linear` op takes tensors). run_folded(x, norm_scale, eps, weight_q, weight_scale,
+    bias, packed) -> W8A8(RMSNorm(x)) with the norm folded into the quantization (the bits of
+    reference.w8a8_linear_rmsnorm_reference), what the generic `quasar::w8a8_folded_norm_linear` runs;
+    fold_op(weights, packed) -> (op name, arguments after (x, norm_scale, eps)) where the backend has
+    an op of its own; neither: this backend cannot fold. op_call(weights, packed) ->
     (op name, arguments after x): the `quasar::` op a prepared module calls, eager and compiled alike
     (None: the generic `quasar::w8a8_linear` with this backend's name and packed tensors).
     """
@@ -81,7 +82,8 @@ class Backend:
     run_prepacked: Callable[..., torch.Tensor] | None = None
     packed_tensors: Callable[[object], tuple[torch.Tensor, ...]] | None = None
     unpack: Callable[[torch.Tensor, list[torch.Tensor]], object] | None = None
-    bind_folded: Callable[..., Callable[..., torch.Tensor | None]] | None = None
+    run_folded: Callable[..., torch.Tensor] | None = None
+    fold_op: Callable[[tuple, object], tuple[str, tuple]] | None = None
     op_call: Callable[[tuple, object], tuple[str, tuple]] | None = None
 
     def __post_init__(self) -> None:
@@ -92,7 +94,7 @@ class Backend:
 _TABLE: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("reference", backends.reference_unavailable, backends.run_reference, bind_folded=backends.folded_reference),
+        Backend("reference", backends.reference_unavailable, backends.run_reference, run_folded=backends.run_folded_reference),
         Backend(
             "torch",
             backends.torch_unavailable,
@@ -100,9 +102,9 @@ _TABLE: dict[str, Backend] = {
             pack=backends.pack_torch,
             packed_tensors=backends.packed_tensors_torch,
             unpack=backends.unpack_torch,
-            bind_folded=backends.folded_torch,
+            run_folded=backends.run_folded_torch,
         ),
-        Backend("triton", backends.triton_unavailable, backends.run_triton, bind_folded=backends.folded_triton),
+        Backend("triton", backends.triton_unavailable, backends.run_triton, run_folded=backends.run_folded_triton),
         Backend("bitsandbytes", backends.bnb_unavailable, backends.run_bnb),  # approximate numerics: no fold
         Backend(
             "cpu_fused",
@@ -113,7 +115,7 @@ _TABLE: dict[str, Backend] = {
             run_prepacked=backends.run_cpu_fused_prepacked,
             packed_tensors=backends.packed_tensors_cpu_fused,
             unpack=backends.unpack_cpu_fused,
-            bind_folded=backends.folded_cpu_fused,
+            fold_op=backends.fold_op_cpu_fused,
             op_call=backends.op_call_cpu_fused,
         ),
     )
@@ -262,9 +264,10 @@ class PreparedW8A8:
 
     weights: (weight_q, weight_scale, bias, act_prescale) as prepared; packed_tensors: the packed
     layout as tensors (what the generic `quasar::w8a8_linear` op takes); op: (name, arguments after
-    x) of the `quasar::` op a module calls for these weights (the backend's `op_call`); folded:
-    `folded(act)`, this linear of a FoldedRMSNorm's output with the norm folded in (None where the
-    backend cannot fold or the weight has an act_prescale, which the fold's scale would replace).
+    x) of the `quasar::` op a module calls for these weights (the backend's `op_call`); fold_op:
+    (name, arguments after (x, norm_scale, eps)) of the op
+    computing W8A8(RMSNorm(x)) with the norm folded in (None where the backend cannot fold or the
+    weight has an act_prescale, which the fold's scale would replace).
     Holds the tensors it was prepared from: an in-place edit of them needs a new prepare_w8a8.
     """
 
@@ -274,7 +277,7 @@ class PreparedW8A8:
     packed_tensors: tuple[torch.Tensor, ...]
     linear: Callable[[torch.Tensor], torch.Tensor]
     op: tuple[str, tuple]
-    folded: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    fold_op: tuple[str, tuple] | None = None
 
 
 def prepare_w8a8(
@@ -296,13 +299,16 @@ def prepare_w8a8(
         op = entry.op_call(weights, packed)
     else:
         op = ("w8a8_linear", (*weights, tensors, name))
-    folded = _bind_folded(entry, weights, packed)
-    return PreparedW8A8(name, weights, packed, tensors, linear, op, folded)
+    return PreparedW8A8(name, weights, packed, tensors, linear, op, _fold_op(entry, weights, packed, tensors))
 
 
-def _bind_folded(entry: Backend, weights: tuple, packed: object | None):
-    """The backend's folded form for these weights, or None (no fold, or an act_prescale of their own)."""
+def _fold_op(entry: Backend, weights: tuple, packed: object | None, tensors: tuple) -> tuple[str, tuple] | None:
+    """The folded op for these weights, or None (no fold, or an act_prescale of their own)."""
     weight_q, weight_scale, bias, act_prescale = weights
-    if entry.bind_folded is None or act_prescale is not None:
+    if act_prescale is not None:
         return None
-    return entry.bind_folded((weight_q, weight_scale.detach().float().contiguous(), bias), packed)
+    if entry.fold_op is not None and packed is not None:
+        return entry.fold_op(weights, packed)
+    if entry.run_folded is None:
+        return None
+    return "w8a8_folded_norm_linear", (weight_q, weight_scale, bias, tensors, entry.name)

@@ -6,20 +6,16 @@ of all of them.
 
   quasar::w8a8_linear_cpu_packed(x, w_packed, wsum128, weight_scale, bias?, act_prescale?, out_features)
       -> [..., N]   (the "cpu_fused" backend: what its W8A8Linears call)
-  quasar::w8a8_folded_norm_linears_cpu_packed(x, norm_weight, eps, offset, w_packed[], wsum128[],
-      weight_scale[], bias?[], out_features[], emit_normed) -> [normed?, y_0, y_1, ...]   (an RMSNorm folded
-      into the packed linears it feeds: all of a norm's consumers in one call in compiled steps,
-      ops/graph_passes.py; an eager consumer given the norm's input without its rows, with its own weight)
-  quasar::rms_norm_quantize_rows(x, norm_scale, eps) -> [normed, q int8 [M, K], scale fp32 [M]]   (an eager
-      FoldedRMSNorm on CPU: the norm's values and W8A8's quantization of them, the norm folded in)
-  quasar::w8a8_linear_quantized_cpu_packed(like, q, scale, w_packed, wsum128, weight_scale, bias?, out_features)
-      -> [..., N]   (a packed W8A8Linear given those rows: the GEMM and epilogue alone)
+  quasar::w8a8_folded_norm_linear_cpu_packed(x, norm_scale, eps, w_packed, wsum128, weight_scale, bias?,
+      out_features) -> [..., N]   (W8A8(RMSNorm(x)), the norm folded into the quantization: what a
+      NormFoldedW8A8Linear calls on "cpu_fused", for the stacked q/k/v or gate/up weight)
+  quasar::w8a8_accumulators_cpu_packed(x, w_packed, wsum128, act_prescale?, out_features) -> int32 [M, N]
+      (the packed GEMM's exact accumulators, apart from the float epilogue: tests and debugging)
   quasar::rowstable_attention(query, key, value, visible?, scale?) -> [B, Q, H, D]   (CPU: C; CUDA: Triton)
   quasar::rowstable_linear(x, weight, bias?) -> [..., N]   (the float lm_head, RowStableLinear)
   quasar::hadamard_rows(x, signs, blocks, pow2, scale) -> fp32 [..., K]   (RotatedW8A8Linear's input)
-  quasar::rms_norm(x, weight, eps, offset, scale_in_float) -> [..., K]   (every RMSNorm when compiled, and
-      FoldedRMSNorm's values eager;
-      on CPU the row-stable C kernel, csrc/rms_norm_rows.c, not the Transformers formula's bits)
+  quasar::rms_norm(x, weight, eps, offset, scale_in_float) -> [..., K]   (every RMSNorm not folded, when
+      compiled; on CPU the row-stable C kernel, csrc/rms_norm_rows.c, not the Transformers formula's bits)
 
 The fallbacks (CompositeExplicitAutograd) serve where the C++ library cannot be built: the same bits
 from the references, except attention's, which is the fp64 oracle rounded. Registered with
@@ -119,7 +115,7 @@ def _hadamard_rows_fake(x, signs, blocks: int, pow2: int, scale: float) -> torch
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
-# ---- RMSNorm (RowStableRMSNorm under compile, FoldedRMSNorm always) -----------------------------
+# ---- RMSNorm (RowStableRMSNorm under compile; a NormFoldedW8A8Linear whose linear cannot fold) -----
 
 
 def _rms_norm_impl(x, weight, eps: float, offset: float, scale_in_float: bool) -> torch.Tensor:
@@ -143,83 +139,48 @@ def _rms_norm_fake(x, weight, eps: float, offset: float, scale_in_float: bool) -
     return x.new_empty(x.shape, dtype=dtype)
 
 
-# ---- an RMSNorm folded into the packed W8A8 linears it feeds (ops/graph_passes.py, eager consumers) ------
+# ---- W8A8(RMSNorm(x)) on the packed layout, the norm folded in (NormFoldedW8A8Linear) -----------
 
 
-def _folded_cpu_packed_checked(x, norm_weight, w_packed, wsum128, weight_scale, bias, out_features) -> None:
-    """The errors eager would raise (at trace time, through the fake), plus this op's own limits."""
-    from quasar_hf.ops.cpu_packing import MULTI_MAX
-
-    count = len(out_features)
-    if not 1 <= count <= MULTI_MAX or not count == len(w_packed) == len(wsum128) == len(weight_scale) == len(bias):
-        raise ValueError(
-            f"w8a8_folded_norm_linears_cpu_packed takes 1 to {MULTI_MAX} packed weights with sums, a scale and a bias (or None) each"
-        )
-    for packed, sums, scale, b, n in zip(w_packed, wsum128, weight_scale, bias, out_features):
-        _w8a8_linear_cpu_packed_fake(x, packed, sums, scale, b, None, n)
-    if tuple(norm_weight.shape) != (x.shape[-1],):
-        raise ValueError(
-            f"w8a8_folded_norm_linears_cpu_packed: norm weight {tuple(norm_weight.shape)} does not match rows of {x.shape[-1]}"
-        )
-
-
-def _folded_cpu_packed_fallback(
-    x, norm_weight, eps: float, offset: float, w_packed, wsum128, weight_scale, bias, out_features, emit_normed: bool
-):
-    """Without the C++ library: the folded group's reference on the unpacked weights (the kernel's bits, slowly)."""
-    from quasar_hf.ops.cpu_packing import unpack_weight
-    from quasar_hf.ops.reference import w8a8_folded_group_reference
-
-    _folded_cpu_packed_checked(x, norm_weight, w_packed, wsum128, weight_scale, bias, out_features)
+def _folded_cpu_packed_fake(x, norm_scale, eps: float, w_packed, wsum128, weight_scale, bias, out_features: int):
     k = x.shape[-1]
-    weights = [(unpack_weight(p, n, k), s, b) for p, n, s, b in zip(w_packed, out_features, weight_scale, bias)]
-    norm_scale = offset + norm_weight.float()  # what the C++ implementation folds: offset + weight in fp32
-    normed, *outs = w8a8_folded_group_reference(x, weights, norm_scale, eps)
-    return [normed, *outs] if emit_normed else outs
-
-
-def _folded_cpu_packed_fake(
-    x, norm_weight, eps: float, offset: float, w_packed, wsum128, weight_scale, bias, out_features, emit_normed: bool
-):
-    _folded_cpu_packed_checked(x, norm_weight, w_packed, wsum128, weight_scale, bias, out_features)
-    return [x.new_empty(x.shape)] * emit_normed + [x.new_empty(*x.shape[:-1], n) for n in out_features]
-
-
-# ---- an RMSNorm's rows quantized once, and a packed linear on them (eager FoldedRMSNorm consumers) --------
-
-
-def _rms_norm_quantize_fake(x, norm_scale, eps: float):
-    k = x.shape[-1]
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or tuple(norm_scale.shape) != (k,):
-        raise ValueError(f"rms_norm_quantize_rows: float rows x [..., {k}] and an fp32 norm_scale [{k}]")
+    if norm_scale.dtype != torch.float32 or tuple(norm_scale.shape) != (k,):
+        raise ValueError(
+            f"w8a8_folded_norm_linear_cpu_packed: norm_scale must be fp32 [{k}], got {norm_scale.dtype} {tuple(norm_scale.shape)}"
+        )
     if not (eps >= 0.0 and eps < float("inf")):
-        raise ValueError(f"rms_norm_quantize_rows: eps must be a finite number >= 0, got {eps!r}")
-    rows = x.numel() // k if k else 0
-    return [x.new_empty(x.shape), x.new_empty(rows, k, dtype=torch.int8), x.new_empty(rows, dtype=torch.float32)]
+        raise ValueError(f"w8a8_folded_norm_linear_cpu_packed: eps must be a finite number >= 0, got {eps!r}")
+    return _w8a8_linear_cpu_packed_fake(x, w_packed, wsum128, weight_scale, bias, None, out_features)
 
 
-def _rms_norm_quantize_fallback(x, norm_scale, eps: float):
-    """Without the C++ library: the references (the kernel's bits, slowly)."""
-    from quasar_hf.ops.reference import rmsnorm_quantize_reference, rmsnorm_reference
-
-    _rms_norm_quantize_fake(x, norm_scale, eps)
-    return [rmsnorm_reference(x, norm_scale, eps), *rmsnorm_quantize_reference(x, norm_scale, eps)]
-
-
-def _linear_quantized_fake(like, q, scale, w_packed, wsum128, weight_scale, bias, out_features: int):
-    if q.dtype != torch.int8 or q.dim() != 2 or tuple(scale.shape) != (q.shape[0],) or like.shape[-1] != q.shape[1]:
-        raise ValueError("w8a8_linear_quantized_cpu_packed: int8 rows q [M, K], fp32 scale [M] and like [..., K]")
-    return _w8a8_linear_cpu_packed_fake(like, w_packed, wsum128, weight_scale, bias, None, out_features)
-
-
-def _linear_quantized_fallback(like, q, scale, w_packed, wsum128, weight_scale, bias, out_features: int):
+def _folded_cpu_packed_fallback(x, norm_scale, eps: float, w_packed, wsum128, weight_scale, bias, out_features: int):
     """Without the C++ library: the reference on the unpacked weight (the kernel's bits, slowly)."""
     from quasar_hf.ops.cpu_packing import unpack_weight
-    from quasar_hf.ops.reference import w8a8_linear_quantized_reference
+    from quasar_hf.ops.reference import w8a8_linear_rmsnorm_reference
 
-    _linear_quantized_fake(like, q, scale, w_packed, wsum128, weight_scale, bias, out_features)
-    weight_q = unpack_weight(w_packed, out_features, q.shape[1])
-    return w8a8_linear_quantized_reference(like, q, scale, weight_q, weight_scale, bias)
+    _folded_cpu_packed_fake(x, norm_scale, eps, w_packed, wsum128, weight_scale, bias, out_features)
+    weight_q = unpack_weight(w_packed, out_features, x.shape[-1])
+    return w8a8_linear_rmsnorm_reference(x, norm_scale, eps, weight_q, weight_scale, bias)
+
+
+# ---- the packed GEMM's exact int32 accumulators (tests) --------------------------------------
+
+
+def _accumulators_fake(x, w_packed, wsum128, act_prescale, out_features: int):
+    ones = x.new_ones(out_features, dtype=torch.float32)
+    _w8a8_linear_cpu_packed_fake(x, w_packed, wsum128, ones, None, act_prescale, out_features)
+    return x.new_empty(x.numel() // x.shape[-1] if x.shape[-1] else 0, out_features, dtype=torch.int32)
+
+
+def _accumulators_fallback(x, w_packed, wsum128, act_prescale, out_features: int):
+    """Without the C++ library: the per-token quantization and the exact int8 products of the reference."""
+    from quasar_hf.ops.cpu_packing import unpack_weight
+    from quasar_hf.ops.reference import int8_matmul_reference, quantize_per_token
+
+    _accumulators_fake(x, w_packed, wsum128, act_prescale, out_features)
+    rows = x.reshape(-1, x.shape[-1])
+    a_q, _ = quantize_per_token(rows if act_prescale is None else rows.float() * act_prescale)
+    return int8_matmul_reference(a_q, unpack_weight(w_packed, out_features, x.shape[-1]))
 
 
 # ---- small ragged CPU arguments per op: the C++ library's smoke test and opcheck ---------------
@@ -242,25 +203,15 @@ def _sample_linear_cpu_packed(gen: torch.Generator) -> Args:
 
 
 def _sample_folded(gen: torch.Generator) -> Args:
-    packs = [_packed(gen, n) for n in (24, 17)]
-    scales, biases = [torch.rand(n, generator=gen) / 100 for n in (24, 17)], [None, torch.randn(17, generator=gen).bfloat16()]
-    x, norm = sample_rows(gen), torch.randn(40, generator=gen).bfloat16()
-    return x, norm, 1e-5, 1.0, [p.data for p in packs], [p.wsum128 for p in packs], scales, biases, [24, 17], True
-
-
-def _sample_rms_norm_quantize(gen: torch.Generator) -> Args:
-    x = sample_rows(gen)
-    x[0, 1] = 0  # a zero row: scale 0
-    return x, torch.rand(40, generator=gen) + 0.5, 1e-5
-
-
-def _sample_linear_quantized(gen: torch.Generator) -> Args:
-    from quasar_hf.ops.reference import rmsnorm_quantize_reference
-
     pack, x = _packed(gen, 17), sample_rows(gen)
-    q, scale = rmsnorm_quantize_reference(x, torch.rand(40, generator=gen) + 0.5, 1e-5)
-    bias = torch.randn(17, generator=gen).bfloat16()
-    return x, q, scale, pack.data, pack.wsum128, torch.rand(17, generator=gen) / 100, bias, 17
+    x[0, 1] = 0  # a zero row: scale 0, the bias
+    bias, norm_scale = torch.randn(17, generator=gen).bfloat16(), torch.rand(40, generator=gen) + 0.5
+    return x, norm_scale, 1e-5, pack.data, pack.wsum128, torch.rand(17, generator=gen) / 100, bias, 17
+
+
+def _sample_accumulators(gen: torch.Generator) -> Args:
+    pack = _packed(gen, 17)
+    return sample_rows(gen), pack.data, pack.wsum128, torch.rand(40, generator=gen) + 0.5, 17
 
 
 def _sample_attention(gen: torch.Generator) -> Args:
@@ -296,7 +247,7 @@ class OpSpec:
     library is not built or its kernel has no build here, and for devices without an implementation
     of their own; cuda: the CUDA one (Triton); kernel: the C kernel (csrc/kernel_builds.def) whose
     C++ implementation in csrc/native_ops.cpp serves the op on CPU, registered once its smoke test
-    passed (ops/native.py; callable as `quasar::native_<name>` for that test); tolerance: 0 where the
+    passed (ops/native.py; withdrawn again if it fails); tolerance: 0 where the
     fallback has the kernel's bits, else the relative error the smoke test allows; reference: the
     plain-PyTorch oracle its tests compare with; sample(generator): small ragged CPU arguments (the
     smoke test and opcheck).
@@ -324,21 +275,14 @@ KERNEL_OPS: tuple[OpSpec, ...] = (
         _sample_linear_cpu_packed, kernel="w8a8",
     ),
     OpSpec(
-        "w8a8_folded_norm_linears_cpu_packed(Tensor x, Tensor norm_weight, float eps, float offset, Tensor[] w_packed, "
-        "Tensor[] wsum128, Tensor[] weight_scale, Tensor?[] bias, int[] out_features, bool emit_normed) -> Tensor[]",
-        _folded_cpu_packed_fake, _folded_cpu_packed_fallback, "reference.w8a8_folded_group_reference", _sample_folded,
+        "w8a8_folded_norm_linear_cpu_packed(Tensor x, Tensor norm_scale, float eps, Tensor w_packed, Tensor wsum128, "
+        "Tensor weight_scale, Tensor? bias, int out_features) -> Tensor",
+        _folded_cpu_packed_fake, _folded_cpu_packed_fallback, "reference.w8a8_linear_rmsnorm_reference", _sample_folded,
         kernel="w8a8",
     ),
     OpSpec(
-        "rms_norm_quantize_rows(Tensor x, Tensor norm_scale, float eps) -> Tensor[]",
-        _rms_norm_quantize_fake, _rms_norm_quantize_fallback, "reference.rmsnorm_quantize_reference",
-        _sample_rms_norm_quantize, kernel="w8a8",
-    ),
-    OpSpec(
-        "w8a8_linear_quantized_cpu_packed(Tensor like, Tensor q, Tensor scale, Tensor w_packed, Tensor wsum128, "
-        "Tensor weight_scale, Tensor? bias, int out_features) -> Tensor",
-        _linear_quantized_fake, _linear_quantized_fallback, "reference.w8a8_linear_quantized_reference",
-        _sample_linear_quantized, kernel="w8a8",
+        "w8a8_accumulators_cpu_packed(Tensor x, Tensor w_packed, Tensor wsum128, Tensor? act_prescale, int out_features) -> Tensor",
+        _accumulators_fake, _accumulators_fallback, "reference.int8_matmul_reference", _sample_accumulators, kernel="w8a8",
     ),
     OpSpec(
         "rowstable_attention(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor",

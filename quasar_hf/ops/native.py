@@ -9,8 +9,10 @@ same operators, reach the C kernels without Python.
 The library links every build of every C kernel that csrc/kernel_builds.def lists (each source
 compiled with its ISA flags, its entry points renamed <entry>_<build>); at run time it picks, per
 kernel, the best build this CPU runs (csrc/cpu_kernels.cpp), so one cached library serves every CPU
-kind of a machine image. Each operator whose kernel has a build here is first called under its own
-`native_` name and compared with its fallback on a smoke test; only then is it registered. Where
+kind of a machine image. The library defines no operator schema: ops/kernel_ops.py defines each
+once, and the library holds one table of the CPU implementations it has (`native_implemented_ops`).
+Each operator whose kernel has a build here is registered, called on its sample and compared with
+its fallback (a smoke test); one that disagrees is withdrawn again, so it never serves. Where
 the library cannot be had, `unavailable_reason()` says why, and the operators keep their fallbacks
 (the same bits for all but attention, much slower; modules then choose other backends).
 """
@@ -131,14 +133,19 @@ def _load() -> _Loaded:
     for line in torch.ops.quasar.native_kernel_builds():
         kernel, build, source = line.split()
         builds[kernel] = (build, source)
+    implemented = set(torch.ops.quasar.native_implemented_ops())
     op_errors = {}
     with torch.device("cpu"):  # the first use may fall inside a meta-device context (model loading)
         for op in (op for op in KERNEL_OPS if op.kernel):
-            if op.kernel not in builds:
+            if op.name not in implemented:
+                op_errors[op.name] = f"the C++ library has no implementation of quasar::{op.name}"
+            elif op.kernel not in builds:
                 op_errors[op.name] = f"no build of the {KERNELS[op.kernel]} kernel runs on this CPU ({_needs(op.kernel)})"
-            elif (mismatch := _smoke_test(op)) is not None:
-                op_errors[op.name] = mismatch
-    torch.ops.quasar.native_register_cpu_kernels([op.name for op in KERNEL_OPS if op.kernel and op.name not in op_errors])
+            else:
+                torch.ops.quasar.native_register_cpu_kernel(op.name)
+                if (mismatch := _smoke_test(op)) is not None:
+                    torch.ops.quasar.native_unregister_cpu_kernel(op.name)
+                    op_errors[op.name] = mismatch
     return _Loaded(None, builds, op_errors)
 
 
@@ -149,13 +156,12 @@ def _needs(kernel: str) -> str:
 
 
 def _smoke_test(op, candidate=None) -> str | None:
-    """`candidate` (default: `quasar::native_<op>`) against the op's plain-PyTorch fallback on its small
-    ragged sample: the same bits (within `op.tolerance` for attention, whose fallback is the fp64
-    oracle), or why not."""
+    """`candidate` (default: the op, which the dispatcher sends to its registered C++ implementation on
+    CPU) against the op's plain-PyTorch fallback on its small ragged sample: the same bits (within
+    `op.tolerance` for attention, whose fallback is the fp64 oracle), or why not."""
     args = op.sample(torch.Generator().manual_seed(0))
-    fallback = next(spec.fallback for spec in KERNEL_OPS if spec.name == op.name)
-    expected = fallback(*args)
-    actual = (candidate or getattr(torch.ops.quasar, f"native_{op.name}"))(*args)
+    expected = op.fallback(*args)
+    actual = (candidate or getattr(torch.ops.quasar, op.name))(*args)
     pairs = zip(expected, actual, strict=True) if isinstance(expected, list) else [(expected, actual)]
     for a, b in pairs:
         same = a.dtype == b.dtype and a.shape == b.shape

@@ -123,7 +123,7 @@ def verifier_cache(
     the loop then keeps a RowAlignedCache. With compile, the cache's batch and size are bucketed and its
     steps run the model's compiled step for that shape (speculative/compiled_steps.py), compiled with
     the CompileConfig given (quasar's, else generate's `compile_config`, else
-    `ops.graph_passes.compile_config`): calls of the same shapes and settings share its graphs."""
+    `compat.default_compile_config`): calls of the same shapes and settings share its graphs."""
     if config.cache_implementation != "static":
         return None, None
     width = max(config.num_draft_tokens, 1)
@@ -134,9 +134,7 @@ def verifier_cache(
     compile_config = config.compile if not isinstance(config.compile, bool) else None
     compile_config = compile_config or prepared.generation_config.compile_config  # generate(compile_config=...)
     if compile_config is None:
-        from quasar_hf.ops.graph_passes import compile_config as quasar_compile_config  # imports Inductor
-
-        compile_config = quasar_compile_config(device)
+        compile_config = compat.default_compile_config(device)
     rows, slots = batch_bucket(batch_size), compiled_cache_slots(tokens)
     step = compiled_steps_for(model, compile_config).step_for(rows, slots)
     cache = StaticVerifierCache(model, rows, device, slots, step, verify_kwargs, batch_size=batch_size)

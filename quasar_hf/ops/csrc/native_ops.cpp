@@ -10,10 +10,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -28,7 +30,6 @@ Fn require(Fn fn, const char *kernel) {
 }
 
 constexpr int64_t kMinBytesPerThread = 32 * 1024;  // cpu_fused._MIN_BYTES_PER_THREAD
-constexpr int kMultiMax = MULTI_MAX;
 constexpr int64_t kRowstableMinBytesPerThread = 256 * 1024;  // rowstable_linear._MIN_BYTES_PER_THREAD
 constexpr int64_t kHadamardMinRowsPerThread = 64;  // hadamard_cpu._MIN_ROWS_PER_THREAD
 
@@ -77,20 +78,6 @@ void check_packed_weight(const at::Tensor &x, const at::Tensor &w_packed, const 
                 "W8A8 linear: int32 sums [>= ", n, "] and scales [", n, "] expected");
 }
 
-// What FoldedRMSNorm.prepare binds, offset + weight in fp32 (each element an exact conversion and one
-// fp32 add, as torch computes `offset + weight.float()`), without two aten ops per call.
-std::vector<float> fold_scale(const at::Tensor &norm_weight, double offset) {
-    const at::Tensor w = norm_weight.contiguous();
-    const int64_t k = w.numel();
-    const float add = static_cast<float>(offset);
-    std::vector<float> scale(static_cast<size_t>(k));
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, w.scalar_type(), "fold_scale", [&] {
-        const scalar_t *src = w.data_ptr<scalar_t>();
-        for (int64_t i = 0; i < k; ++i) scale[i] = static_cast<float>(src[i]) + add;
-    });
-    return scale;
-}
-
 // quasar::w8a8_linear_cpu_packed on CPU: the "cpu_fused" backend's kernel on its packed weight.
 at::Tensor native_w8a8_linear(const at::Tensor &x, const at::Tensor &w_packed, const at::Tensor &wsum128,
                               const at::Tensor &weight_scale, const std::optional<at::Tensor> &bias,
@@ -113,98 +100,30 @@ at::Tensor native_w8a8_linear(const at::Tensor &x, const at::Tensor &w_packed, c
     return out;
 }
 
-// quasar::rms_norm_quantize_rows on CPU: RMSNorm(x) and W8A8's quantization of it, the norm folded in
-// (normed [..., K] in x's dtype; q int8 [M, K]; scale fp32 [M], r(x) included), each row alone.
-std::vector<at::Tensor> native_rms_norm_quantize_rows(const at::Tensor &x, const at::Tensor &norm_scale, double eps) {
-    TORCH_CHECK(x.dim() >= 1 && (float_or_bf16(x) || x.scalar_type() == at::kHalf), "rms_norm_quantize_rows: float rows x [..., K]");
-    const int64_t k = x.size(-1);
-    TORCH_CHECK(norm_scale.scalar_type() == at::kFloat && norm_scale.numel() == k, "rms_norm_quantize_rows: fp32 norm_scale [", k, "]");
-    TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "rms_norm_quantize_rows: eps must be a finite number >= 0, got ", eps);
-    const at::Tensor rows = rows_of(x, k), scale_in = norm_scale.contiguous();
-    const int64_t m = rows.size(0);
-    at::Tensor normed = at::empty(x.sizes(), x.options());
-    at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
-    at::Tensor scale = at::empty({m}, x.options().dtype(at::kFloat));
-    if (m == 0) return {normed, q, scale};
-    const int code = dtype_code(x);
-    const int status = require(quasar::cpu_kernels().qhf_w8a8_quantize_rows, "W8A8")(
-        rows.data_ptr(), code, m, k, rows.stride(0), scale_in.data_ptr<float>(), static_cast<float>(eps), normed.data_ptr(),
-        q.data_ptr<int8_t>(), scale.data_ptr<float>());
-    TORCH_CHECK(status == 0, "rms_norm_quantize_rows: no scratch memory for rows of ", k);
-    return {normed, q, scale};
-}
-
-// quasar::w8a8_linear_quantized_cpu_packed on CPU: the GEMM and epilogue of one packed weight on rows
-// quantized by rms_norm_quantize_rows; the output has like's leading shape and dtype.
-at::Tensor native_w8a8_linear_quantized(const at::Tensor &like, const at::Tensor &q, const at::Tensor &scale,
-                                        const at::Tensor &w_packed, const at::Tensor &wsum128, const at::Tensor &weight_scale,
-                                        const std::optional<at::Tensor> &bias, int64_t out_features) {
-    const int64_t n = out_features;
-    TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && like.dim() >= 1 && like.size(-1) == q.size(1) &&
-                    like.numel() == q.numel() && scale.scalar_type() == at::kFloat && scale.numel() == q.size(0) && scale.is_contiguous(),
-                "w8a8_linear_quantized: int8 rows q [M, K], fp32 scale [M] and like [..., K] with M rows expected");
-    check_packed_weight(like, w_packed, wsum128, weight_scale, n);
-    TORCH_CHECK(!bias || bias->numel() == n, "w8a8_linear_quantized: bias must be [", n, "]");
-    at::Tensor out = at::empty(with_last(like, n), like.options());
+// quasar::w8a8_folded_norm_linear_cpu_packed on CPU: W8A8(RMSNorm(x)) on the packed weight, the norm
+// folded into the rows' quantization (norm_scale: fp32 offset + weight [K]), one C call.
+at::Tensor native_folded_norm_linear(const at::Tensor &x, const at::Tensor &norm_scale, double eps, const at::Tensor &w_packed,
+                                     const at::Tensor &wsum128, const at::Tensor &weight_scale,
+                                     const std::optional<at::Tensor> &bias, int64_t out_features) {
+    const int64_t k = x.size(-1), n = out_features;
+    check_packed_weight(x, w_packed, wsum128, weight_scale, n);
+    TORCH_CHECK(norm_scale.scalar_type() == at::kFloat && norm_scale.numel() == k,
+                "w8a8_folded_norm_linear_cpu_packed: norm_scale must be fp32 [", k, "]");
+    TORCH_CHECK(std::isfinite(eps) && eps >= 0.0, "w8a8_folded_norm_linear_cpu_packed: eps must be a finite number >= 0, got ", eps);
+    TORCH_CHECK(!bias || bias->numel() == n, "w8a8_folded_norm_linear_cpu_packed: bias must be [", n, "]");
+    at::Tensor out = at::empty(with_last(x, n), x.options());
     if (out.numel() == 0) return out;
-    const int64_t k = q.size(1);
-    const at::Tensor w_scale = fp32_contiguous(weight_scale);
+    const at::Tensor rows = rows_of(x, k), scale_in = norm_scale.contiguous(), scale = fp32_contiguous(weight_scale);
     const std::optional<at::Tensor> b = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
-    const qhf_weight weight = {w_packed.data_ptr<int8_t>(), wsum128.data_ptr<int32_t>(), w_scale.data_ptr<float>(),
+    const qhf_weight weight = {w_packed.data_ptr<int8_t>(), wsum128.data_ptr<int32_t>(), scale.data_ptr<float>(),
                                b ? b->data_ptr() : nullptr, b ? dtype_code(*b) : 0, n};
     void *outs[1] = {out.data_ptr()};
-    const int status = require(quasar::cpu_kernels().qhf_w8a8_linear_quantized, "W8A8")(
-        q.data_ptr<int8_t>(), scale.data_ptr<float>(), q.size(0), k, w_packed.size(1) * 4, 1, &weight, outs, dtype_code(like),
-        threads_for(n * k));
-    TORCH_CHECK(status == 0, "w8a8_linear_quantized: no scratch memory for ", q.size(0), "x", k, " activations");
-    return out;
-}
-
-// quasar::w8a8_folded_norm_linears_cpu_packed on CPU: an RMSNorm and the linears it feeds, one C call.
-std::vector<at::Tensor> native_folded_norm_linears(const at::Tensor &x, const at::Tensor &norm_weight, double eps,
-                                                   double offset, at::TensorList w_packed, at::TensorList wsum128,
-                                                   at::TensorList weight_scale, const c10::List<std::optional<at::Tensor>> &bias,
-                                                   at::IntArrayRef out_features, bool emit_normed) {
-    const int64_t count = static_cast<int64_t>(out_features.size()), k = x.size(-1);
-    TORCH_CHECK(count >= 1 && count <= kMultiMax && static_cast<int64_t>(w_packed.size()) == count &&
-                    static_cast<int64_t>(wsum128.size()) == count && static_cast<int64_t>(weight_scale.size()) == count &&
-                    static_cast<int64_t>(bias.size()) == count,
-                "native_folded_norm_linears: 1 to ", kMultiMax, " weights, each with packed data, sums, scale and bias");
-    TORCH_CHECK(norm_weight.numel() == k, "w8a8_folded_norm_linears: the norm weight must be [", k, "]");
-    std::vector<at::Tensor> outs;
-    int64_t total = 0;
-    for (int64_t s = 0; s < count; ++s) {
-        check_packed_weight(x, w_packed[s], wsum128[s], weight_scale[s], out_features[s]);
-        TORCH_CHECK(!bias.get(s) || bias.get(s)->numel() == out_features[s], "w8a8_folded_norm_linears: bias ", s, " must be [", out_features[s], "]");
-        outs.push_back(at::empty(with_last(x, out_features[s]), x.options()));
-        total += out_features[s];
-    }
-    at::Tensor normed;  // the norm's own output, in x's dtype, written by the same call
-    if (emit_normed) {
-        normed = at::empty(x.sizes(), x.options());
-        outs.insert(outs.begin(), normed);
-    }
-    const at::Tensor rows = rows_of(x, k);
-    if (rows.size(0) == 0) return outs;
-    const std::vector<float> norm_scale = fold_scale(norm_weight, offset);
-    std::vector<at::Tensor> scales, biases;  // the converted tensors the structs point into, alive through the call
-    qhf_weight structs[kMultiMax];
-    void *pointers[kMultiMax];
-    for (int64_t s = 0; s < count; ++s) {
-        const std::optional<at::Tensor> b = bias.get(s);
-        scales.push_back(fp32_contiguous(weight_scale[s]));
-        biases.push_back(b ? b->contiguous() : at::Tensor());
-        structs[s] = {w_packed[s].data_ptr<int8_t>(), wsum128[s].data_ptr<int32_t>(), scales[s].data_ptr<float>(),
-                      b ? biases[s].data_ptr() : nullptr, b ? dtype_code(biases[s]) : 0, out_features[s]};
-        pointers[s] = outs[s + (emit_normed ? 1 : 0)].data_ptr();
-    }
     const int code = dtype_code(x);
-    const int status = require(quasar::cpu_kernels().qhf_w8a8_linear_multi, "W8A8")(rows.data_ptr(), code, rows.size(0), k, rows.stride(0), norm_scale.data(),
-                                             static_cast<float>(eps), emit_normed ? normed.data_ptr() : nullptr,
-                                             w_packed[0].size(1) * 4, static_cast<int>(count),
-                                             structs, pointers, code, threads_for(total * k));
+    const int status = require(quasar::cpu_kernels().qhf_w8a8_linear_multi, "W8A8")(
+        rows.data_ptr(), code, rows.size(0), k, rows.stride(0), scale_in.data_ptr<float>(), static_cast<float>(eps),
+        w_packed.size(1) * 4, 1, &weight, outs, code, threads_for(n * k));
     TORCH_CHECK(status == 0, "fused W8A8 kernel could not allocate scratch for ", rows.size(0), "x", k, " activations");
-    return outs;
+    return out;
 }
 
 // quasar::rowstable_attention on CPU (query [B, H, Q, D],
@@ -316,56 +235,54 @@ at::Tensor native_w8a8_accumulators(const at::Tensor &x, const at::Tensor &w_pac
 // "<kernel> <build> <source>" of the build each kernel runs on this CPU (kernels without one are absent).
 std::vector<std::string> kernel_builds() { return quasar::cpu_kernels().chosen; }
 
-// Registers the functions above as the CPU implementations of the operators ops/torch_ops.py defines
-// (the dispatcher then prefers them to the plain-PyTorch CompositeExplicitAutograd ones). ops/native.py
-// calls it once, naming the operators whose kernel has a build here and passed its smoke test, so a
-// miscompiled kernel never serves an operator; the registrations last for the process.
-void register_cpu_kernels(std::vector<std::string> ops) {
-    static std::unique_ptr<torch::Library> impls;
-    TORCH_CHECK(!impls, "native_register_cpu_kernels: the CPU kernels are already registered");
-    impls = std::make_unique<torch::Library>(torch::Library::IMPL, "quasar", c10::DispatchKey::CPU, __FILE__, __LINE__);
-    for (const std::string &op : ops) {
-        if (op == "w8a8_linear_cpu_packed") impls->impl(op.c_str(), &native_w8a8_linear);
-        else if (op == "w8a8_folded_norm_linears_cpu_packed") impls->impl(op.c_str(), &native_folded_norm_linears);
-        else if (op == "rms_norm_quantize_rows") impls->impl(op.c_str(), &native_rms_norm_quantize_rows);
-        else if (op == "w8a8_linear_quantized_cpu_packed") impls->impl(op.c_str(), &native_w8a8_linear_quantized);
-        else if (op == "rowstable_attention") impls->impl(op.c_str(), &rowstable_attention_cpu);
-        else if (op == "rowstable_linear") impls->impl(op.c_str(), &rowstable_linear_cpu);
-        else if (op == "rms_norm") impls->impl(op.c_str(), &rms_norm_cpu);
-        else if (op == "hadamard_rows") impls->impl(op.c_str(), &hadamard_rows_cpu);
-        else TORCH_CHECK(false, "native_register_cpu_kernels: no C++ implementation of quasar::", op);
-    }
+// The CPU implementation of each operator ops/kernel_ops.py defines, by its name: the one table of
+// what this library serves. C++ defines no schema of its own; it registers implementations only.
+using Registrar = void (*)(torch::Library &, const char *);
+const std::map<std::string, Registrar> &implementations() {
+    static const std::map<std::string, Registrar> table = {
+        {"w8a8_linear_cpu_packed", [](torch::Library &l, const char *op) { l.impl(op, &native_w8a8_linear); }},
+        {"w8a8_folded_norm_linear_cpu_packed", [](torch::Library &l, const char *op) { l.impl(op, &native_folded_norm_linear); }},
+        {"w8a8_accumulators_cpu_packed", [](torch::Library &l, const char *op) { l.impl(op, &native_w8a8_accumulators); }},
+        {"rowstable_attention", [](torch::Library &l, const char *op) { l.impl(op, &rowstable_attention_cpu); }},
+        {"rowstable_linear", [](torch::Library &l, const char *op) { l.impl(op, &rowstable_linear_cpu); }},
+        {"rms_norm", [](torch::Library &l, const char *op) { l.impl(op, &rms_norm_cpu); }},
+        {"hadamard_rows", [](torch::Library &l, const char *op) { l.impl(op, &hadamard_rows_cpu); }},
+    };
+    return table;
+}
+
+// One registration per operator, so that ops/native.py can withdraw one whose smoke test fails (the
+// registration is dropped with its torch::Library) while the others keep serving.
+std::map<std::string, std::unique_ptr<torch::Library>> &registrations() {
+    static std::map<std::string, std::unique_ptr<torch::Library>> held;
+    return held;
+}
+
+void register_cpu_kernel(const std::string &op) {
+    const auto &table = implementations();
+    const auto found = table.find(op);
+    TORCH_CHECK(found != table.end(), "native_register_cpu_kernel: no C++ implementation of quasar::", op);
+    TORCH_CHECK(!registrations().count(op), "native_register_cpu_kernel: quasar::", op, " is already registered");
+    auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "quasar", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    found->second(*library, op.c_str());
+    registrations()[op] = std::move(library);
+}
+
+void unregister_cpu_kernel(const std::string &op) { registrations().erase(op); }
+
+std::vector<std::string> implemented_ops() {
+    std::vector<std::string> names;
+    for (const auto &entry : implementations()) names.push_back(entry.first);
+    return names;
 }
 
 }  // namespace
 
-// The library's own operators: each function above as quasar::native_<op> (what the smoke test calls
-// before anything is registered), the accumulators, the builds chosen here, and the call that registers.
+// The library's control functions (not operators of the model): which builds run here, which
+// operators it implements, and registering or withdrawing one implementation.
 TORCH_LIBRARY_FRAGMENT(quasar, m) {
-    m.def("native_w8a8_linear_cpu_packed(Tensor x, Tensor w_packed, Tensor wsum128, Tensor weight_scale, Tensor? bias, "
-          "Tensor? act_prescale, int out_features) -> Tensor");
-    m.def("native_w8a8_folded_norm_linears_cpu_packed(Tensor x, Tensor norm_weight, float eps, float offset, Tensor[] w_packed, "
-          "Tensor[] wsum128, Tensor[] weight_scale, Tensor?[] bias, int[] out_features, bool emit_normed) -> Tensor[]");
-    m.def("native_rms_norm_quantize_rows(Tensor x, Tensor norm_scale, float eps) -> Tensor[]");
-    m.def("native_w8a8_linear_quantized_cpu_packed(Tensor like, Tensor q, Tensor scale, Tensor w_packed, Tensor wsum128, "
-          "Tensor weight_scale, Tensor? bias, int out_features) -> Tensor");
-    m.def("native_rowstable_attention(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor");
-    m.def("native_rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-    m.def("native_rms_norm(Tensor x, Tensor weight, float eps, float offset, bool scale_in_float) -> Tensor");
-    m.def("native_hadamard_rows(Tensor x, Tensor signs, int blocks, int pow2, float scale) -> Tensor");
-    m.def("native_w8a8_accumulators(Tensor x, Tensor w_packed, Tensor wsum128, Tensor? act_prescale, int out_features) -> Tensor");
     m.def("native_kernel_builds() -> str[]", &kernel_builds);
-    m.def("native_register_cpu_kernels(str[] ops) -> ()", &register_cpu_kernels);
-}
-
-TORCH_LIBRARY_IMPL(quasar, CPU, m) {
-    m.impl("native_w8a8_linear_cpu_packed", &native_w8a8_linear);
-    m.impl("native_w8a8_folded_norm_linears_cpu_packed", &native_folded_norm_linears);
-    m.impl("native_rms_norm_quantize_rows", &native_rms_norm_quantize_rows);
-    m.impl("native_w8a8_linear_quantized_cpu_packed", &native_w8a8_linear_quantized);
-    m.impl("native_rowstable_attention", &rowstable_attention_cpu);
-    m.impl("native_rowstable_linear", &rowstable_linear_cpu);
-    m.impl("native_rms_norm", &rms_norm_cpu);
-    m.impl("native_hadamard_rows", &hadamard_rows_cpu);
-    m.impl("native_w8a8_accumulators", &native_w8a8_accumulators);
+    m.def("native_implemented_ops() -> str[]", &implemented_ops);
+    m.def("native_register_cpu_kernel(str op) -> ()", &register_cpu_kernel);
+    m.def("native_unregister_cpu_kernel(str op) -> ()", &unregister_cpu_kernel);
 }

@@ -1,5 +1,5 @@
 /* The C kernels' entry points that C++ calls too (native_ops.cpp), declared once: the W8A8 linears
- * (w8a8_vnni.c and w8a8_avx2.c define the same four), the row-stable attention (rowstable_attention.c),
+ * (w8a8_vnni.c and w8a8_avx2.c define the same two), the row-stable attention (rowstable_attention.c),
  * the row-stable float linear (rowstable_linear.c, rowstable_linear_avx2.c), the row-stable RMSNorm
  * (rms_norm_rows.c) and the Hadamard rotation of rows (hadamard_rows.h). Each defining file includes
  * this header, so a definition that drifts from its declaration fails to compile. Each build of a
@@ -31,14 +31,8 @@ int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_
                     int32_t *acc_out, int n_threads);
 
 int qhf_w8a8_linear_multi(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                          float norm_eps, void *normed, int64_t Kp, int G, const qhf_weight *weights,
-                          void *const *outs, int out_dtype, int n_threads);
-
-int qhf_w8a8_quantize_rows(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                           float norm_eps, void *normed, int8_t *q, float *scale);
-
-int qhf_w8a8_linear_quantized(const int8_t *q, const float *scale, int64_t M, int64_t K, int64_t Kp, int G,
-                              const qhf_weight *weights, void *const *outs, int out_dtype, int n_threads);
+                          float norm_eps, int64_t Kp, int G, const qhf_weight *weights, void *const *outs, int out_dtype,
+                          int n_threads);
 
 int qhf_rowstable_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q_sq, const void *k, int64_t k_sb,
                             int64_t k_sh, int64_t k_sn, const void *v, int64_t v_sb, int64_t v_sh, int64_t v_sn,
@@ -60,8 +54,7 @@ int qhf_hadamard_rows(const void *x, int64_t x_stride, int64_t rows, int dtype, 
 
 /* Each kernel's entry points, by the kernel names of kernel_builds.def: cpu_kernels.{h,cpp} declare,
  * hold and install every build's from these lists, so an entry point is named here and nowhere else. */
-#define QHF_ENTRIES_w8a8(X, b) X(qhf_w8a8_linear, b) X(qhf_w8a8_linear_multi, b) X(qhf_w8a8_quantize_rows, b) \
-    X(qhf_w8a8_linear_quantized, b)
+#define QHF_ENTRIES_w8a8(X, b) X(qhf_w8a8_linear, b) X(qhf_w8a8_linear_multi, b)
 #define QHF_ENTRIES_attention(X, b) X(qhf_rowstable_attention, b)
 #define QHF_ENTRIES_rowstable_linear(X, b) X(qhf_rowstable_linear, b)
 #define QHF_ENTRIES_rms_norm(X, b) X(qhf_rms_norm_rows, b)

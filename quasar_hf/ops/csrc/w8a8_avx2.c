@@ -120,14 +120,8 @@ static inline float hmax8(__m256 v) {
 }
 
 /* One row: aq[0:Kp] = q (int8), returns the epilogue scale; the rules of w8a8_vnni.c quantize_row. */
-static float quantize_row(const void *x, int dtype, const float *prescale, int64_t K, int64_t Kp, int8_t *aq, float norm_eps,
-                          void *normed) {
+static float quantize_row(const void *x, int dtype, const float *prescale, int64_t K, int64_t Kp, int8_t *aq, float norm_eps) {
     const float r = norm_eps >= 0.0f ? rms_factor(x, dtype, K, norm_eps) : 1.0f;
-    if (normed) { /* the norm's output row, (x * prescale) * r rounded once */
-        const __m256 vr = _mm256_set1_ps(r);
-        for (int64_t k = 0; k < K; k += 8)
-            store8(normed, dtype, k, _mm256_mul_ps(row8(x, dtype, prescale, k, K), vr), K - k < 8 ? (int)(K - k) : 8);
-    }
     __m256 vmax = _mm256_setzero_ps();
     __m256i nonfinite = _mm256_setzero_si256();
     const __m256i abs_bits = _mm256_set1_epi32(0x7fffffff), below_inf = _mm256_set1_epi32(0x7f7fffff);
@@ -239,13 +233,6 @@ static void gemm_range(const gemm_args *g, int64_t nb_begin, int64_t nb_end) {
 
 typedef int8_t act_t; /* q itself */
 
-static inline void load_row(act_t *aq, const int8_t *q, int64_t K, int64_t Kp) {
-    memcpy(aq, q, (size_t)K);
-    memset(aq + K, 0, (size_t)(Kp - K));
-}
-
-static inline int8_t stored_q(act_t a) { return a; }
-
 static inline gemm_args segment_args(const qhf_weight *w, void *out, int out_dtype, int64_t M, int64_t Kp) {
     gemm_args g = {NULL, NULL, w->w_packed, w->w_scale, w->bias, (int)w->bias_dtype, out, out_dtype, w->N, NULL, M, w->N, Kp};
     return g;
@@ -259,5 +246,5 @@ int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_
                     int32_t *acc_out, int n_threads) {
     (void)wsum128;
     gemm_args g = {NULL, NULL, w_packed, w_scale, bias, bias_dtype, out, out_dtype, out_stride, acc_out, M, N, Kp};
-    return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, NULL, NULL, NULL, Kp, &g, 1, n_threads);
+    return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, Kp, &g, 1, n_threads);
 }

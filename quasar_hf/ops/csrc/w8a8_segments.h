@@ -1,11 +1,10 @@
-/* The W8A8 kernels' driver, shared by both builds (w8a8_vnni.c, w8a8_avx2.c): rows quantized once (or
- * taken already quantized), then every weight's GEMM with the threads splitting the weights' channel
+/* The W8A8 kernels' driver, shared by both builds (w8a8_vnni.c, w8a8_avx2.c): rows quantized once,
+ * then every weight's GEMM with the threads splitting the weights' channel
  * blocks as one range, and the entry points made of it. The including file defines, before it:
  *   act_t                    its activation byte (uint8_t q + 128 for VNNI, int8_t q for AVX2)
  *   gemm_args                with aq (const act_t *), a_scale and N
  *   quantize_row(...)        one row of x into act_t [Kp], returning its epilogue scale
  *   gemm_range(g, lo, hi)    channel blocks [lo, hi) of one weight, all rows
- *   load_row(aq, q, K, Kp)   int8 q [K] -> its act_t row [Kp] (padded); stored_q(a) the other way
  *   segment_args(w, out, out_dtype, M, Kp)  a gemm_args for one qhf_weight
  * Every arithmetic step is in those functions: this file only orders calls, so both builds keep one
  * numerics. */
@@ -25,13 +24,10 @@ static void gemm_share(gemm_args *g, int G, int64_t nblocks, int t, int nt) {
     }
 }
 
-/* The rows of x quantized (q == NULL: times prescale, an RMSNorm folded in when norm_eps >= 0, its
- * output written to normed if not NULL) or rows already quantized (q int8 [M, K], q_scale [M]) laid
- * out once into aq / a_scale (filled in every g[s]), then every segment's GEMM. Returns 0 or 1 (no
- * scratch memory). */
+/* The rows of x (times prescale, an RMSNorm folded in when norm_eps >= 0) quantized once into aq /
+ * a_scale (filled in every g[s]), then every segment's GEMM. Returns 0 or 1 (no scratch memory). */
 static int run_segments(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                        float norm_eps, void *normed, const int8_t *q, const float *q_scale, int64_t Kp, gemm_args *g,
-                        int G, int n_threads) {
+                        float norm_eps, int64_t Kp, gemm_args *g, int G, int n_threads) {
     int64_t nblocks = 0;
     for (int s = 0; s < G; ++s) nblocks += (g[s].N + 15) / 16;
     act_t *aq = (act_t *)aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64));
@@ -49,15 +45,8 @@ static int run_segments(const void *x, int x_dtype, int64_t M, int64_t K, int64_
         nt = omp_get_num_threads();
 #endif
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m) {
-            if (q) {
-                load_row(aq + m * Kp, q + m * K, K, Kp);
-                a_scale[m] = q_scale[m];
-            } else {
-                a_scale[m] = quantize_row((const char *)x + (size_t)(m * x_stride) * elem, x_dtype, prescale, K, Kp,
-                                          aq + m * Kp, norm_eps, normed ? (char *)normed + (size_t)(m * K) * elem : NULL);
-            }
-        }
+        for (int64_t m = 0; m < M; ++m)
+            a_scale[m] = quantize_row((const char *)x + (size_t)(m * x_stride) * elem, x_dtype, prescale, K, Kp, aq + m * Kp, norm_eps);
         /* implicit barrier: all rows laid out before any thread reads them */
         gemm_share(g, G, nblocks, t, nt);
     }
@@ -68,45 +57,15 @@ static int run_segments(const void *x, int x_dtype, int64_t M, int64_t K, int64_
 
 /* outs[s][M, N_s] = W8A8(x[M, K]) with weights[s], s < G <= MULTI_MAX: x quantized once, the same
  * bits as G qhf_w8a8_linear calls (contiguous outputs in out_dtype). norm_eps >= 0: x is an
- * RMSNorm's input and prescale its weight, folded into the quantization (see quantize_row); normed
- * (contiguous [M, K] in x_dtype, or NULL) then receives the norm's output. Returns 0, 1 (no scratch
- * memory) or 2 (G out of range). */
+ * RMSNorm's input and prescale its weight, folded into the quantization (see quantize_row). Returns
+ * 0, 1 (no scratch memory) or 2 (G out of range). */
 int qhf_w8a8_linear_multi(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                          float norm_eps, void *normed, int64_t Kp, int G, const qhf_weight *weights,
+                          float norm_eps, int64_t Kp, int G, const qhf_weight *weights,
                           void *const *outs, int out_dtype, int n_threads) {
     if (G < 1 || G > MULTI_MAX) return 2;
     gemm_args g[MULTI_MAX];
     for (int s = 0; s < G; ++s) g[s] = segment_args(&weights[s], outs[s], out_dtype, M, Kp);
-    return run_segments(x, x_dtype, M, K, x_stride, prescale, norm_eps, normed, NULL, NULL, Kp, g, G, n_threads);
-}
-
-/* q[M, K] (int8, the reference's per-token values) and scale[M] = W8A8's quantization of x (times
- * prescale; norm_eps >= 0 folds an RMSNorm in, as in qhf_w8a8_linear_multi, and normed, if not NULL,
- * receives the norm's output), each row alone: what qhf_w8a8_linear_quantized takes. Returns 0 or 1. */
-int qhf_w8a8_quantize_rows(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
-                           float norm_eps, void *normed, int8_t *q, float *scale) {
-    const int64_t Kp = (K + 3) / 4 * 4;
-    act_t *row = (act_t *)malloc((size_t)Kp);
-    if (!row) return 1;
-    const size_t elem = x_dtype == DT_F32 ? 4 : 2;
-    for (int64_t m = 0; m < M; ++m) {
-        scale[m] = quantize_row((const char *)x + (size_t)(m * x_stride) * elem, x_dtype, prescale, K, Kp, row, norm_eps,
-                                normed ? (char *)normed + (size_t)(m * K) * elem : NULL);
-        for (int64_t k = 0; k < K; ++k) q[m * K + k] = stored_q(row[k]);
-    }
-    free(row);
-    return 0;
-}
-
-/* outs[s][M, N_s] = the W8A8 GEMM and epilogue of each weight on rows already quantized (q [M, K]
- * int8 and scale [M] from qhf_w8a8_quantize_rows): the same bits as qhf_w8a8_linear_multi on the
- * rows they came from. Returns 0, 1 (no scratch memory) or 2 (G out of range). */
-int qhf_w8a8_linear_quantized(const int8_t *q, const float *scale, int64_t M, int64_t K, int64_t Kp, int G,
-                              const qhf_weight *weights, void *const *outs, int out_dtype, int n_threads) {
-    if (G < 1 || G > MULTI_MAX) return 2;
-    gemm_args g[MULTI_MAX];
-    for (int s = 0; s < G; ++s) g[s] = segment_args(&weights[s], outs[s], out_dtype, M, Kp);
-    return run_segments(NULL, DT_F32, M, K, 0, NULL, -1.0f, NULL, q, scale, Kp, g, G, n_threads);
+    return run_segments(x, x_dtype, M, K, x_stride, prescale, norm_eps, Kp, g, G, n_threads);
 }
 
 #endif

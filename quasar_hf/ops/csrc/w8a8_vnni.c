@@ -89,18 +89,10 @@ static float rms_factor(const void *x, int dtype, int64_t K, float eps) {
  * reciprocal(t) * 127, so the same two roundings are used here.
  * norm_eps >= 0 folds an RMSNorm in: per-token quantization ignores a row's scale factor, so the
  * row is quantized un-normalized (prescale = the norm's weight) and the epilogue scale carries
- * rms_factor; a zero row keeps scale 0. normed (K elements in x's dtype, or NULL) receives the
- * normalized row itself, for readers of the norm's output other than the W8A8 linears. */
+ * rms_factor; a zero row keeps scale 0. */
 static float quantize_row(const void *x, int dtype, const float *prescale, int64_t K, int64_t Kp, uint8_t *aq,
-                          float norm_eps, void *normed) {
+                          float norm_eps) {
     const float r = norm_eps >= 0.0f ? rms_factor(x, dtype, K, norm_eps) : 1.0f;
-    if (normed) { /* the norm's output row, (x * prescale) * r rounded once (reference.rmsnorm_reference) */
-        const __m512 vr = _mm512_set1_ps(r);
-        for (int64_t k = 0; k < K; k += 16) {
-            __mmask16 m = tail_mask(K - k);
-            store16(normed, dtype, k, _mm512_mul_ps(row16(x, dtype, prescale, k, m), vr), m);
-        }
-    }
     __m512 vmax = _mm512_setzero_ps();
     __mmask16 nonfinite = 0;
     const __m512i abs_bits = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
@@ -216,13 +208,6 @@ static void gemm_range(const gemm_args *g, int64_t nb_begin, int64_t nb_end) {
 
 typedef uint8_t act_t; /* q + 128 */
 
-static inline void load_row(act_t *aq, const int8_t *q, int64_t K, int64_t Kp) {
-    for (int64_t k = 0; k < K; ++k) aq[k] = (uint8_t)q[k] ^ 0x80; /* q -> q + 128 */
-    for (int64_t k = K; k < Kp; ++k) aq[k] = 128;
-}
-
-static inline int8_t stored_q(act_t a) { return (int8_t)(a ^ 0x80); }
-
 static inline gemm_args segment_args(const qhf_weight *w, void *out, int out_dtype, int64_t M, int64_t Kp) {
     gemm_args g = {NULL, NULL, w->w_packed, w->wsum128, w->w_scale, w->bias, (int)w->bias_dtype, out, out_dtype, w->N,
                    NULL, M, w->N, Kp};
@@ -239,5 +224,5 @@ int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_
                     int32_t *acc_out, int n_threads) {
     gemm_args g = {NULL, NULL, w_packed, wsum128, w_scale, bias, bias_dtype, out, out_dtype, out_stride,
                    acc_out, M, N, Kp};
-    return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, NULL, NULL, NULL, Kp, &g, 1, n_threads);
+    return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, Kp, &g, 1, n_threads);
 }

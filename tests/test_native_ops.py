@@ -1,13 +1,11 @@
-"""The post-grad pass of compiled steps (ops/graph_passes.py) and the C++ implementations of the ops
-(ops/native.py).
+"""The C++ implementations of the ops (ops/native.py), and what a compiled step's graph calls.
 
-- `quasar::w8a8_folded_norm_linears_cpu_packed` gives each consumer the bits an eager consumer computes
-  (the reference oracle), and passes opcheck.
-- The pass folds exactly the groups it may (a synthetic FX graph: an act_prescale, another backend or
-  another reader of the norm's output leaves a linear alone), and rewrites nothing else.
+- `quasar::w8a8_folded_norm_linear_cpu_packed` gives the reference oracle's bits, and
+  passes opcheck.
 - The C++ implementations compute their oracles' bits on ragged shapes, M = 1 included.
-- A tiny W8A8 Llama compiled by Inductor with the pass: one folded op per group, verify rows equal
-  decode steps, every op of the step served by C++ on CPU.
+- A tiny W8A8 Llama compiled by Inductor with the default CompileConfig (no graph pass): the modules'
+  own fused ops, one per norm-folded group, verify rows equal decode steps, every op of the step
+  served by C++ on CPU.
 """
 
 from __future__ import annotations
@@ -17,17 +15,18 @@ import collections
 import pytest
 import torch
 import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from quasar_hf.compat import default_compile_config as compile_config
 from quasar_hf.ops import cpu_fused, dispatch, native
-from quasar_hf.ops.graph_passes import FoldNormsIntoW8A8Linears, compile_config, fold_group
 from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_reference
 from quasar_hf.ops.reference import (
     attention_reference,
     quantize_weight_per_channel,
     rowstable_linear_reference,
     rowstable_rms_norm_reference,
-    w8a8_folded_group_reference,
     w8a8_linear_reference,
+    w8a8_linear_rmsnorm_reference,
 )
 
 needs_cpu_fused = pytest.mark.skipif(not cpu_fused.is_available(), reason="the fused CPU W8A8 kernel is unavailable here")
@@ -46,84 +45,40 @@ def _weights(sizes=(24, 17, 9), k=40, seed=0):
     return weights
 
 
-def _group_args(x, norm_weight, eps, offset, weights, emit_normed=False):
-    """The folded op's arguments for `weights` [(int8 [N, K], scale, bias)], packed here."""
-    packs = [cpu_fused.pack_weight(w) for w, _, _ in weights]
-    return (
-        x, norm_weight, eps, offset, [p.data for p in packs], [p.wsum128 for p in packs],
-        [s for _, s, _ in weights], [b for _, _, b in weights], [w.shape[0] for w, _, _ in weights], emit_normed,
-    )  # fmt: skip
+def _folded_args(x, norm_scale, eps, weight):
+    """The folded op's arguments for `weight` (int8 [N, K], scale, bias), packed here."""
+    w_q, w_scale, bias = weight
+    pack = cpu_fused.pack_weight(w_q)
+    return x, norm_scale, eps, pack.data, pack.wsum128, w_scale, bias, w_q.shape[0]
 
 
 @needs_cpu_fused
 @pytest.mark.parametrize("rows", [1, 6])
-def test_folded_op_gives_the_eager_groups_bits(rows):
-    weights = _weights()
+def test_folded_op_gives_the_oracle_bits(rows):
     x = torch.randn(1, rows, 40).bfloat16()
-    norm_weight = torch.randn(40).bfloat16()
-    for emit_normed in (False, True):  # with it, the norm's own output first (eager FoldedRMSNorm's call)
-        args = _group_args(x, norm_weight, 1e-5, 1.0, weights, emit_normed)
-        torch.library.opcheck(
-            ops.w8a8_folded_norm_linears_cpu_packed.default, args, test_utils=("test_schema", "test_faketensor")
+    x[0, 0] = 0  # a zero row: the bias
+    norm_scale = 1.0 + torch.randn(40).bfloat16().float()
+    for weight in _weights():
+        args = _folded_args(x, norm_scale, 1e-5, weight)
+        torch.library.opcheck(ops.w8a8_folded_norm_linear_cpu_packed.default, args, test_utils=("test_schema", "test_faketensor"))
+        assert torch.equal(
+            ops.w8a8_folded_norm_linear_cpu_packed(*args), w8a8_linear_rmsnorm_reference(x, norm_scale, 1e-5, *weight)
         )
-        outputs = ops.w8a8_folded_norm_linears_cpu_packed(*args)
-        expected = w8a8_folded_group_reference(x, weights, 1.0 + norm_weight.float(), 1e-5)[0 if emit_normed else 1 :]
-        assert all(torch.equal(y, e) for y, e in zip(outputs, expected, strict=True))
 
 
 @needs_cpu_fused
-def test_folded_op_fake_names_a_weight_that_does_not_fit():
-    args = list(_group_args(torch.randn(2, 40), torch.ones(40), 1e-5, 0.0, _weights(sizes=(8,))))
-    args[-2] = [9]  # rows the packed weight does not hold
+def test_folded_op_fake_names_what_does_not_fit():
+    args = list(_folded_args(torch.randn(2, 40), torch.ones(40), 1e-5, _weights(sizes=(8,))[0]))
+    args[-1] = 9  # rows the packed weight does not hold
     with pytest.raises(Exception, match=r"weight_scale \[9\]"):  # opcheck wraps the ValueError of the fake
-        torch.library.opcheck(ops.w8a8_folded_norm_linears_cpu_packed.default, args, test_utils=("test_faketensor",))
-
-
-def _group_graph(prescale: bool = False, backend: str = "cpu_fused", other_reader: bool = False):
-    """x -> quasar::rms_norm -> two W8A8 linear ops (q, k), as a compiled Llama layer traces."""
-    graph = torch.fx.Graph()
-    x, weight = graph.placeholder("x"), graph.placeholder("norm_weight")
-    linear_args = []  # placeholders first, as Dynamo lays out graphs
-    for name in ("q", "k"):
-        w_q, w_scale, data, sums = (graph.placeholder(f"{name}_{part}") for part in ("weight", "scale", "data", "sums"))
-        pre = graph.placeholder(f"{name}_prescale") if prescale else None
-        if backend == "cpu_fused":  # what W8A8Linear calls on "cpu_fused"
-            linear_args.append((ops.w8a8_linear_cpu_packed.default, (data, sums, w_scale, None, pre, 24 if name == "q" else 8)))
-        else:
-            linear_args.append((ops.w8a8_linear.default, (w_q, w_scale, None, pre, [data], backend)))
-    norm = graph.call_function(ops.rms_norm.default, (x, weight, 1e-5, 0.0, False))
-    outputs = [graph.call_function(op, (norm, *args)) for op, args in linear_args]
-    if other_reader:
-        outputs.append(graph.call_function(torch.ops.aten.neg.default, (norm,)))
-    graph.output(tuple(outputs))
-    return graph
+        torch.library.opcheck(ops.w8a8_folded_norm_linear_cpu_packed.default, args, test_utils=("test_faketensor",))
+    args = list(_folded_args(torch.randn(2, 40), torch.ones(40).bfloat16(), 1e-5, _weights(sizes=(8,))[0]))
+    with pytest.raises(Exception, match=r"norm_scale must be fp32 \[40\]"):
+        torch.library.opcheck(ops.w8a8_folded_norm_linear_cpu_packed.default, args, test_utils=("test_faketensor",))
 
 
 def _targets(graph) -> collections.Counter:
     return collections.Counter(str(node.target) for node in graph.nodes if node.op == "call_function")
-
-
-def test_the_pass_folds_a_norm_and_its_linears_into_one_op():
-    graph = _group_graph()
-    norm = next(n for n in graph.nodes if n.target is ops.rms_norm.default)
-    assert fold_group(graph, norm) == 2
-    graph.lint()
-    assert _targets(graph) == {"quasar.w8a8_folded_norm_linears_cpu_packed.default": 1, "<built-in function getitem>": 2}
-
-
-@pytest.mark.parametrize("case", ["prescale", "backend", "other_reader"])
-def test_the_pass_leaves_what_it_cannot_fold(case):
-    graph = _group_graph(
-        prescale=case == "prescale", backend="torch" if case == "backend" else "cpu_fused", other_reader=case == "other_reader"
-    )
-    norm = next(n for n in graph.nodes if n.target is ops.rms_norm.default)
-    folded = fold_group(graph, norm)
-    targets = _targets(graph)
-    if case == "other_reader":  # the linears fold; the other reader keeps reading the norm's own output
-        assert folded == 2 and targets["quasar.rms_norm.default"] == 1 and targets["aten.neg.default"] == 1
-    else:
-        linear = "quasar.w8a8_linear.default" if case == "backend" else "quasar.w8a8_linear_cpu_packed.default"
-        assert folded == 0 and targets[linear] == 2 and targets["quasar.rms_norm.default"] == 1
 
 
 @needs_native
@@ -138,10 +93,10 @@ def test_cpp_w8a8_and_attention_compute_the_oracles_bits(rows):
         expected = w8a8_linear_reference(x, w_q, w_scale, bias, prescale)
         actual = ops.w8a8_linear_cpu_packed(x, pack.data, pack.wsum128, w_scale, bias, prescale, w_q.shape[0])
         assert torch.equal(actual, expected)
-    norm = torch.randn(40).bfloat16()
-    args = _group_args(x, norm, 1e-6, 0.0, weights, emit_normed=True)
-    expected = w8a8_folded_group_reference(x, weights, norm.float(), 1e-6)
-    assert all(torch.equal(a, b) for a, b in zip(ops.w8a8_folded_norm_linears_cpu_packed(*args), expected, strict=True))
+    norm_scale = 1.0 + torch.randn(40).bfloat16().float()
+    for weight in weights:
+        expected = w8a8_linear_rmsnorm_reference(x, norm_scale, 1e-6, *weight)
+        assert torch.equal(ops.w8a8_folded_norm_linear_cpu_packed(*_folded_args(x, norm_scale, 1e-6, weight)), expected)
     query = torch.randn(2, 6, rows, 16).bfloat16()
     key, value = torch.randn(2, 3, rows + 5, 16).bfloat16(), torch.randn(2, 3, rows + 5, 16).bfloat16()
     visible = torch.rand(2, rows, rows + 5) > 0.4
@@ -183,19 +138,21 @@ def _has_cpu_kernel(target: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
 
 
-class _Recording(FoldNormsIntoW8A8Linears):
-    """The pass, noting which quasar ops each graph holds after it ran."""
+class _Recording(CustomGraphPass):
+    """An observer in Inductor's post-grad slot: notes which quasar ops each graph holds, changes nothing."""
 
     def __init__(self) -> None:
         self.after: list[collections.Counter] = []
 
     def __call__(self, graph) -> None:
-        super().__call__(graph)
         self.after.append(collections.Counter({t: c for t, c in _targets(graph).items() if t.startswith("quasar.")}))
+
+    def uuid(self) -> bytes:
+        return b"recording"
 
 
 @needs_cpu_fused
-def test_inductor_with_the_pass_folds_every_group_and_stays_row_stable(tmp_path):
+def test_inductor_graph_calls_one_fused_op_per_group_and_stays_row_stable(tmp_path):
     from tests.test_compiled_rows import quasar_model, verify_and_decode_rows
 
     model = quasar_model(tmp_path, "llama", torch.bfloat16)
@@ -203,21 +160,20 @@ def test_inductor_with_the_pass_folds_every_group_and_stays_row_stable(tmp_path)
     options = dict(compile_config(torch.device("cpu")).options, post_grad_custom_post_pass=recording)
     torch._dynamo.reset()
     compiled = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
-    with torch.no_grad(), torch._inductor.utils.fresh_cache():  # an on-disk cache hit would skip the pass
+    with torch.no_grad(), torch._inductor.utils.fresh_cache():  # an on-disk cache hit would skip the observer
         verify, decode = verify_and_decode_rows(model, compiled)
     assert torch.equal(verify, decode)
-    assert len(recording.after) >= 2  # the pass ran on the verify and the decode graph
-    for counts in recording.after:  # 2 layers: 2 folded groups each, o/down linears alone, the final norm
-        assert counts["quasar.w8a8_folded_norm_linears_cpu_packed.default"] == 4
+    assert len(recording.after) >= 2  # the verify and the decode graph
+    for counts in recording.after:  # 2 layers: 2 norm-folded groups each, o/down linears alone, the final norm
+        assert counts["quasar.w8a8_folded_norm_linear_cpu_packed.default"] == 4
         assert counts["quasar.rms_norm.default"] == 1 and counts["quasar.rowstable_linear.default"] == 1
         if native.is_available():  # no op of the step calls back into Python: each has a C++ CPU kernel
             assert all(_has_cpu_kernel(target) for target in counts), counts
 
 
-def test_default_compile_config_installs_the_pass():
-    options = compile_config(torch.device("cpu")).options
-    assert isinstance(options["post_grad_custom_post_pass"], FoldNormsIntoW8A8Linears)
-    assert "post_grad_custom_post_pass" not in compile_config(torch.device("cuda")).options  # CPU ops only
+def test_default_compile_config_installs_no_graph_pass():
+    for device in ("cpu", "cuda"):
+        assert "post_grad_custom_post_pass" not in compile_config(torch.device(device)).options
     assert dispatch.resolve_backend("auto", "cpu") in dispatch.available_backends("cpu")
 
 
@@ -229,6 +185,32 @@ def test_without_a_cxx_compiler_the_native_ops_say_why(monkeypatch, tmp_path):
 
 
 @needs_native
+def test_cpp_defines_no_schema_and_a_withdrawn_implementation_stops_serving():
+    """C++ registers implementations of the table's schemas only; one whose smoke test fails is withdrawn
+    (ops/native.py), and the op's plain-PyTorch fallback serves again."""
+    from quasar_hf.ops.torch_ops import OPS
+
+    own = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("quasar::native_")}
+    assert own == {
+        f"quasar::native_{n}" for n in ("kernel_builds", "implemented_ops", "register_cpu_kernel", "unregister_cpu_kernel")
+    }
+    assert set(ops.native_implemented_ops()) <= {op.name for op in OPS if op.kernel}
+    spec = next(op for op in OPS if op.name == "rowstable_linear")
+    args = spec.sample(torch.Generator().manual_seed(0))
+    ops.native_unregister_cpu_kernel("rowstable_linear")
+    try:
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key("quasar::rowstable_linear", "CPU")
+        assert torch.equal(ops.rowstable_linear(*args), spec.fallback(*args))
+    finally:
+        ops.native_register_cpu_kernel("rowstable_linear")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("quasar::rowstable_linear", "CPU")
+    with pytest.raises(RuntimeError, match="already registered"):
+        ops.native_register_cpu_kernel("rowstable_linear")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ implementation"):
+        ops.native_register_cpu_kernel("w8a8_linear")
+
+
+@needs_native
 def test_native_ops_pass_opcheck():
     """Schema and fake of each op with a C++ CPU implementation against its real output."""
     x = torch.randn(2, 3, 40).bfloat16()
@@ -237,9 +219,8 @@ def test_native_ops_pass_opcheck():
     query, key = torch.randn(1, 4, 3, 8).bfloat16(), torch.randn(1, 2, 5, 8).bfloat16()
     cases = {
         ops.w8a8_linear_cpu_packed.default: (x, pack.data, pack.wsum128, torch.rand(24), None, None, 24),
-        ops.w8a8_folded_norm_linears_cpu_packed.default: _group_args(
-            x, torch.randn(40).bfloat16(), 1e-6, 0.0, _weights(sizes=(24,))
-        ),
+        ops.w8a8_folded_norm_linear_cpu_packed.default: _folded_args(x, torch.rand(40) + 0.5, 1e-6, _weights(sizes=(24,))[0]),
+        ops.w8a8_accumulators_cpu_packed.default: (x, pack.data, pack.wsum128, None, 24),
         ops.rowstable_attention.default: (query, key, key.clone(), None, 0.3),
         ops.rowstable_linear.default: (x, torch.randn(9, 40).bfloat16(), None),
         ops.rms_norm.default: (x, torch.randn(40), 1e-6, 0.0, False),

@@ -1,0 +1,223 @@
+"""Fuse at load, split when saving: each RMSNorm and the W8A8 projections it feeds become one
+NormFoldedW8A8Linear (nn/norm_folded_linear.py), with checkpoint names unchanged.
+
+`fuse_projections(model)` runs once a Quasar model is loaded or quantized. For each fold group of the
+architecture spec (a norm and the linears it feeds: q/k/v, gate/up; Phi-3's qkv_proj alone) whose
+members are all plain W8A8Linears on one device with no act_prescale and alike biases, it stacks the
+members' int8 weights, scales and biases into one W8A8Linear, puts a NormFoldedW8A8Linear where the
+norm was and a FusedProjectionSlice where each member was. Groups that do not qualify, layers that
+Accelerate dispatches, and models quantized with custom SmoothQuant mappings (whose layer forward
+quasar_hf does not know) stay unfused: their norms run alone and each projection quantizes the
+norm's rounded output.
+
+The decoder layer gets two torch state-dict hooks (an extension point of every nn.Module): saving
+splits each stacked tensor back into the members' `weight` / `weight_scale` / `bias`, and loading
+stacks them, so `state_dict()`, `load_state_dict`, `save_pretrained`, resume and export see exactly
+the names and values of the unfused model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from quasar_hf import compat
+from quasar_hf.architectures import UnknownArchitectureError, spec_for
+from quasar_hf.hf.sequential import set_submodule
+from quasar_hf.nn.norm_folded_linear import FusedProjectionSlice, NormFoldedW8A8Linear, rmsnorm_epsilon
+from quasar_hf.nn.rowstable_norm import RowStableRMSNorm
+from quasar_hf.nn.w8a8_linear import W8A8Linear
+from quasar_hf.smoothquant.mappings import decoder_layers_at
+
+STACKED = ("weight", "weight_scale", "bias")  # the W8A8Linear tensors stacked along output rows
+
+
+def fuse_projections(model: nn.Module, custom_mappings: dict | None = None) -> int:
+    """Fuse every qualifying fold group of `model` (see the module docstring); returns how many."""
+    if custom_mappings is not None:
+        return 0
+    try:
+        spec = spec_for(model)
+    except UnknownArchitectureError:
+        return 0
+    fused = 0
+    for layer in decoder_layers_at(model, spec.layers_path):
+        if compat.has_accelerate_hook(layer):
+            continue
+        layer_fused = 0
+        for group in spec.fold_groups:
+            layer_fused += _fuse_group(layer, group.smooth, group.balance)
+        if layer_fused:
+            layer.register_state_dict_post_hook(split_fused_state)
+            layer.register_load_state_dict_pre_hook(stack_fused_state)
+        fused += layer_fused
+    return fused
+
+
+def _fuse_group(layer: nn.Module, norm_path: str, member_paths: tuple[str, ...]) -> int:
+    if "." in norm_path:  # the fused module's members are named from the layer it is a child of
+        return 0
+    try:
+        norm = layer.get_submodule(norm_path)
+        members = [layer.get_submodule(path) for path in member_paths]
+    except AttributeError:  # a layer shaped unlike the spec's: left as it is
+        return 0
+    if not _fusable(norm, members):
+        return 0
+    stacked = _stack(members)
+    columns, start = [], 0
+    for path, member in zip(member_paths, members):
+        columns.append((path, start, start + member.out_features))
+        start += member.out_features
+    fused = NormFoldedW8A8Linear(norm, stacked, columns)
+    set_submodule(layer, norm_path, fused)
+    for path, first, stop in columns:
+        set_submodule(layer, path, FusedProjectionSlice(first, stop, start, norm_path))
+    return 1
+
+
+def _fusable(norm: nn.Module, members: list[nn.Module]) -> bool:
+    """Members that stack into one linear the fold computes exactly as each alone (a RotatedW8A8Linear
+    quantizes x Q, not the norm's output; an act_prescale would be replaced by the fold's scale)."""
+    if rmsnorm_epsilon(norm) is None or compat.has_accelerate_hook(norm) or not members:
+        return False
+    if not all(type(m) is W8A8Linear and m.act_prescale is None and not compat.has_accelerate_hook(m) for m in members):
+        return False
+    first = members[0]
+    return (
+        all(
+            m.in_features == first.in_features
+            and m.weight.device == first.weight.device != torch.device("meta")
+            and m.backend == first.backend
+            and (m.bias is None) == (first.bias is None)
+            and (m.bias is None or m.bias.dtype == first.bias.dtype)
+            for m in members
+        )
+        and norm.weight.device == first.weight.device
+    )
+
+
+def _stack(members: list[W8A8Linear]) -> W8A8Linear:
+    first = members[0]
+    return _w8a8_like(
+        first, {t: torch.cat([getattr(m, t).detach() for m in members]) for t in STACKED if getattr(first, t) is not None}
+    )
+
+
+def _w8a8_like(like: W8A8Linear, tensors: dict[str, torch.Tensor]) -> W8A8Linear:
+    """A W8A8Linear on `like`'s backend holding `tensors` (weight, weight_scale, bias), prepared."""
+    weight = tensors["weight"]
+    bias = tensors.get("bias")
+    linear = W8A8Linear(
+        weight.shape[1],
+        weight.shape[0],
+        bias=bias is not None,
+        backend=like.backend,
+        bias_dtype=None if bias is None else bias.dtype,
+        device=torch.device("meta"),
+    )
+    for name, tensor in tensors.items():
+        linear.register_buffer(name, tensor)
+    linear.prepare()
+    return linear
+
+
+def unfuse_projections(model: nn.Module) -> int:
+    """Undo fuse_projections: each member a W8A8Linear of its own rows again, and the norm back as a
+    RowStableRMSNorm over the same Parameter, as in a group that was never fused (measurements compare
+    the two). Returns the number of groups split."""
+    split = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, NormFoldedW8A8Linear):
+            continue
+        layer_name, _, norm_attr = name.rpartition(".")
+        _unfuse_in(model.get_submodule(layer_name), norm_attr, module)
+        split += 1
+    return split
+
+
+@contextlib.contextmanager
+def projections_apart(model: nn.Module) -> Iterator[int]:
+    """Within the block, every fused group is split (each projection a W8A8Linear of its own, each norm
+    alone: the checkpoint's layout, for code that reads or hooks single projections); after it, fused
+    again with the same tensors. Yields how many groups were split. Not for a model another thread runs."""
+    split = unfuse_projections(model)
+    try:
+        yield split
+    finally:
+        if split:
+            qconfig = getattr(getattr(model, "config", None), "quantization_config", None)
+            custom = (
+                qconfig.get("smoothquant_mappings")
+                if isinstance(qconfig, dict)
+                else getattr(qconfig, "smoothquant_mappings", None)
+            )
+            fuse_projections(model, custom)
+
+
+def _unfuse_in(layer: nn.Module, norm_attr: str, fused: NormFoldedW8A8Linear) -> None:
+    stacked = fused.linear
+    for path, start, stop in fused.members:
+        rows = {t: getattr(stacked, t)[start:stop].clone() for t in STACKED if getattr(stacked, t) is not None}
+        set_submodule(layer, path, _w8a8_like(stacked, rows))
+    setattr(layer, norm_attr, RowStableRMSNorm(fused.unfolded[0]))  # what an unfused group's norm runs
+
+
+def _fused_modules(layer: nn.Module) -> list[tuple[str, NormFoldedW8A8Linear]]:
+    return [(name, m) for name, m in layer.named_modules() if isinstance(m, NormFoldedW8A8Linear)]
+
+
+def split_fused_state(layer: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict post-hook of a fused layer: each stacked tensor becomes its members' own (copies)."""
+    for name, fused in _fused_modules(layer):
+        for tensor in STACKED:
+            stacked = state_dict.pop(f"{prefix}{name}.linear.{tensor}", None)
+            if stacked is None:
+                continue
+            for path, start, stop in fused.members:
+                state_dict[f"{prefix}{path}.{tensor}"] = stacked[start:stop].clone()
+
+
+def stack_fused_state(
+    layer: nn.Module,
+    state_dict: dict,
+    prefix: str,
+    local_metadata: dict,
+    strict: bool,
+    missing: list,
+    unexpected: list,
+    errors: list,
+) -> None:
+    """Load-state-dict pre-hook of a fused layer: the members' tensors stacked under the fused linear's
+    names. A group given only some of its members' tensors is an error naming the absent ones."""
+    for name, fused in _fused_modules(layer):
+        for tensor in STACKED:
+            keys = [f"{prefix}{path}.{tensor}" for path, _, _ in fused.members]
+            present = [key in state_dict for key in keys]
+            if all(present):
+                state_dict[f"{prefix}{name}.linear.{tensor}"] = torch.cat([state_dict.pop(key) for key in keys])
+            elif any(present):
+                absent = [key for key, there in zip(keys, present) if not there]
+                errors.append(f"{', '.join(absent)} missing: {prefix}{name} stacks {len(keys)} projections and loads all or none")
+                for key in keys:
+                    state_dict.pop(key, None)
+
+
+def checkpoint_linears(model: nn.Module) -> dict[str, W8A8Linear]:
+    """Every W8A8 projection under its checkpoint name: W8A8Linears as they are, and each member of a
+    fused group mapped to the stacked linear that computes it."""
+    found: dict[str, W8A8Linear] = {}
+    fused_linears = set()
+    for name, module in model.named_modules():
+        if isinstance(module, NormFoldedW8A8Linear):
+            layer = name.rpartition(".")[0]
+            for path, _, _ in module.members:
+                found[f"{layer}.{path}" if layer else path] = module.linear
+            fused_linears.add(id(module.linear))
+    for name, module in model.named_modules():
+        if isinstance(module, W8A8Linear) and id(module) not in fused_linears:
+            found[name] = module
+    return found
