@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from quasar_hf import QuasarConfig, prepare_weights
-from quasar_hf.hf.fusion import checkpoint_linears, fuse_projections, unfuse_projections
+from quasar_hf.hf.fusion import checkpoint_linears, fuse_projections, projections_apart, unfuse_projections
 from quasar_hf.nn import FusedProjectionSlice, NormFoldedW8A8Linear, W8A8Linear
 from quasar_hf.ops import cpu_fused, dispatch
 from quasar_hf.ops.reference import (
@@ -221,6 +221,12 @@ def test_fused_model_is_close_to_the_unfused_one(tmp_path, arch):
     assert 0 < rel < 1e-2, f"fusion moved the logits by {rel:.2e} (relative)"
     assert fuse_projections(model) == 2 * model.config.num_hidden_layers
     assert torch.equal(model(IDS).logits, fused)
+    for _ in range(3):  # split and fused again: the layer keeps one pair of state-dict hooks
+        with projections_apart(model):
+            assert not _fused(model)
+    layer = model.model.layers[0]
+    assert len(layer._state_dict_hooks) == 1 and len(layer._load_state_dict_pre_hooks) == 1
+    assert state.keys() == model.state_dict().keys() and torch.equal(model(IDS).logits, fused)
 
 
 @needs_kernel

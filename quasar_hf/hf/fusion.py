@@ -33,6 +33,7 @@ from quasar_hf.nn.w8a8_linear import W8A8Linear
 from quasar_hf.smoothquant.mappings import decoder_layers_at
 
 STACKED = ("weight", "weight_scale", "bias")  # the W8A8Linear tensors stacked along output rows
+HOOKED = "quasar_fusion_hooks"  # set on a decoder layer that holds the two hooks (they do nothing once unfused)
 
 
 def fuse_projections(model: nn.Module, custom_mappings: dict | None = None) -> int:
@@ -50,9 +51,10 @@ def fuse_projections(model: nn.Module, custom_mappings: dict | None = None) -> i
         layer_fused = 0
         for group in spec.fold_groups:
             layer_fused += _fuse_group(layer, group.smooth, group.balance)
-        if layer_fused:
+        if layer_fused and not getattr(layer, HOOKED, False):  # once per layer: a layer fused again keeps them
             layer.register_state_dict_post_hook(split_fused_state)
             layer.register_load_state_dict_pre_hook(stack_fused_state)
+            setattr(layer, HOOKED, True)
         fused += layer_fused
     return fused
 
