@@ -13,7 +13,7 @@ results are rewritten to DIR/gpu_check.json and .md after every section):
   correctness   every available W8A8 backend vs ops.reference at decode / verify / prefill shapes
   kernels       W8A8 linear vs BF16 linear (cuBLAS), per backend, M in 1..64, 8B shapes, GB/s
                 (`benchmarks.kernels.run_kernel_benchmark`, the ops helper's micro-benchmark)
-  verify        verify-step latency of a random Qwen3-8B-shaped model, BF16 vs W8A8, 1..8 draft tokens
+  verify        verify-step latency of a random Qwen3-8B-shaped model, BF16 vs W8A8 (fused as loads do), 1..8 drafts
   profile_*     one eager 6-token verify step under torch.profiler: device kernels (per decoder layer),
                 their summed time, launch calls, host wall time, host us per quasar:: op call (gpu_profile.py)
   end_to_end    tokens/s with n-gram drafts: BF16 generate, BF16-verify loop, Quasar (W8A8) loop
@@ -166,8 +166,9 @@ def build_model(device: str, tiny: bool) -> torch.nn.Module:
     return model.eval()
 
 
-def quantize_in_place(model: torch.nn.Module, backend: str) -> int:
-    """Swap every decoder nn.Linear for W8A8Linear.from_linear (lm_head stays bf16); returns the count."""
+def quantize_in_place(model: torch.nn.Module, backend: str) -> dict:
+    """Every decoder nn.Linear a W8A8Linear (lm_head stays bf16), then fused as loads do (hf/fusion.py): counts."""
+    from quasar_hf.hf.fusion import fuse_projections
     from quasar_hf.nn import W8A8Linear
 
     layers = model.model.layers
@@ -176,9 +177,14 @@ def quantize_in_place(model: torch.nn.Module, backend: str) -> int:
         parent, _, child = name.rpartition(".")
         owner = layers.get_submodule(parent) if parent else layers
         setattr(owner, child, W8A8Linear.from_linear(getattr(owner, child), backend=backend))
+    fused = fuse_projections(model)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return len(names)
+    return {
+        "projections": len(names),
+        "fused_groups": fused,
+        "w8a8_modules": sum(isinstance(m, W8A8Linear) for m in model.modules()),
+    }
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

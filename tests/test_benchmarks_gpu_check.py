@@ -38,7 +38,8 @@ def test_tiny_check_runs_every_section_without_optional_packages(tmp_path):
     assert [r["draft_tokens"] for r in result["verify_w8a8"]] == list(range(1, 9))
     assert set(result["end_to_end"]) == {"bf16_generate", "bf16_verify_ngram", "quasar_ngram"}
     assert result["model"]["bytes_read_per_step_w8a8"] < result["model"]["bytes_read_per_step_bf16"]
-    assert result["quantized_linears"] == 2 * 7  # q, k, v, o, gate, up, down per layer
+    # q, k, v, o, gate, up, down per layer; q/k/v and gate/up each one stacked linear with its norm
+    assert result["quantized_linears"] == {"projections": 2 * 7, "fused_groups": 2 * 2, "w8a8_modules": 2 * 4}
     for label in ("bf16", "w8a8"):  # compiled (Inductor on CPU): both step shapes, quasar = plain token for token
         assert [r["tokens"] for r in result[f"compiled_steps_{label}"]] == [1, 6]
         assert all(r["compiled_ms"] > 0 and r["floor_ms"] > 0 for r in result[f"compiled_steps_{label}"])
@@ -57,7 +58,7 @@ def test_tiny_check_runs_every_section_without_optional_packages(tmp_path):
         assert profile["device_kernels"] is None and profile["aten_ops"] > 0 and profile["host_ms_profiled"] > 0, profile
     ops = result["profile_w8a8"]["quasar_ops"]
     w8a8_calls = sum(op["calls"] for name, op in ops.items() if name.startswith("quasar::w8a8"))
-    assert w8a8_calls == result["quantized_linears"], f"one op call per W8A8 linear in the profiled step: {ops}"
+    assert w8a8_calls == result["quantized_linears"]["w8a8_modules"], f"one op call per W8A8 linear in the profiled step: {ops}"
     assert "## One eager 6-token verify step, profiled (W8A8)" in md
 
 
