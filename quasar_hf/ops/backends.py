@@ -7,7 +7,6 @@ import functools
 import importlib
 import importlib.util
 import os
-from collections.abc import Callable
 
 import torch
 
@@ -108,10 +107,6 @@ def pack_cpu_fused(weight_q: torch.Tensor) -> object | None:
 
 def run_cpu_fused_prepacked(x, weight_q, weight_scale, bias, act_prescale, packed) -> torch.Tensor:
     return cpu_fused_module().run_prepacked(x, weight_q, weight_scale, bias, act_prescale, packed)
-
-
-def bind_cpu_fused(weight_q, weight_scale, bias, act_prescale, packed, on_bad_x) -> Callable[[torch.Tensor], torch.Tensor]:
-    return cpu_fused_module().bind_linear(weight_q, weight_scale, bias, act_prescale, packed, on_bad_x)
 
 
 def op_call_cpu_fused(weights: tuple, packed) -> tuple[str, tuple]:

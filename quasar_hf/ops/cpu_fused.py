@@ -16,7 +16,7 @@ Public API (used lazily by `ops/dispatch.py`):
     unavailable_reason() -> str | None          why not, in words
     pack_weight(weight_q) -> PackedWeight       cache it beside the int8 weight
     w8a8_linear_cpu_fused(x, weight_q, weight_scale, bias=None, act_prescale=None, packed=None)
-    bind_linear(weight_q, ...) -> linear(x) / run_prepacked(...)    once-per-weight forms
+    run_prepacked(...)                          the op call for inputs already checked
     int8_accumulators_cpu_fused(x, weight_q, act_prescale=None, packed=None)   (tests/debug)
 
 Inference only: no autograd. Any M works (row blocks of 6 share each weight chunk in L2); the
@@ -25,8 +25,6 @@ torch), at most one per 32 KiB of int8 weight.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -147,35 +145,6 @@ def run_prepacked(
     """w8a8_linear_cpu_fused without the checks: for callers that validated every input and built
     `packed` with pack_weight(weight_q) themselves (the `quasar::w8a8_linear` op)."""
     return torch.ops.quasar.w8a8_linear_cpu_packed.default(x, *_op_args(packed, weight_scale, bias, act_prescale))
-
-
-def bind_linear(
-    weight_q: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    act_prescale: torch.Tensor | None = None,
-    packed: PackedWeight | None = None,
-    on_bad_x: Callable[[torch.Tensor], None] | None = None,
-):
-    """Validate and lay out the weight side once; return `linear(x)` with the same bits as
-    w8a8_linear_cpu_fused. Per call it checks x cheaply and calls the op. `on_bad_x(x)` raises the
-    caller's own error for an x that is not a CPU float tensor [..., K].
-    """
-    k = weight_q.shape[1] if isinstance(weight_q, torch.Tensor) and weight_q.dim() == 2 else 0
-    _check_inputs(torch.empty(0, k), weight_q, weight_scale, bias, act_prescale, packed)
-    _require_kernel()
-    packed = packed if packed is not None else pack_weight(weight_q)
-    args = _op_args(packed, weight_scale.detach().float().contiguous(), bias, act_prescale)
-    op = torch.ops.quasar.w8a8_linear_cpu_packed.default
-
-    def linear(x: torch.Tensor) -> torch.Tensor:
-        if not (isinstance(x, torch.Tensor) and x.dtype in _DTYPE_CODES and x.dim() >= 1 and x.shape[-1] == k and x.is_cpu):
-            if on_bad_x is not None:
-                on_bad_x(x)
-            _check_inputs(x, weight_q, weight_scale, bias, act_prescale, None)
-        return op(x, *args)
-
-    return linear
 
 
 def int8_accumulators_cpu_fused(

@@ -10,8 +10,8 @@ Backends (all compute `ops/reference.py`'s scheme; see each module for its exact
 CPU: cpu_fused, torch; elsewhere: reference) and logs once, at warning level, why a faster one
 was skipped. `ops/backend_report.py` lists every backend and kernel with the reason it cannot run.
 
-Each row of the table says what a backend can do: run a linear, pack a weight once, bind a
-faster per-weight form, and run a *folded* form (W8A8(RMSNorm(x)) from the norm's input, the norm
+Each row of the table says what a backend can do: run a linear, pack a weight once, run on a
+packed weight without its own checks, and run a *folded* form (W8A8(RMSNorm(x)) from the norm's input, the norm
 folded into the activation quantization; nn/norm_folded_linear.py). Weights are prepared once
 (`prepare_w8a8`): validated, their backend resolved and packed, and the `quasar::` ops a module
 calls (plain and folded) laid out.
@@ -61,10 +61,7 @@ class Backend:
 
     run(x, weight_q, weight_scale, bias, act_prescale, packed) -> y; pack(weight_q) -> a layout
     `run` reuses; run_prepacked: `run` for inputs already validated with `packed` from `pack`
-    (skips the backend's own checks); bind(weight_q, weight_scale, bias, act_prescale, packed,
-    on_bad_x) -> linear(x) (when the backend has a faster bound form than `run`): it checks x as
-    `is_bound_linear_input` does, calls on_bad_x(x) (which raises) when that fails, and handles empty x.
-    packed_tensors(packed) / unpack(weight_q, tensors): the packed layout as tensors and back (the
+    (skips the backend's own checks). packed_tensors(packed) / unpack(weight_q, tensors): the packed layout as tensors and back (the
     `quasar::w8a8_linear` op takes tensors). run_folded(x, norm_scale, eps, weight_q, weight_scale,
     bias, packed) -> W8A8(RMSNorm(x)) with the norm folded into the quantization (the bits of
     reference.w8a8_linear_rmsnorm_reference), what the generic `quasar::w8a8_folded_norm_linear` runs;
@@ -78,7 +75,6 @@ class Backend:
     unavailable_reason: Callable[[str], str | None]
     run: Callable[..., torch.Tensor]
     pack: Callable[[torch.Tensor], object | None] | None = None
-    bind: Callable[..., Callable[[torch.Tensor], torch.Tensor]] | None = None
     run_prepacked: Callable[..., torch.Tensor] | None = None
     packed_tensors: Callable[[object], tuple[torch.Tensor, ...]] | None = None
     unpack: Callable[[torch.Tensor, list[torch.Tensor]], object] | None = None
@@ -111,7 +107,6 @@ _TABLE: dict[str, Backend] = {
             backends.cpu_fused_unavailable,
             backends.run_cpu_fused,
             pack=backends.pack_cpu_fused,
-            bind=backends.bind_cpu_fused,
             run_prepacked=backends.run_cpu_fused_prepacked,
             packed_tensors=backends.packed_tensors_cpu_fused,
             unpack=backends.unpack_cpu_fused,
@@ -226,11 +221,10 @@ def bind_w8a8_linear(
     def bad_x(x: object) -> None:
         validate_w8a8_inputs(x, weight_q, weight_scale, bias, act_prescale)  # raises the precise error
 
-    if entry.bind is not None:  # the backend's bound form checks x itself: no wrapper per call
-        return entry.bind(weight_q, weight_scale, bias, act_prescale, packed, bad_x)
+    run = entry.run_prepacked if packed is not None and entry.pack is not None else entry.run  # weights checked above
 
     def fast(x: torch.Tensor) -> torch.Tensor:
-        return entry.run(x, weight_q, weight_scale, bias, act_prescale, packed)
+        return run(x, weight_q, weight_scale, bias, act_prescale, packed)
 
     k, n, device = weight_q.shape[1], weight_q.shape[0], weight_q.device
 
