@@ -8,7 +8,7 @@ norms and W8A8 GEMMs among them, divided by the layer count. A graph pass that t
 installs runs first (the count is of what the step calls). Each W8A8 op is one C call on CPU; on
 CUDA the Triton linear launches 2 kernels per call (quantize, GEMM) or 3 (split-K reduce).
 
-    python -m benchmarks graph-ops --out benchmarks/graph_ops_tiny_cpu.json     (run it per tree, PYTHONPATH=TREE)
+    python -m benchmarks graph-ops --out OUT.json        (per tree: PYTHONPATH=TREE python benchmarks/graph_ops.py --out ...)
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import os
 import sys
 import tempfile
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # "triton" on CPU: the interpreter (the graph is what counts)
+import torch
 
-import torch  # noqa: E402
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # "triton" on CPU: its interpreter, set before Triton loads
+
 from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: E402
 
 LAYERS = 4
