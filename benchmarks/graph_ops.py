@@ -69,6 +69,8 @@ def count(backend: str) -> dict:
         quasar = QuasarConfig(num_calibration_samples=4, calibration_seq_len=32, weight_rounding="nearest", backend=backend,
                               tokenizer=smollm2_135m_instruct())  # fmt: skip
         model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quasar).eval()
+    where = device if torch.device(device).type == "cpu" or torch.cuda.is_available() else "cpu"  # else: interpreted
+    model = model.to(where)
     options = dict(_compile_config(device).options)
     options.pop("triton.cudagraphs", None)  # the graph, not its replay: CUDA graphs need a GPU
     counter = _Count(options.get("post_grad_custom_post_pass"))
@@ -76,7 +78,7 @@ def count(backend: str) -> dict:
     torch._dynamo.reset()
     step = torch.compile(model.forward, fullgraph=True, dynamic=False, options=options)
     with torch.no_grad(), torch._inductor.utils.fresh_cache():
-        step(input_ids=torch.randint(0, 1000, (1, 6)))
+        step(input_ids=torch.randint(0, 1000, (1, 6), device=where))
     graph = counter.counts[-1]
     calls = sum(graph.values())
     gemms = sum(c for name, c in graph.items() if name.startswith("w8a8"))
