@@ -65,7 +65,7 @@ ROUNDS = 4  # folded and unfolded measurements alternate this many times per row
 def set_folded(model, folded: bool) -> int:
     """Fuse every fusable group (True) or undo every fusion (False); returns how many are fused."""
     unfuse_projections(model)
-    return fuse_projections(model, model.config.quantization_config.smoothquant_mappings) if folded else 0
+    return fuse_projections(model) if folded else 0
 
 
 def llamacpp_steps(gguf: str, thread_counts: list[int], steps: int, floor_ms: float) -> dict:

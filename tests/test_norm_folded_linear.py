@@ -313,12 +313,16 @@ def test_checkpoints_copies_and_moves_keep_the_fusion_and_the_names(tmp_path):
 
 
 @needs_kernel
-def test_custom_mappings_and_float_members_stay_unfused(tmp_path):
+def test_fusion_follows_the_architecture_not_the_smoothing_and_skips_float_members(tmp_path):
     custom = {
         "layers_path": "model.layers",
         "mappings": [{"smooth": "input_layernorm", "balance": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]}],
     }
-    assert not _fused(_quantized(tmp_path / "a", "llama", smoothquant_mappings=custom))
+    smoothed_otherwise = _quantized(tmp_path / "a", "llama", smoothquant_mappings=custom)
+    assert len(_fused(smoothed_otherwise)) == 2 * smoothed_otherwise.config.num_hidden_layers  # the spec's groups
+    assert_quasar_greedy_equals_plain(smoothed_otherwise, max_new_tokens=12)
+    unknown = torch.nn.Module()  # a class with no architecture spec: its layer forward is unknown, nothing fused
+    assert fuse_projections(unknown) == 0
     model = _quantized(tmp_path / "b", "llama", modules_to_not_convert=["lm_head", "model.layers.0.mlp.up_proj"])
     assert len(_fused(model)) == 2 * model.config.num_hidden_layers - 1  # layer 0's gate/up group has a float member
     assert_quasar_greedy_equals_plain(model, max_new_tokens=12)

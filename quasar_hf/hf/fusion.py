@@ -5,10 +5,11 @@ NormFoldedW8A8Linear (nn/norm_folded_linear.py), with checkpoint names unchanged
 architecture spec (a norm and the linears it feeds: q/k/v, gate/up; Phi-3's qkv_proj alone) whose
 members are all plain W8A8Linears on one device with no act_prescale and alike biases, it stacks the
 members' int8 weights, scales and biases into one W8A8Linear, puts a NormFoldedW8A8Linear where the
-norm was and a FusedProjectionSlice where each member was. Groups that do not qualify, layers that
-Accelerate dispatches, and models quantized with custom SmoothQuant mappings (whose layer forward
-quasar_hf does not know) stay unfused: their norms run alone and each projection quantizes the
-norm's rounded output.
+norm was and a FusedProjectionSlice where each member was. The groups are facts of the model class's
+layer forward (which linears read which norm), not of how it was smoothed, so custom SmoothQuant
+mappings change nothing here. Groups that do not qualify, layers that Accelerate dispatches, and
+model classes without an architecture spec (whose layer forward quasar_hf does not know) stay
+unfused: their norms run alone and each projection quantizes the norm's rounded output.
 
 The decoder layer gets two torch state-dict hooks (an extension point of every nn.Module): saving
 splits each stacked tensor back into the members' `weight` / `weight_scale` / `bias`, and loading
@@ -36,10 +37,8 @@ STACKED = ("weight", "weight_scale", "bias")  # the W8A8Linear tensors stacked a
 HOOKED = "quasar_fusion_hooks"  # set on a decoder layer that holds the two hooks (they do nothing once unfused)
 
 
-def fuse_projections(model: nn.Module, custom_mappings: dict | None = None) -> int:
+def fuse_projections(model: nn.Module) -> int:
     """Fuse every qualifying fold group of `model` (see the module docstring); returns how many."""
-    if custom_mappings is not None:
-        return 0
     try:
         spec = spec_for(model)
     except UnknownArchitectureError:
@@ -151,13 +150,7 @@ def projections_apart(model: nn.Module) -> Iterator[int]:
         yield split
     finally:
         if split:
-            qconfig = getattr(getattr(model, "config", None), "quantization_config", None)
-            custom = (
-                qconfig.get("smoothquant_mappings")
-                if isinstance(qconfig, dict)
-                else getattr(qconfig, "smoothquant_mappings", None)
-            )
-            fuse_projections(model, custom)
+            fuse_projections(model)
 
 
 def _unfuse_in(layer: nn.Module, norm_attr: str, fused: NormFoldedW8A8Linear) -> None:

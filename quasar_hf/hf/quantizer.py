@@ -59,7 +59,7 @@ class QuasarHfQuantizer(HfQuantizer):
             quantize_model(model, config)
         model.config.quantization_config = config
         prepare_weights(model)  # every W8A8 kernel validated, packed and bound once
-        fuse_projections(model, config.smoothquant_mappings)  # norm + q/k/v, norm + gate/up: one op each
+        fuse_projections(model)  # norm + q/k/v, norm + gate/up: one op each
         # Decode and verification attention rows bit-identical (C kernel on CPU, Triton on CUDA), so
         # generate(quasar=True) equals plain greedy generate of this model in one verify call per layer.
         use_rowstable_attention(model)
