@@ -158,7 +158,9 @@ def _unfuse_in(layer: nn.Module, norm_attr: str, fused: NormFoldedW8A8Linear) ->
     for path, start, stop in fused.members:
         rows = {t: getattr(stacked, t)[start:stop].clone() for t in STACKED if getattr(stacked, t) is not None}
         set_submodule(layer, path, _w8a8_like(stacked, rows))
-    setattr(layer, norm_attr, RowStableRMSNorm(fused.unfolded[0]))  # what an unfused group's norm runs
+    norm = fused.unfolded[0]
+    norm.weight = fused.weight  # the Parameter the fused module holds now (a conversion may have replaced it)
+    setattr(layer, norm_attr, RowStableRMSNorm(norm))  # what an unfused group's norm runs
 
 
 def _fused_modules(layer: nn.Module) -> list[tuple[str, NormFoldedW8A8Linear]]:
