@@ -100,10 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     import quasar_hf
 
     rows = [count(backend) for backend in args.backends]
+    from quasar_hf.bench.report import environment  # machine, versions, threads, load, commit
+
     result = {
         "command": "python -m benchmarks graph-ops " + " ".join(sys.argv[2:] if argv is None else argv),
         "tree": os.path.dirname(os.path.dirname(os.path.abspath(quasar_hf.__file__))),
-        "torch": torch.__version__,
+        "environment": environment(),
         "rows": rows,
     }
     with open(args.out, "w") as f:
