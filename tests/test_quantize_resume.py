@@ -4,6 +4,7 @@ bf16 (smoothquant/math_dtype.py), and reports where its time went (smoothquant/p
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 
 import pytest
@@ -274,3 +275,47 @@ def test_a_failed_save_keeps_the_finished_layers_and_says_so(source, tmp_path, m
     printed = capsys.readouterr().out
     assert "resume_restore" in printed and "statistics_forward" not in printed, "the rerun only restored and saved"
     assert out.is_dir() and not os.path.exists(f"{out}.partial")
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (lambda p: p.update(next_layer="2"), "next_layer"),
+        (lambda p: p.update(next_layer=99), "next_layer"),
+        (lambda p: p["gathered"].update(prescaled=["model.layers.0.mlp.nope"]), "gathered.prescaled"),
+        (lambda p: p["gathered"].update(rotated=[7]), "gathered.rotated"),
+        (lambda p: p["gathered"].update(alphas={"0.input_layernorm": "0.5"}), "alpha"),
+        (lambda p: p["gathered"].update(alphas={"9.input_layernorm": 0.5}), "alpha"),
+        (lambda p: p["gathered"].pop("alphas"), "gathered"),
+        (lambda p: p.update(generator="not base64!"), "generator"),
+    ],
+    ids=["next-layer-text", "next-layer-past-the-end", "unknown-prescaled", "rotated-number", "alpha-text", "alpha-of-unfinished-layer", "no-alphas", "generator"],
+)
+def test_a_hand_edited_progress_file_is_reported_once_and_the_run_starts_over(source, tmp_path, monkeypatch, edit, named):
+    """A field of the wrong type, or one naming what the model lacks, cannot be vouched for by the files'
+    digests: one warning names it, the state is deleted, and the result is an uninterrupted run's."""
+    state = tmp_path / "state"
+    _killed_run(source, str(state), monkeypatch, kill_at=2)
+    progress = json.loads((state / "progress.json").read_text())
+    edit(progress)
+    (state / "progress.json").write_text(json.dumps(progress))
+    with pytest.warns(UserWarning, match=rf"progress.json: .*{named}.*quantizing from layer 0") as caught:
+        model = quantize(source, resume_dir=str(state))
+    assert sum("not resuming" in str(w.message) for w in caught) == 1
+    whole = quantize(source).state_dict()
+    resumed = model.state_dict()
+    assert [k for k in whole if not torch.equal(whole[k], resumed[k])] == []
+    assert model.config.quantization_config.searched_alphas == quantize(source).config.quantization_config.searched_alphas
+
+
+def test_starting_over_deletes_only_the_states_own_files(source, tmp_path, monkeypatch):
+    """A foreign state beside a saved model and a user's files: only layer_NNNN, hidden_NNNN and progress.json go."""
+    state = tmp_path / "state"
+    _killed_run(source, str(state), monkeypatch, kill_at=2)
+    keep = {"model.safetensors": b"weights", "notes.txt": b"mine", "layer_final.safetensors": b"x", "adapter.safetensors": b"y"}
+    for name, data in keep.items():
+        (state / name).write_bytes(data)
+    with pytest.warns(UserWarning, match="holds the state of another run"):
+        quantize(source, resume_dir=str(state), alpha=0.5, seed=1)
+    for name, data in keep.items():
+        assert (state / name).read_bytes() == data

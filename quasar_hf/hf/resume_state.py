@@ -25,8 +25,10 @@ import base64
 import hashlib
 import json
 import os
+import re
 import tempfile
 import warnings
+from collections.abc import Collection
 
 import torch
 from safetensors.torch import load as load_bytes
@@ -72,11 +74,14 @@ class ResumeState:
         self.key = key
         os.makedirs(folder, exist_ok=True)
 
-    def progress(self) -> dict | None:
-        """The saved progress when it belongs to this run and every file it names is whole, else None.
+    def progress(self, layers_path: str, layer_count: int, linear_names: Collection[str]) -> dict | None:
+        """The saved progress when it belongs to this run, its fields are well-formed and name what this
+        model has (`layers_path`.i, i < `layer_count`; `linear_names`, full names), and every file it names
+        is whole; else None.
 
-        A state of another run, or a damaged one, is reported (a warning naming the cause and the
-        file) and deleted, so the run starts from layer 0 and a rerun does not meet it again."""
+        A state of another run, or a damaged or edited one, is reported (a warning naming the cause and
+        the file or field) and deleted, so the run starts from layer 0 and a rerun does not meet it again.
+        Everything is checked before any layer is touched."""
         path = os.path.join(self.folder, PROGRESS)
         if not os.path.isfile(path):
             return None
@@ -92,8 +97,11 @@ class ResumeState:
                 f"{self.folder} holds the state of another run (a different model, settings or quasar_hf version)"
             )
         try:
+            check_progress_fields(saved, layers_path, layer_count, linear_names)
+            layer_tensors = {}
             for name in self._files_of(saved):
-                self._verified_bytes(saved, name)
+                layer_tensors[name] = set(_header(self._verified_bytes(saved, name))) - {"__metadata__"}
+            check_prescaled_names(saved, layers_path, layer_tensors)
         except DamagedState as error:
             return self._start_over(str(error))
         return saved
@@ -189,12 +197,63 @@ class ResumeState:
             stacklevel=3,
         )
         for entry in os.listdir(self.folder):
-            if entry == PROGRESS or entry.endswith(".safetensors"):
+            if is_state_file(entry):  # only what save_layer writes: a model saved in this folder stays
                 os.remove(os.path.join(self.folder, entry))
         return None
 
     def _path(self, name: str) -> str:
         return os.path.join(self.folder, name)
+
+
+STATE_FILE = re.compile(r"(\.tmp-.*)?((layer|hidden)_\d{4,}\.safetensors|progress\.json)")  # _atomic_write's temporaries too
+
+
+def is_state_file(name: str) -> bool:
+    """A file ResumeState writes (layer_NNNN, hidden_NNNN, progress.json, or a temporary of one of them)."""
+    return STATE_FILE.fullmatch(name) is not None
+
+
+def check_progress_fields(saved: dict, layers_path: str, layer_count: int, linear_names: Collection[str]) -> None:
+    """Raise DamagedState naming the first field of progress.json with the wrong type, or naming what this
+    model does not have (a hand-edited or foreign state); the file's own digests cannot vouch for it."""
+    next_layer = saved.get("next_layer")
+    if type(next_layer) is not int or not 1 <= next_layer <= layer_count:
+        raise DamagedState(f"progress.json: next_layer must be a layer number from 1 to {layer_count}, got {next_layer!r}")
+    if not isinstance(saved.get("generator"), str) or not isinstance(saved.get("sha256"), dict):
+        raise DamagedState("progress.json: generator (base64 text) or sha256 (an object) has the wrong type")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in saved["sha256"].items()):
+        raise DamagedState("progress.json: sha256 must map file names to hex digests")
+    try:
+        torch.Generator().set_state(
+            torch.frombuffer(bytearray(base64.b64decode(saved["generator"], validate=True)), dtype=torch.uint8)
+        )
+    except (ValueError, RuntimeError):
+        raise DamagedState("progress.json: generator is not a saved torch.Generator state") from None
+    gathered = saved.get("gathered")
+    if not isinstance(gathered, dict) or set(gathered) != {"alphas", "rotated", "prescaled"}:
+        raise DamagedState("progress.json: gathered must be an object with exactly alphas, rotated and prescaled")
+    alphas, rotated, prescaled = gathered["alphas"], gathered["rotated"], gathered["prescaled"]
+    if not isinstance(alphas, dict) or not isinstance(rotated, list) or not isinstance(prescaled, list):
+        raise DamagedState("progress.json: gathered.alphas must be an object, gathered.rotated and .prescaled lists")
+    for key, alpha in alphas.items():
+        index = key.partition(".")[0]
+        if not index.isdigit() or int(index) >= next_layer:
+            raise DamagedState(f"progress.json: alpha {key!r} names no finished layer (its name starts with the layer number)")
+        if type(alpha) not in (int, float) or not 0.0 <= alpha <= 1.0:
+            raise DamagedState(f"progress.json: alpha {key!r} must be a number in [0, 1], got {alpha!r}")
+    finished = {f"{layers_path}.{i}." for i in range(next_layer)}
+    for field, names in (("rotated", rotated), ("prescaled", prescaled)):
+        for name in names:
+            if not isinstance(name, str) or name not in linear_names or not any(name.startswith(p) for p in finished):
+                raise DamagedState(f"progress.json: gathered.{field} names {name!r}, not a quantized linear of a finished layer")
+
+
+def check_prescaled_names(saved: dict, layers_path: str, layer_tensors: dict[str, set[str]]) -> None:
+    """Each prescaled name has its act_prescale in its finished layer's file."""
+    for name in saved["gathered"]["prescaled"]:
+        index, _, local = name[len(layers_path) + 1 :].partition(".")
+        if f"{local}.act_prescale" not in layer_tensors.get(_layer_name(int(index)), set()):
+            raise DamagedState(f"progress.json: gathered.prescaled names {name!r}, whose layer file holds no act_prescale")
 
 
 def _layer_name(index: int) -> str:
@@ -205,7 +264,12 @@ def _hidden_name(index: int) -> str:
     return f"hidden_{index:04d}.safetensors"
 
 
+def _header(data: bytes) -> dict:
+    """The header of a safetensors file held in memory."""
+    size = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + size])
+
+
 def _header_metadata(data: bytes) -> dict:
     """The `__metadata__` of a safetensors file held in memory."""
-    size = int.from_bytes(data[:8], "little")
-    return json.loads(data[8 : 8 + size]).get("__metadata__", {})
+    return _header(data).get("__metadata__", {})

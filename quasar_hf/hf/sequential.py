@@ -271,7 +271,7 @@ def quantize_layers_sequentially(
     result = SequentialResult(math_dtype=str(math_dtype).replace("torch.", ""), math_dtype_reason=reason)
     result.compute_device = ",".join(sorted({str(p.compute) for p in placements}))
     first = 0
-    saved = resume.progress() if resume is not None else None
+    saved = resume.progress(arch.layers_path, len(layers), names) if resume is not None else None
     if saved is not None:
         with times.phase("resume_restore"):
             first = saved["next_layer"]
