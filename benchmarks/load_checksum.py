@@ -57,7 +57,7 @@ def measure(label: str, shape: tuple, rounds: int, folder: str) -> dict:
     tensors = checkpoint_tensors(*shape)
     path = os.path.join(folder, f"{label}.safetensors")
     started = time.perf_counter()
-    metadata = {"format": "pt", **tensor_digests(tensors)}
+    metadata = {"format": "pt", **tensor_digests(tensors.items())}
     digest_s = time.perf_counter() - started
     save_file(tensors, path, metadata=metadata)
     del tensors

@@ -13,7 +13,7 @@ import copy
 import functools
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -292,6 +292,30 @@ def _offloading_hooks(module: nn.Module) -> list[tuple[nn.Module, Any]]:
         for hook in _align_hooks(sub)
         if getattr(hook, "offload", False) and getattr(hook, "weights_map", None) is not None
     ]
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where to put a model's input ids: the device of its first resident parameter (an offloaded one is on
+    the meta device; accelerate's hooks move inputs on to each module's execution device)."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
+def state_dict_values(model: nn.Module, state_dict: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each tensor of `state_dict` (default: the model's), an offloaded one (on the meta
+    device, its value held by an accelerate hook in memory or on disk) read from its hook, one at a time:
+    what a save writes for it (Transformers' `load_offloaded_parameter`)."""
+    from transformers.integrations.accelerate import load_offloaded_parameter
+
+    for name, tensor in (model.state_dict() if state_dict is None else state_dict).items():
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+            try:
+                tensor = load_offloaded_parameter(model, name)
+            except (ValueError, KeyError, AttributeError):
+                raise ValueError(
+                    f"{name} is on the meta device and no accelerate hook holds its value; load the model with its "
+                    "weights (device_map placement and offload are fine, a meta-device skeleton is not)"
+                ) from None
+        yield name, tensor
 
 
 def accelerate_holds_weights(module: nn.Module) -> bool:

@@ -145,7 +145,7 @@ def token_windows(tokenizer: Any, texts: list[str], seq_len: int, max_windows: i
 # ---------------------------------------------------------------- model-level measurements
 def _logits(model: torch.nn.Module, window: torch.Tensor) -> torch.Tensor:
     """Next-token logits [T, V] of one window [T] (no cache)."""
-    device = next(model.parameters()).device
+    device = compat.input_device(model)
     with torch.no_grad():
         return model(input_ids=window[None].to(device), use_cache=False).logits[0].float().cpu()
 
@@ -169,7 +169,7 @@ def same_draft_acceptance(model: torch.nn.Module, trajectory: list[int], start: 
     from quasar_hf.speculative.drafters import NgramDrafter
     from quasar_hf.speculative.verify import greedy_accept
 
-    device = next(model.parameters()).device
+    device = compat.input_device(model)
     drafter = NgramDrafter(num_draft_tokens)
     tokens = torch.tensor(trajectory, device=device)
     stats = QuasarStats()

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from quasar_hf import compat
+
 
 @dataclass
 class GenerationResult:
@@ -44,7 +46,7 @@ def run_generation(
 ) -> GenerationResult:
     """Generate once and time it; Quasar runs go through `speculative_generate` (any verifier dtype)."""
     kwargs = sampling_kwargs(max_new_tokens, temperature)
-    input_ids = input_ids.to(next(model.parameters()).device)
+    input_ids = input_ids.to(compat.input_device(model))
     attention_mask = torch.ones_like(input_ids)
     start = time.perf_counter()
     with torch.no_grad():

@@ -15,7 +15,7 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable
 
 import torch
 
@@ -29,9 +29,10 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def tensor_digests(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """The header entry: {DIGESTS_KEY: JSON {tensor name: sha256 hex}} of the tensors being saved."""
-    digests = {name: hashlib.sha256(tensor_bytes(t)).hexdigest() for name, t in state_dict.items() if isinstance(t, torch.Tensor)}
+def tensor_digests(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """The header entry: {DIGESTS_KEY: JSON {tensor name: sha256 hex}} of the (name, tensor) pairs being saved
+    (`compat.state_dict_values`: offloaded tensors read one at a time)."""
+    digests = {name: hashlib.sha256(tensor_bytes(t)).hexdigest() for name, t in tensors if isinstance(t, torch.Tensor)}
     return {DIGESTS_KEY: json.dumps(digests, sort_keys=True)}
 
 

@@ -31,7 +31,7 @@ from quasar_hf.smoothquant.data import MIN_BLOCK_TOKENS, build_calibration_block
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
 from quasar_hf.smoothquant.mappings import model_decoder_layers, resolve_mappings
 from quasar_hf.smoothquant.phase_times import PhaseTimes
-from quasar_hf.smoothquant.placement import compute_device_for
+from quasar_hf.smoothquant.placement import check_calibration_device_here, compute_device_for
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +186,7 @@ def quantize_model(
     next layer's calibration: "quantized" (the W8A8 layer's outputs) or "float".
     """
     started = time.perf_counter()
+    check_calibration_device_here(config.calibration_device)
     times = PhaseTimes()
     arch = resolve_mappings(model, config.smoothquant_mappings)
     names = find_quantizable_linears(model, arch.layers_path, config.modules_to_not_convert)
@@ -236,7 +237,7 @@ def resume_state(
         logger.warning("keep_float selects across all layers at once: this quantization cannot resume, it saves no state")
         return None
     weights = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
+    for name, tensor in compat.state_dict_values(model):  # offloaded weights read from their hooks, one at a time
         weights.update(name.encode())
         weights.update(tensor_bytes(tensor))
     settings = {k: v for k, v in config.to_dict().items() if k not in _WRITTEN_BY_QUANTIZER}
@@ -294,7 +295,7 @@ def build_draft_path(model: nn.Module, config: QuasarConfig, blocks: torch.Tenso
             raise ValueError(
                 f"draft_layers {bad} are out of range: this model has {num_layers} decoder layers (0..{num_layers - 1})"
             )
-        device = next(model.parameters()).device
+        device = compat.input_device(model)
         reference = torch.stack([model(input_ids=b[None].to(device), use_cache=False).logits[0].argmax(-1).cpu() for b in sample])
         agreement, selection, candidates = top1_agreement(model, layers, sample, reference), "user", None
     ratio = draft_byte_ratio(model, layers, config.draft_dtype, config.draft_vocab_size)

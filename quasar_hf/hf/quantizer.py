@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.quantizers.base import HfQuantizer
 
+from quasar_hf import compat
 from quasar_hf.hf.binding import bind_quasar_methods
 from quasar_hf.hf.checkpoint_checks import check_checkpoint_files, layout_metadata
 from quasar_hf.hf.checksums import tensor_digests
@@ -75,7 +76,8 @@ class QuasarHfQuantizer(HfQuantizer):
         """The model's own state dict, and what each shard's header carries: the layout record
         (checkpoint_checks) and every tensor's SHA-256 (checksums), both checked at load."""
         state_dict = model.state_dict()
-        return state_dict, {**layout_metadata(model, self.quantization_config), **tensor_digests(state_dict)}
+        digests = tensor_digests(compat.state_dict_values(model, state_dict))  # offloaded tensors read from their hooks
+        return state_dict, {**layout_metadata(model, self.quantization_config), **digests}
 
     @property
     def is_trainable(self) -> bool:

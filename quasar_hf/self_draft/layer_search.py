@@ -18,6 +18,7 @@ import math
 import torch
 from torch import nn
 
+from quasar_hf import compat
 from quasar_hf.self_draft.path import build_draft_model, module_bytes, renumbered
 from quasar_hf.smoothquant.mappings import model_decoder_layers
 
@@ -62,7 +63,7 @@ def top1_agreement(model: nn.Module, layer_indices: list[int], blocks: torch.Ten
     source = model_decoder_layers(model)
     layers = [renumbered(source[i], slot, deep=False) for slot, i in enumerate(layer_indices)]
     draft = build_draft_model(model, layer_indices, layers)
-    device = next(model.parameters()).device
+    device = compat.input_device(model)
     hits = 0
     for block, ref in zip(blocks, reference):
         hits += (draft(input_ids=block[None].to(device), use_cache=False).logits[0].argmax(-1).cpu() == ref).sum().item()
@@ -102,7 +103,7 @@ def select_draft_layers(
         raise ValueError(f"draft_layers='auto' needs at least 2 decoder layers to choose from; this model has {num_layers}")
     target = max(1, math.floor(budget * num_layers))
     floor = max(1, min(target, math.ceil(MIN_LAYER_FRACTION * num_layers)))
-    device = next(model.parameters()).device
+    device = compat.input_device(model)
     reference = torch.stack([model(input_ids=b[None].to(device), use_cache=False).logits[0].argmax(-1).cpu() for b in blocks])
     kept = list(range(num_layers))
     candidates, evaluations = [], 0

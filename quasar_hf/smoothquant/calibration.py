@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from quasar_hf import compat
 from quasar_hf.smoothquant.placement import to_compute
 
 
@@ -151,7 +152,7 @@ def collect_linear_input_stats(
     stats = CalibrationStats(num_blocks=blocks.shape[0], seq_len=blocks.shape[1])
     rows_per_block = max(1, max_sample_rows // blocks.shape[0])
     generator = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
+    device = compat.input_device(model)
     with recording_linear_inputs(model, module_names, stats, rows_per_block, generator):
         for block in tqdm(blocks, desc="Quasar calibration", disable=not progress, unit="block"):
             model(input_ids=block[None].to(device), use_cache=False)
@@ -207,7 +208,7 @@ def capture_layer_inputs(model: nn.Module, layers: nn.ModuleList, blocks: torch.
     last layer: the final norm and lm_head never run.
     """
     _check_blocks(blocks)
-    device = next(model.parameters()).device
+    device = compat.input_device(model)
     saved = [layer.__dict__.get("forward") for layer in layers]  # accelerate hooks bind a forward too
     hidden: list[torch.Tensor] = []
     all_calls: list[list[LayerCall]] = []

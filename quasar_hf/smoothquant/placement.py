@@ -53,6 +53,31 @@ def validate_calibration_device(value: Any) -> str:
     return value
 
 
+def check_calibration_device_here(value: str | torch.device) -> None:
+    """Before quantizing: the calibration device exists on this machine (a saved config may name a GPU
+    another machine had, so QuasarConfig itself does not check this)."""
+    if str(value) == AUTO:
+        return
+    device = torch.device(value)
+    if device.type == "cpu" and device.index is not None:
+        raise ValueError(f"calibration_device={str(value)!r}: the CPU takes no index; use calibration_device='cpu'")
+    if device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)
+    available = backend is not None and getattr(backend, "is_available", lambda: False)()
+    count = getattr(backend, "device_count", lambda: 1)() if available else 0
+    if count == 0:
+        raise ValueError(
+            f"calibration_device={str(value)!r}, but torch {torch.__version__} sees no {device.type} device on this "
+            "machine; use calibration_device='auto' (a GPU when there is one) or 'cpu'"
+        )
+    if device.index is not None and device.index >= count:
+        raise ValueError(
+            f"calibration_device={str(value)!r}, but torch sees {count} {device.type} device(s) here "
+            f"({device.type}:0 to {device.type}:{count - 1}); use one of those, 'auto' or 'cpu'"
+        )
+
+
 def compute_device_for(requested: str | torch.device, home: torch.device) -> torch.device:
     """Where a layer living on `home` is calibrated (see the module docstring)."""
     if str(requested) != AUTO:
