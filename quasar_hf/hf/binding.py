@@ -15,6 +15,10 @@ so every other model in the process behaves exactly as without quasar_hf.
     nothing. The compute dtypes the kernels take (float32, bfloat16, float16) convert the whole model,
     with int8 weights and fp32 scales kept (PreparedModule.fp32_buffers); any other dtype is refused
     before a tensor changes.
+  * train: refused (`train(False)`, what `eval()` calls, is the class's). A forward hook makes a backward
+    pass through the outputs raise instead of computing gradients that skip every int8 linear.
+  * a load_state_dict pre-hook: a tensor that is not int8 given for an int8 weight is refused, naming its
+    key, before anything is copied (torch would truncate a float tensor into it).
 """
 
 from __future__ import annotations
@@ -57,13 +61,75 @@ class ModelMethod(functools.partial):
 
 
 def bind_quasar_methods(model: Any) -> None:
-    """Give this model instance Quasar's generate, save_pretrained and push_to_hub (idempotent)."""
+    """Give this model instance Quasar's generate, save_pretrained and push_to_hub, the refusal of training,
+    and the load check of int8 weights (idempotent)."""
     model.generate = ModelMethod(quasar_generate, model)
     model.save_pretrained = ModelMethod(save_pretrained_with_card, model)
     model.push_to_hub = ModelMethod(push_to_hub_with_card, model)
     model._apply = ModelMethod(apply_all_or_nothing, model)
     model.half = ModelMethod(to_dtype, model, torch.float16)
     model.float = ModelMethod(to_dtype, model, torch.float32)
+    model.train = ModelMethod(train_refused, model)
+    if not getattr(model, HOOKS_MARK, False):  # torch hooks (an extension point of every module), once per model
+        model.register_forward_hook(refuse_backward_through_outputs)
+        model.register_load_state_dict_pre_hook(refuse_non_int8_weights)
+        setattr(model, HOOKS_MARK, True)
+
+
+HOOKS_MARK = "quasar_inference_hooks"
+TRAINING_HELP = (
+    "a Quasar W8A8 model is for inference only: its int8 linears have no gradient, so a backward pass would reach "
+    "only the embeddings and norms (through the residual stream) and an optimizer step would silently make the "
+    "model worse. Fine-tune the float model, then quantize it with QuasarConfig; run this one under model.eval() "
+    "and torch.no_grad() (generate does)."
+)
+
+
+def train_refused(self: Any, mode: bool = True) -> Any:
+    """`model.train()` refused with the reason; `model.train(False)` (what `model.eval()` calls) as the class's."""
+    if mode:
+        raise ValueError(f"model.train(): {TRAINING_HELP}")
+    return type(self).train(self, False)
+
+
+class RefusedBackward(torch.autograd.Function):
+    """Identity forward; a backward through it raises TRAINING_HELP (a raw `loss.backward()` never runs silently)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"backward through a Quasar model: {TRAINING_HELP}")
+
+
+def refuse_backward_through_outputs(module: Any, args: Any, output: Any) -> Any:
+    """Forward hook: with autograd recording, every output tensor that requires grad (loss, logits, hidden
+    states) passes through RefusedBackward. Under torch.no_grad() (generate, inference) it does nothing."""
+    if not torch.is_grad_enabled():
+        return None
+    if isinstance(output, torch.Tensor):
+        return RefusedBackward.apply(output) if output.requires_grad else output
+    if isinstance(output, dict):  # a ModelOutput: item assignment updates the attribute too
+        for key, value in list(output.items()):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                output[key] = RefusedBackward.apply(value)
+        return output
+    if isinstance(output, tuple):
+        return tuple(RefusedBackward.apply(v) if isinstance(v, torch.Tensor) and v.requires_grad else v for v in output)
+    return None
+
+
+def refuse_non_int8_weights(model: Any, state_dict: dict, prefix: str, *args: Any) -> None:
+    """load_state_dict pre-hook of the whole model: every int8 W8A8 weight given is checked before any tensor
+    is copied, so a refused load leaves the model as it was."""
+    from quasar_hf.hf.fusion import w8a8_weight_shapes
+    from quasar_hf.nn.w8a8_linear import check_int8_weight
+
+    for key, shape in w8a8_weight_shapes(model).items():
+        if prefix + key in state_dict:
+            check_int8_weight(prefix + key, state_dict[prefix + key], shape)
 
 
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the W8A8 and attention kernels take
@@ -121,6 +187,11 @@ def save_pretrained_with_card(self: Any, save_directory: Any, *args: Any, **kwar
         return original(self, save_directory, *args, **kwargs)
     options = {name: value for name, value in arguments.items() if name not in ("self", "save_directory", "kwargs")}
     options.update(arguments.get("kwargs", {}))
+    if options.get("safe_serialization", True) is False:
+        raise ValueError(
+            "save_pretrained(safe_serialization=False): Quasar checkpoints are safetensors only (each file's header "
+            "carries the layout record and every tensor's SHA-256 that a load checks); drop safe_serialization=False."
+        )
     hub = {}
     if options.pop("push_to_hub", False):  # uploaded after the save by push_to_hub: marked, with the card
         hub_names = inspect.signature(type(self).push_to_hub).parameters

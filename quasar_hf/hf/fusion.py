@@ -30,7 +30,7 @@ from quasar_hf.architectures import UnknownArchitectureError, spec_for
 from quasar_hf.hf.sequential import set_submodule
 from quasar_hf.nn.norm_folded_linear import FusedProjectionSlice, NormFoldedW8A8Linear, rmsnorm_epsilon
 from quasar_hf.nn.rowstable_norm import RowStableRMSNorm
-from quasar_hf.nn.w8a8_linear import W8A8Linear
+from quasar_hf.nn.w8a8_linear import W8A8Linear, check_int8_weight
 from quasar_hf.smoothquant.mappings import decoder_layers_at
 
 STACKED = ("weight", "weight_scale", "bias")  # the W8A8Linear tensors stacked along output rows
@@ -76,7 +76,7 @@ def _fuse_group(layer: nn.Module, norm_path: str, member_paths: tuple[str, ...])
     fused = NormFoldedW8A8Linear(norm, stacked, columns)
     set_submodule(layer, norm_path, fused)
     for path, first, stop in columns:
-        set_submodule(layer, path, FusedProjectionSlice(first, stop, start, norm_path))
+        set_submodule(layer, path, FusedProjectionSlice(first, stop, start, norm_path, stacked.in_features))
     return 1
 
 
@@ -195,12 +195,41 @@ def stack_fused_state(
             keys = [f"{prefix}{path}.{tensor}" for path, _, _ in fused.members]
             present = [key in state_dict for key in keys]
             if all(present):
+                _check_member_tensors(fused, keys, tensor, state_dict)
                 state_dict[f"{prefix}{name}.linear.{tensor}"] = torch.cat([state_dict.pop(key) for key in keys])
             elif any(present):
                 absent = [key for key, there in zip(keys, present) if not there]
                 errors.append(f"{', '.join(absent)} missing: {prefix}{name} stacks {len(keys)} projections and loads all or none")
                 for key in keys:
                     state_dict.pop(key, None)
+
+
+def _check_member_tensors(fused: NormFoldedW8A8Linear, keys: list[str], tensor: str, state_dict: dict) -> None:
+    """Each member's tensor as that projection alone holds it (int8 [rows, in] weights; [rows] scales and
+    biases), refused by its own checkpoint name before any stacking."""
+    for key, (_, start, stop) in zip(keys, fused.members):
+        value = state_dict[key]
+        if tensor == "weight":
+            check_int8_weight(key, value, (stop - start, fused.linear.in_features))
+        elif isinstance(value, torch.Tensor) and tuple(value.shape) != (stop - start,):
+            raise ValueError(
+                f"{key}: a tensor of shape {list(value.shape)} cannot load into this {tensor} of shape [{stop - start}]"
+            )
+
+
+def w8a8_weight_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """The int8 weight every W8A8 projection loads, under its checkpoint name: {key: (rows, in_features)}."""
+    shapes = {}
+    for name, linear in checkpoint_linears(model).items():
+        columns = _member_columns(model, name, linear)
+        shapes[f"{name}.weight"] = (columns, linear.in_features) if columns is not None else tuple(linear.weight.shape)
+    return shapes
+
+
+def _member_columns(model: nn.Module, name: str, linear: W8A8Linear) -> int | None:
+    """How many output rows the projection `name` has when it is a member of a fused group, else None."""
+    slice_module = model.get_submodule(name)
+    return slice_module.out_features if isinstance(slice_module, FusedProjectionSlice) else None
 
 
 def checkpoint_linears(model: nn.Module) -> dict[str, W8A8Linear]:

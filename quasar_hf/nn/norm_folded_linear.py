@@ -20,6 +20,7 @@ projection's `weight` / `weight_scale` / `bias` when saving and stack them when 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -78,6 +79,18 @@ class NormFoldedW8A8Linear(PreparedModule):
         y = None if scale is None else self.linear.of_rms_norm(x, scale, self.eps)  # one op: norm, quantization, GEMM
         return self.linear(compiled_rms_norm(x, self.weight, self.formula)) if y is None else y
 
+    def register_forward_hook(self, hook, *args, **kwargs):
+        """As nn.Module's, with a warning: the output this hook sees is the stacked projections."""
+        warnings.warn(
+            f"a forward hook on this fused norm receives its projections [..., {self.linear.out_features}] "
+            f"({', '.join(path for path, _, _ in self.members)}), not the normed hidden states "
+            f"[..., {self.linear.in_features}]. To hook the norm's own output, register the hook inside "
+            "`with quasar_hf.hf.fusion.projections_apart(model):`.",
+            UserWarning,
+            stacklevel=2,
+        )
+        return super().register_forward_hook(hook, *args, **kwargs)
+
     def extra_repr(self) -> str:
         columns = ", ".join(f"{path}[{start}:{stop}]" for path, start, stop in self.members)
         return (
@@ -88,17 +101,31 @@ class NormFoldedW8A8Linear(PreparedModule):
 class FusedProjectionSlice(nn.Module):
     """A projection fused into its norm's NormFoldedW8A8Linear: columns [start, stop) of that module's
     output [..., total] (a view). `source` names that module's path in the decoder layer (for errors
-    and repr)."""
+    and repr); `in_features` is the width the projection reads (the norm's). It holds no tensor: reading
+    `weight`, `bias`, `weight_scale` or `act_prescale` raises an AttributeError that names
+    `projections_apart`, which gives each projection its own W8A8Linear again."""
 
-    def __init__(self, start: int, stop: int, total: int, source: str) -> None:
+    TENSORS = ("weight", "bias", "weight_scale", "act_prescale")  # what a linear has and this slice does not hold
+
+    def __init__(self, start: int, stop: int, total: int, source: str, in_features: int | None = None) -> None:
         super().__init__()
         if not 0 <= start < stop <= total:
             raise ValueError(f"columns [{start}, {stop}) are not inside an output of {total}")
         self.start, self.stop, self.total, self.source = int(start), int(stop), int(total), source
+        self.in_features = in_features
 
     @property
     def out_features(self) -> int:
         return self.stop - self.start
+
+    def __getattr__(self, name: str):
+        if name in FusedProjectionSlice.TENSORS:
+            raise AttributeError(
+                f"this projection has no {name} of its own: quasar_hf fused it with its norm into {self.source!r} "
+                "(one stacked W8A8 linear). For code that reads or wraps single projections (peft, hooks), run it "
+                "inside `with quasar_hf.hf.fusion.projections_apart(model):`, or call unfuse_projections(model) first."
+            )
+        return super().__getattr__(name)
 
     def forward(self, fused: torch.Tensor) -> torch.Tensor:  # [..., total] -> [..., stop - start]
         if fused.shape[-1] != self.total:
@@ -110,4 +137,4 @@ class FusedProjectionSlice(nn.Module):
         return fused[..., self.start : self.stop]
 
     def extra_repr(self) -> str:
-        return f"columns [{self.start}:{self.stop}] of {self.source}'s fused output"
+        return f"columns [{self.start}:{self.stop}] of {self.source}'s fused output; single projections: projections_apart(model)"

@@ -18,6 +18,24 @@ from quasar_hf.ops.validation import is_bound_linear_input, validate_w8a8_inputs
 ROTATION_OP_DTYPES = (torch.float32, torch.bfloat16)  # rows `quasar::hadamard_rows` takes (others: the reference)
 
 
+def check_int8_weight(key: str, tensor: object, shape: tuple[int, ...]) -> None:
+    """Refuse, naming `key`, a tensor loaded into an int8 W8A8 weight of `shape` that is not an int8 tensor of
+    that shape: torch would copy a float tensor into it truncated, silently."""
+    if not isinstance(tensor, torch.Tensor):
+        return  # torch reports what is not a tensor itself
+    if tensor.dtype != torch.int8:
+        raise ValueError(
+            f"{key}: a {str(tensor.dtype).replace('torch.', '')} tensor cannot load into this int8 W8A8 weight (it would be "
+            "truncated to integers). Load the int8 tensors of a Quasar checkpoint "
+            "(AutoModelForCausalLM.from_pretrained(quasar_folder)), or quantize float weights with "
+            "from_pretrained(float_folder, quantization_config=QuasarConfig())."
+        )
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(
+            f"{key}: an int8 tensor of shape {list(tensor.shape)} cannot load into this weight of shape {list(shape)}"
+        )
+
+
 class W8A8Linear(PreparedModule):
     """y = dequant(int8(x * act_prescale) @ int8(W).T) + bias, with exact int32 accumulation.
 
@@ -123,6 +141,10 @@ class W8A8Linear(PreparedModule):
             module.act_prescale.copy_(act_prescale.detach().float())
         module.prepare()
         return module
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args, **kwargs) -> None:
+        check_int8_weight(f"{prefix}weight", state_dict.get(f"{prefix}weight"), tuple(self.weight.shape))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight this module computes with: W[n, k] = q[n, k] * scale[n] (prescale excluded)."""
