@@ -289,7 +289,16 @@ def test_a_failed_save_keeps_the_finished_layers_and_says_so(source, tmp_path, m
         (lambda p: p["gathered"].pop("alphas"), "gathered"),
         (lambda p: p.update(generator="not base64!"), "generator"),
     ],
-    ids=["next-layer-text", "next-layer-past-the-end", "unknown-prescaled", "rotated-number", "alpha-text", "alpha-of-unfinished-layer", "no-alphas", "generator"],
+    ids=[
+        "next-layer-text",
+        "next-layer-past-the-end",
+        "unknown-prescaled",
+        "rotated-number",
+        "alpha-text",
+        "alpha-of-unfinished-layer",
+        "no-alphas",
+        "generator",
+    ],
 )
 def test_a_hand_edited_progress_file_is_reported_once_and_the_run_starts_over(source, tmp_path, monkeypatch, edit, named):
     """A field of the wrong type, or one naming what the model lacks, cannot be vouched for by the files'
