@@ -35,6 +35,7 @@ import quasar_hf  # noqa: F401
 from benchmarks.op_overhead import markdown as op_overhead_markdown
 from benchmarks.op_overhead import op_overhead
 from quasar_hf import compat
+from quasar_hf.detect import plain_decoding
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.speculative.config import DEFAULT_NUM_DRAFT_TOKENS
 from quasar_hf.speculative.kv_state import RowAlignedCache
@@ -210,7 +211,7 @@ def end_to_end(model, tokenizer, prompts: int, new_tokens: int, compile_config, 
                 tokens, _ = llamacpp[name](ids, new_tokens)
                 out, stats = torch.cat([ids, torch.tensor([tokens], dtype=ids.dtype)], dim=1), None
             elif quasar is None:
-                out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+                out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **plain_decoding(model))
                 stats = None
             else:
                 gen = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, quasar=quasar, return_dict_in_generate=True)

@@ -36,6 +36,7 @@ import quasar_hf  # noqa: F401
 from quasar_hf import QuasarConfig, speculative_generate
 from quasar_hf.bench.report import environment
 from quasar_hf.bench.suites import load_suite, render_prompt
+from quasar_hf.detect import plain_decoding
 from quasar_hf.models import smollm2_135m_instruct
 from quasar_hf.self_draft.head import (
     attach_draft_head,
@@ -122,7 +123,9 @@ def run_variant(variant: Variant, heads: dict, ids: torch.Tensor, max_new_tokens
     mask = torch.ones_like(ids)
     started = time.perf_counter()
     if variant.drafter is None:
-        sequences = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        sequences = model.generate(
+            ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, **plain_decoding(model)
+        )
         seconds = time.perf_counter() - started
         return {"sequence": sequences[0], "seconds": seconds, "stats": None, "auto": None}
     config = QuasarGenerationConfig(drafter=variant.drafter, num_draft_tokens=num_draft, drafter_kwargs=variant.kwargs or {})

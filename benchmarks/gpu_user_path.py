@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from quasar_hf.detect import plain_decoding
+
 # The model gpu_check quantizes: a Llama of SmolLM2's family, narrower and shallower (random weights).
 USER_MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4)
 USER_MODEL_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -94,7 +96,7 @@ def compare_generation(model, tokenizer, device: str, tiny: bool) -> dict:
     """Plain greedy vs quasar=True, eager and compiled, per batch: equal tokens per row, and seconds."""
     max_new = 16 if tiny else 64
     modes = {
-        "eager": ({}, {"quasar": True}),
+        "eager": (plain_decoding(model), {"quasar": True}),
         "compiled": ({"quasar": {"compile": True, "num_draft_tokens": 0}}, {"quasar": {"compile": True}}),
     }
     results = {}

@@ -39,7 +39,7 @@ with torch.no_grad():
     record = {
         "logits_80_token_prefill": model(ids).logits,
         "logits_40_token_prefill": model(prompt).logits,
-        "greedy_24_tokens": model.generate(prompt, attention_mask=mask, max_new_tokens=24, do_sample=False),
+        "greedy_24_tokens": model.generate(prompt, attention_mask=mask, max_new_tokens=24, do_sample=False, quasar=False),
         "quasar_24_tokens": model.generate(prompt, attention_mask=mask, max_new_tokens=24, do_sample=False, quasar=True),
     }
     if compiled:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.vllm_report import first_difference, summarize_model, to_markdown
+from quasar_hf.detect import plain_decoding
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = (  # input-grounded rewrites: what n-gram drafting is for
@@ -95,8 +96,9 @@ def timed_generate(model, prompts: list[list[int]], max_new_tokens: int, quasar,
     """Greedy tokens and seconds per prompt, after one untimed warm-up on the first prompt; with
     keep_logits, also the fp32 logits each greedy choice was made from (key "logits": [T, V] each)."""
     options = {"max_new_tokens": max_new_tokens, "do_sample": False}
-    if quasar is not None:
-        options["quasar"] = quasar
+    options["quasar"] = quasar if quasar is not None else plain_decoding(model).get("quasar")
+    if options["quasar"] is None:
+        del options["quasar"]
     if keep_logits:
         options.update(return_dict_in_generate=True, output_logits=True)
     with torch.no_grad():

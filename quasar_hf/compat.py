@@ -167,6 +167,14 @@ def set_static_cache_length(cache: Any, length: int) -> None:
         layer.cumulative_length.fill_(length)
 
 
+def set_generation_field(config: Any, name: str, value: Any) -> None:
+    """Set a field of a GenerationConfig that its save keeps: a config derived from the model config
+    (`_from_model_config`) drops fields Transformers does not know when it is read back, so it is
+    marked as a generation config of its own."""
+    setattr(config, name, value)
+    config._from_model_config = False
+
+
 def default_compile_config(device: torch.device) -> Any:
     """The CompileConfig of a compiled step: one full graph per static shape; CUDA graphs on CUDA
     (mode "reduce-overhead"'s option), Inductor's C++ code elsewhere (the CPU opt-in that generate checks).

@@ -15,6 +15,12 @@ def is_quasar_model(model: object) -> bool:
     return str(getattr(method, "value", method)) == QUANT_METHOD
 
 
+def plain_decoding(model: object) -> dict:
+    """The generate keyword for plain decoding of `model`: {"quasar": False} on a Quasar model (Quasar is
+    its default), {} on any other model (whose generate takes no such keyword)."""
+    return {"quasar": False} if is_quasar_model(model) else {}
+
+
 def package_version() -> str:
     """The installed quasar-hf distribution's version, or "source" for a tree run without installing it."""
     from importlib.metadata import PackageNotFoundError, version

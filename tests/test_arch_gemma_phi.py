@@ -246,7 +246,7 @@ def test_gemma3_greedy_quasar_equals_plain_past_the_window(quantized_gemma3, att
         model.set_attn_implementation("sdpa")
     rejected = 0
     for ids in PROMPTS:
-        plain = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        plain = model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, quasar=False)
         for quasar in ({"drafter": "ngram"}, {"drafter": "ngram", "num_draft_tokens": 3, "min_ngram_size": 1}):
             out = model.generate(
                 ids, max_new_tokens=40, min_new_tokens=40, do_sample=False, quasar=quasar, return_dict_in_generate=True

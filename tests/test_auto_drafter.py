@@ -77,7 +77,7 @@ def test_auto_greedy_equals_plain_greedy(models, name, policy):
     quasar = QuasarGenerationConfig(drafter="auto", drafter_kwargs={} if policy is None else {"policy": policy})
     for text in PROMPTS:
         ids = ids_of(text)
-        plain = model.generate(ids, max_new_tokens=24, do_sample=False)
+        plain = model.generate(ids, max_new_tokens=24, do_sample=False, quasar=False)
         out = model.generate(ids, max_new_tokens=24, do_sample=False, quasar=quasar, return_dict_in_generate=True)
         assert torch.equal(out.sequences, plain), text
 
@@ -119,7 +119,7 @@ def test_auto_uses_both_sources_and_equals_plain_in_a_batch(models):
     prompts = [ids_of(t) for t in PROMPTS + ["xyz"]]
     ids, mask = left_padded_batch(prompts, pad=96)
     drafter = auto_factory(model, QuasarGenerationConfig(drafter="auto", drafter_kwargs={"policy": NEVER_PAUSE}))
-    plain = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, quasar=False)
     out = speculative_generate(model, ids, mask, max_new_tokens=20, do_sample=False, quasar_config={"drafter": drafter})
     assert torch.equal(out, plain)
     assert drafter.steps_by_source["ngram"] > 0 and drafter.steps_by_source["model"] > 0
@@ -131,7 +131,7 @@ def test_auto_alone_self_drafting_is_adaptive_self(models):
     drafter = auto_factory(model, QuasarGenerationConfig(drafter="auto", drafter_kwargs={"ngram": False, "policy": NEVER_PAUSE}))
     ids = ids_of(PROMPTS[0])
     out = speculative_generate(model, ids, max_new_tokens=16, do_sample=False, quasar_config={"drafter": drafter})
-    assert torch.equal(out, model.generate(ids, max_new_tokens=16, do_sample=False))
+    assert torch.equal(out, model.generate(ids, max_new_tokens=16, do_sample=False, quasar=False))
     assert drafter.steps_by_source["ngram"] == 0 and drafter.steps_by_source["model"] > 0
 
 
@@ -194,7 +194,7 @@ def test_smollm2_auto_and_reduced_head_equal_plain_greedy(tmp_path):
     items = load_suite("grounded")[:1] + load_suite("chat")[:1]
     for item in items:
         ids = torch.tensor([render_prompt(item, tok)])
-        plain = model.generate(ids, max_new_tokens=24, do_sample=False)
+        plain = model.generate(ids, max_new_tokens=24, do_sample=False, quasar=False)
         auto = {"drafter": "auto", "drafter_kwargs": {"model_drafter": "self_reduced"}}  # kept even if not predicted to pay
         for quasar in ({"drafter": "self_reduced", "num_draft_tokens": 3}, {"drafter": "auto"}, auto):
             out = model.generate(ids, max_new_tokens=24, do_sample=False, quasar=quasar)

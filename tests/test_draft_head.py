@@ -62,7 +62,7 @@ def test_self_reduced_greedy_equals_plain_greedy(tmp_path, draft_dtype):
     tok = char_tokenizer()
     for text in PROMPTS:
         ids = tok(text, return_tensors="pt").input_ids
-        plain = model.generate(ids, max_new_tokens=24, do_sample=False)
+        plain = model.generate(ids, max_new_tokens=24, do_sample=False, quasar=False)
         out = model.generate(
             ids,
             max_new_tokens=24,
@@ -83,7 +83,7 @@ def test_reduced_head_survives_save_and_reload(tmp_path):
     a = model.generate(ids, max_new_tokens=12, do_sample=False, quasar={"drafter": "self_reduced"})
     b = reloaded.generate(ids, max_new_tokens=12, do_sample=False, quasar={"drafter": "self_reduced"})
     assert torch.equal(a, b)
-    assert torch.equal(a, reloaded.generate(ids, max_new_tokens=12, do_sample=False))
+    assert torch.equal(a, reloaded.generate(ids, max_new_tokens=12, do_sample=False, quasar=False))
 
 
 def test_sampled_draft_distribution_is_zero_outside_the_subset(tmp_path):

@@ -43,7 +43,9 @@ def test_greedy_quasar_equals_plain_w8a8_bf16(name):
     near_ties, accepted = [], 0
     exact = isinstance(model.lm_head, RowStableLinear) and rowstable_linear.is_available()
     for index, ids in enumerate(prompts):
-        plain = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        plain = model.generate(
+            ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True, quasar=False
+        )
         out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, quasar=True, return_dict_in_generate=True)
         assert out.quasar_stats.verify_steps > 0
         accepted += out.quasar_stats.accepted_tokens

@@ -26,7 +26,7 @@ def test_self_draft_greedy_equals_plain_greedy(tmp_path, draft_dtype):
     tok = char_tokenizer()
     for text in ["the cat sat on the mat; the cat sat on the", "abcabcabcabc", "def f(x): return x + 1\ndef g(x"]:
         ids = tok(text, return_tensors="pt").input_ids
-        plain = model.generate(ids, max_new_tokens=24, do_sample=False)
+        plain = model.generate(ids, max_new_tokens=24, do_sample=False, quasar=False)
         out = model.generate(
             ids, max_new_tokens=24, do_sample=False, quasar=QuasarGenerationConfig(drafter="self"), return_dict_in_generate=True
         )

@@ -120,7 +120,9 @@ def test_greedy_quasar_equals_plain_w8a8(checkpoint, prompts, dtype, attention):
     else:
         limit = min(NUM_PROMPTS, FLOAT32_PROMPTS) if dtype == torch.float32 else NUM_PROMPTS
     plain_runs = [
-        model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        model.generate(
+            ids, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True, quasar=False
+        )
         for ids in prompts[:limit]
     ]
     near_ties = []

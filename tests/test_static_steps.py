@@ -46,7 +46,7 @@ def quasar_model(tmp_path, arch: str, dtype: torch.dtype, with_source: bool = Fa
 
 def greedy(model, prompt, quasar=None, new_tokens: int = 24) -> torch.Tensor:
     if quasar is None:
-        return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+        return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, quasar=False)
     out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, quasar=quasar, return_dict_in_generate=True)
     return out.sequences, out.quasar_stats
 
@@ -166,9 +166,11 @@ def test_a_batch_over_the_static_cache_equals_plain_batched_greedy(tmp_path):
     """Rows accept different counts (masked slots), one stops early at eos (it idles in the batch)."""
     model, assistant = quasar_model(tmp_path, "llama", torch.float32, with_source=True)
     ids, mask = left_padded([repeating_prompt(0, 30), repeating_prompt(1, 12), repeating_prompt(2, 20)])
-    free = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None, quasar=False)
     eos = int(free[1, ids.shape[1] + 4])  # row 1's 5th new token
-    plain = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    plain = model.generate(
+        ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=0, quasar=False
+    )
     for extra in ({}, {"assistant_model": assistant}):
         quasar = {"cache_implementation": "static", **extra}
         out = model.generate(
@@ -273,7 +275,7 @@ def test_compiled_quasar_equals_transformers_compiled_static_generate(tmp_path):
         for seed in range(2):
             prompt = repeating_prompt(seed)
             kwargs = {"max_new_tokens": 24, "do_sample": False, "compile_config": config}
-            plain = model.generate(prompt, cache_implementation="static", **kwargs)
+            plain = model.generate(prompt, cache_implementation="static", **kwargs, quasar=False)
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "generate compiled its decode step"
             assert torch.equal(model.generate(prompt, quasar={"compile": True}, **kwargs), plain), f"seed {seed}"
     torch._dynamo.reset()

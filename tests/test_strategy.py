@@ -112,7 +112,7 @@ def quasar_model(tmp_path_factory):
 
 def test_quasar_model_generate_equals_the_strategy(quasar_model):
     ids = prompt()
-    plain = quasar_model.generate(ids, max_new_tokens=20, do_sample=False)
+    plain = quasar_model.generate(ids, max_new_tokens=20, do_sample=False, quasar=False)
     assert torch.equal(quasar_model.generate(ids, max_new_tokens=20, do_sample=False, quasar=True), plain)
     assert torch.equal(quasar_model.generate(ids, max_new_tokens=20, do_sample=False, quasar=QuasarGenerationConfig()), plain)
     by_strategy = quasar_model.generate(ids, max_new_tokens=20, do_sample=False, custom_generate=quasar_hf.generate)
@@ -158,6 +158,6 @@ def test_reloaded_quasar_model_is_bound_again(quasar_model, tmp_path):
     assert (tmp_path / "README.md").exists()  # the bound save_pretrained wrote the card
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     ids = prompt()
-    plain = reloaded.generate(ids, max_new_tokens=12, do_sample=False)
+    plain = reloaded.generate(ids, max_new_tokens=12, do_sample=False, quasar=False)
     out = reloaded.generate(ids, max_new_tokens=12, do_sample=False, quasar=True, return_dict_in_generate=True)
     assert torch.equal(out.sequences, plain) and out.quasar_stats is not None

@@ -55,7 +55,7 @@ def assert_quasar_greedy_equals_plain(model, max_new_tokens: int) -> None:
     """On a prompt that repeats itself (so n-gram drafts get accepted): greedy quasar=True == plain greedy."""
     base = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(1))
     prompt = torch.cat([base, base[:10]])[None]
-    plain = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False)
+    plain = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, quasar=False)
     spec = model.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, quasar=True, return_dict_in_generate=True)
     assert spec.quasar_stats.verify_steps > 0
     assert torch.equal(spec.sequences, plain)

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from quasar_hf.detect import plain_decoding
+
 # (prompt ids [1, T], max_new_tokens) -> (the new token ids, per-run stats such as acceptance)
 Generate = Callable[[torch.Tensor, int], tuple[list[int], dict]]
 
@@ -25,7 +27,7 @@ def greedy_generate(model: torch.nn.Module, **extra: Any) -> Generate:
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=model.generation_config.eos_token_id or 0,
-            **extra,
+            **{**plain_decoding(model), **extra},
         )
         return out[0, input_ids.shape[1] :].tolist(), {}
 

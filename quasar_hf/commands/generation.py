@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from quasar_hf import compat
+from quasar_hf.detect import plain_decoding
 
 
 @dataclass
@@ -51,7 +52,9 @@ def run_generation(
     start = time.perf_counter()
     with torch.no_grad():
         if quasar is None:
-            sequences = model.generate(input_ids, attention_mask=attention_mask, streamer=streamer, **kwargs)
+            sequences = model.generate(
+                input_ids, attention_mask=attention_mask, streamer=streamer, **plain_decoding(model), **kwargs
+            )
             acceptance = None
         else:
             from quasar_hf.speculative import speculative_generate

@@ -3,9 +3,11 @@
 `bind_quasar_methods(model)` (called when a model is quantized on load and when a saved Quasar
 checkpoint is reloaded) sets these instance attributes; Transformers' classes are never changed,
 so every other model in the process behaves exactly as without quasar_hf.
-  * generate: `quasar=True | dict | QuasarGenerationConfig` runs Quasar speculative decoding
-    (`quasar_hf.speculative.strategy.generate_with_quasar`); `assistant_model=` alone means W8A8
-    verification of the assistant's drafts; `quasar=False` or neither is the class's generate.
+  * generate: Quasar speculative decoding (`quasar_hf.speculative.strategy.generate_with_quasar`) by
+    default, as the generation config's `quasar` field says (speculative/defaults.py); `quasar=True |
+    dict | QuasarGenerationConfig` asks for it explicitly (unsupported options then raise),
+    `assistant_model=` alone means W8A8 verification of the assistant's drafts, and `quasar=False` is
+    the class's generate.
   * save_pretrained: the class's save, then the model card (README.md, or QUASAR_MODEL_CARD.md
     beside a README quasar_hf did not write, with a warning), written into a staging folder and
     swapped in whole (`quasar_hf.atomic_folder`).
@@ -157,15 +159,23 @@ def to_dtype(self: Any, dtype: torch.dtype, *args: Any) -> Any:
 
 
 def quasar_generate(self: Any, *args: Any, quasar: Any = None, **kwargs: Any) -> Any:
-    """`generate` of a Quasar model: Transformers' own unless `quasar=` or `assistant_model=` asks for Quasar."""
+    """`generate` of a Quasar model: Quasar decoding by default (the generation config's `quasar` field,
+    speculative/defaults.py), plain decoding with `quasar=False` or where a default meets an option the
+    speculative loop does not implement; `quasar=...` or `assistant_model=` ask for Quasar explicitly."""
+    from quasar_hf.speculative.defaults import declined_reason, default_quasar, log_declined
     from quasar_hf.speculative.strategy import generate_with_quasar
 
     if quasar is False:
         return type(self).generate(self, *args, **kwargs)
-    if quasar is None:
-        if _assistant_model(generate_with_quasar, self, args, kwargs) is None:
+    if quasar is None and _assistant_model(generate_with_quasar, self, args, kwargs) is not None:
+        quasar = True  # an assistant's drafts, verified by the W8A8 model: explicit
+    elif quasar is None:
+        quasar = default_quasar(self, args, kwargs) if is_quasar_model(self) else False
+        reason = None if quasar is False else declined_reason(self, args, kwargs)
+        if reason is not None:
+            log_declined(reason)
+        if quasar is False or reason is not None:
             return type(self).generate(self, *args, **kwargs)
-        quasar = True  # an assistant's drafts, verified by the W8A8 model
     if not is_quasar_model(self):
         raise ValueError(NOT_QUANTIZED_HELP)
     return generate_with_quasar(self, *args, quasar=quasar, **kwargs)

@@ -24,6 +24,7 @@ from quasar_hf.hf.quantize_on_load import (
 )
 from quasar_hf.nn import W8A8Linear, prepare_weights
 from quasar_hf.ops.rowstable_attention import use_rowstable_attention
+from quasar_hf.speculative.defaults import FIELD as DEFAULT_FIELD
 
 
 class QuasarHfQuantizer(HfQuantizer):
@@ -67,6 +68,7 @@ class QuasarHfQuantizer(HfQuantizer):
         use_rowstable_lm_head(model)  # and logits: verify rows equal decode steps even at near-ties
         use_rowstable_norms(model)  # the other norms: one opaque op each when compiled
         bind_quasar_methods(model)  # generate(quasar=...), save_pretrained / push_to_hub with the model card
+        say_quasar_is_the_default(model)
         return model
 
     def is_serializable(self, **kwargs) -> bool:
@@ -89,6 +91,14 @@ class QuasarHfQuantizer(HfQuantizer):
         or a per-row norm, so compiled `quasar=True` gives the tokens of compiled plain greedy decoding
         with the same CompileConfig (tests/test_static_steps.py); compiled need not equal eager."""
         return True
+
+
+def say_quasar_is_the_default(model: torch.nn.Module) -> None:
+    """generation_config.quasar = True unless the checkpoint says otherwise: saved with the model, so every
+    caller of generate (pipelines, `transformers serve`) decodes with Quasar (speculative/defaults.py)."""
+    config = getattr(model, "generation_config", None)
+    if config is not None and getattr(config, DEFAULT_FIELD, None) is None:
+        compat.set_generation_field(config, DEFAULT_FIELD, True)
 
 
 def _check_loaded_modules(model: torch.nn.Module) -> None:
