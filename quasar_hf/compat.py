@@ -12,6 +12,7 @@ import contextvars
 import copy
 import functools
 import inspect
+import logging
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -258,6 +259,30 @@ def _call_with_own_code(module: torch.nn.Module, name: str) -> Callable:
 
 
 # ---------------------------------------------------------------- configs
+class _MarkedConfigRead(logging.Filter):
+    """Drops Transformers' "You are using a model of type `quasar_hf` to instantiate a model of type ..." record."""
+
+    def __init__(self, model_type: str) -> None:
+        super().__init__()
+        self.prefix = f"You are using a model of type `{model_type}` to instantiate"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.prefix)
+
+
+def quiet_config_type_warning(model_type: str) -> None:
+    """A model class named directly (`LlamaForCausalLM.from_pretrained`, as `transformers serve` loads) reads a
+    config.json of `model_type` with its own config class, and Transformers warns that the types differ. For
+    a Quasar checkpoint read with quasar_hf imported, that read is right, so only this message about only this
+    type is dropped from the logger Transformers emits it on (idempotent)."""
+    logger = logging.getLogger("transformers.configuration_utils")
+    if not any(
+        isinstance(f, _MarkedConfigRead) and f.prefix.startswith(f"You are using a model of type `{model_type}`")
+        for f in logger.filters
+    ):
+        logger.addFilter(_MarkedConfigRead(model_type))
+
+
 def name_or_path(model_or_config: Any) -> str:
     """Where a model was loaded from (Hub id or local folder), "" when unknown."""
     name = getattr(model_or_config, "name_or_path", None)

@@ -145,3 +145,22 @@ def test_a_config_with_its_own_custom_config_class_is_saved_unmarked_with_a_warn
     assert main(["mark", str(tmp_path / "custom")]) != 0
     assert "cannot be marked" in capsys.readouterr().err
     assert json.loads((tmp_path / "custom" / "config.json").read_text()) == config
+
+
+def test_a_model_class_named_directly_loads_it_without_the_type_mismatch_warning(saved, caplog):
+    """`transformers serve` loads with the class (LlamaForCausalLM.from_pretrained); Transformers' warning that
+    the config's type differs is dropped for Quasar checkpoints only (it is right once quasar_hf is imported)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder, logits = saved
+    with caplog.at_level("WARNING"):
+        model = LlamaForCausalLM.from_pretrained(folder)
+        assert torch.equal(model(torch.tensor(IDS)).logits, logits)
+        other = json.loads((folder / "config.json").read_text())
+        other.update(model_type="mistral")  # any other mismatch is still reported
+        LlamaConfig.from_dict({k: v for k, v in other.items() if k != "quantization_config"})
+        (folder.parent / "mistral").mkdir(exist_ok=True)
+        (folder.parent / "mistral" / "config.json").write_text(json.dumps(other))
+        LlamaConfig.from_pretrained(folder.parent / "mistral")
+    assert "of type `quasar_hf`" not in caplog.text
+    assert "of type `mistral` to instantiate" in caplog.text

@@ -229,3 +229,27 @@ def test_native_ops_pass_opcheck():
     for op, args in cases.items():
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"), op  # the C++ implementation serves it
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_kernels_load_after_the_standard_librarys_distutils_was_imported_first(tmp_path):
+    """pip imported, setuptools' distutils shim steps aside, and `import distutils.core` loads the standard
+    library's; importing setuptools then fails. Loading the kernels (a build cached or made here) needs neither."""
+    pytest.importorskip("distutils", reason="this Python has no standard-library distutils (3.12 and later)")
+    code = (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "import pip, distutils.core, sys\n"
+        "from quasar_hf.ops import native\n"
+        "from quasar_hf.ops.kernel_ops import KERNEL_OPS\n"
+        "assert native.is_available(), native.unavailable_reason()\n"
+        "failed = [(op.name, native.op_unavailable_reason(op.name)) for op in KERNEL_OPS if op.kernel and native.op_unavailable_reason(op.name)]\n"
+        "assert not failed, failed\n"
+        "assert 'setuptools' not in sys.modules\n"
+        "print('LOADED')\n"
+    )
+    if native.unavailable_reason() is not None:
+        pytest.skip(f"the C++ kernels do not build here: {native.unavailable_reason()}")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert "LOADED" in out.stdout, out.stderr[-2000:]

@@ -31,6 +31,7 @@ from typing import Any
 
 from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 
+from quasar_hf import compat
 from quasar_hf.atomic_folder import write_text_atomically
 from quasar_hf.detect import QUANT_METHOD
 
@@ -138,6 +139,8 @@ def is_marked(folder: str | os.PathLike) -> bool:
 
 
 def register_checkpoint_config() -> None:
-    """Register model_type "quasar_hf" with AutoConfig (harmless to call again)."""
+    """Register model_type "quasar_hf" with AutoConfig (harmless to call again), and silence the type-mismatch
+    warning of a model class reading a marked config.json (right once quasar_hf is imported)."""
     if MODEL_TYPE not in CONFIG_MAPPING:
         AutoConfig.register(MODEL_TYPE, QuasarCheckpointConfig)
+    compat.quiet_config_type_warning(MODEL_TYPE)

@@ -20,6 +20,7 @@ the library cannot be had, `unavailable_reason()` says why, and the operators ke
 from __future__ import annotations
 
 import functools
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -75,13 +76,18 @@ def cxx_standard(torch_version: str) -> str:
     return "c++20" if (major, minor) >= (2, 14) else "c++17"
 
 
-def _cxx_flags() -> tuple[str, ...]:
-    from torch.utils.cpp_extension import include_paths
+def torch_folder(*parts: str) -> str:
+    """A folder of the installed torch package (its headers, its libraries). Computed from torch's own path,
+    not through torch.utils.cpp_extension, which imports setuptools: where pip imported the standard
+    library's distutils first, that import fails, and loading a cached build must never depend on it."""
+    return os.path.join(os.path.dirname(torch.__file__), *parts)
 
+
+def _cxx_flags() -> tuple[str, ...]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     version = "".join(ch if ch.isalnum() else "_" for ch in torch.__version__)
     x86 = ("-DQHF_X86",) if is_x86_64() else ()
-    includes = tuple(f"-I{path}" for path in include_paths())
+    includes = (f"-I{torch_folder('include')}", f"-I{torch_folder('include', 'torch', 'csrc', 'api', 'include')}")
     return (
         "-O2",
         "-fPIC",
@@ -106,9 +112,7 @@ def compile_units() -> list[CompileUnit]:
 
 
 def _link() -> tuple[str, ...]:
-    from torch.utils.cpp_extension import library_paths
-
-    torch_lib = library_paths()[0]
+    torch_lib = torch_folder("lib")
     return (f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}")
 
 
