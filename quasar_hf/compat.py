@@ -258,6 +258,19 @@ def _call_with_own_code(module: torch.nn.Module, name: str) -> Callable:
     return types.FunctionType(code, call.__globals__, name, None, call.__closure__)
 
 
+# ---------------------------------------------------------------- serving (transformers.cli.serving)
+def serving_stream_error(message: str) -> Any:
+    """The item Transformers' serving handlers read from a stream queue as "this request failed: message"."""
+    from transformers.cli.serving.utils import _StreamError
+
+    return _StreamError(message)
+
+
+def rust_tokenizer(processor: Any) -> Any:
+    """The `tokenizers.Tokenizer` behind a fast tokenizer or a processor (what DirectStreamer decodes with)."""
+    return getattr(processor, "tokenizer", processor)._tokenizer
+
+
 # ---------------------------------------------------------------- configs
 class _MarkedConfigRead(logging.Filter):
     """Drops Transformers' "You are using a model of type `quasar_hf` to instantiate a model of type ..." record."""

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("self_draft",),
     ("hf",),
     ("models", "export"),
-    ("bench", "eval", "commands", "cli", "__init__"),
+    ("bench", "eval", "serving", "commands", "cli", "__init__"),
 ]
 LAYER_OF = {unit: level for level, units in enumerate(LAYERS) for unit in units}
 

@@ -275,6 +275,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from quasar_hf.commands.serve import run_serve
+
+    return run_serve(args)
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from quasar_hf.commands.doctor import run_doctor
 

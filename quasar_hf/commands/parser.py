@@ -20,6 +20,7 @@ from quasar_hf.commands.handlers import (
     cmd_generate,
     cmd_mark,
     cmd_quantize,
+    cmd_serve,
 )
 from quasar_hf.commands.loading import DTYPES, UsageError
 
@@ -190,6 +191,28 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--rebuild", action="store_true", help="re-quantize even if the cached checkpoint exists")
 
     command("doctor", cmd_doctor, "Print the kernel backends, which are usable here and why not, and library versions")
+
+    serve = command(
+        "serve",
+        cmd_serve,
+        "Serve a model through Transformers' OpenAI-compatible server, decoded with Quasar, concurrent clients batched",
+    )
+    serve.add_argument("model", help="a Quasar checkpoint, or a model to quantize once and cache: " + model_help)
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)"
+    )
+    serve.add_argument("--port", type=positive_int, default=8000)
+    serve.add_argument("--compile", action="store_true", help="compiled steps, compiled and warmed up before the server listens")
+    serve.add_argument(
+        "--max-batch-size", type=positive_int, default=8, help="requests decoded together in one batch (default 8)"
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=4096,
+        help="with --compile: prompt plus new tokens per request, the compiled cache size (default 4096)",
+    )
+    serve.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
 
 
 def build_parser(prog: str = "quasar-hf") -> argparse.ArgumentParser:

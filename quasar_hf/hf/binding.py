@@ -17,6 +17,9 @@ so every other model in the process behaves exactly as without quasar_hf.
     nothing. The compute dtypes the kernels take (float32, bfloat16, float16) convert the whole model,
     with int8 weights and fp32 scales kept (PreparedModule.fp32_buffers); any other dtype is refused
     before a tensor changes.
+  * init_continuous_batching: Transformers' continuous-batching entry point (`transformers serve
+    --continuous-batching`), answered by a RequestBatcher of batched Quasar calls
+    (speculative/continuous_batching.py) instead of paged attention, which a Quasar model does not run.
   * train: refused (`train(False)`, what `eval()` calls, is the class's). A forward hook makes a backward
     pass through the outputs raise instead of computing gradients that skip every int8 linear.
   * a load_state_dict pre-hook: a tensor that is not int8 given for an int8 weight is refused, naming its
@@ -35,6 +38,7 @@ import torch
 
 from quasar_hf.atomic_folder import atomic_folder
 from quasar_hf.detect import is_quasar_model
+from quasar_hf.speculative.continuous_batching import init_continuous_batching
 
 NOT_QUANTIZED_HELP = (
     "quasar=... needs a Quasar W8A8 model. Quantize it first: "
@@ -72,6 +76,7 @@ def bind_quasar_methods(model: Any) -> None:
     model.half = ModelMethod(to_dtype, model, torch.float16)
     model.float = ModelMethod(to_dtype, model, torch.float32)
     model.train = ModelMethod(train_refused, model)
+    model.init_continuous_batching = ModelMethod(init_continuous_batching, model)
     if not getattr(model, HOOKS_MARK, False):  # torch hooks (an extension point of every module), once per model
         model.register_forward_hook(refuse_backward_through_outputs)
         model.register_load_state_dict_pre_hook(refuse_non_int8_weights)

@@ -90,7 +90,7 @@ def declined_reason(model: Any, args: tuple, kwargs: dict) -> str | None:
     if getattr(config, "stop_strings", None) is not None and getattr(model.generation_config, "stop_strings", None):
         return "model.generation_config.stop_strings is set (Quasar takes stop strings per call)"
     streamer, ids = arguments.get("streamer"), arguments.get("inputs", arguments.get("input_ids"))
-    if streamer is not None and getattr(ids, "dim", lambda: 0)() == 2 and ids.shape[0] > 1:
+    if streamer is not None and not hasattr(streamer, "put_row") and getattr(ids, "dim", lambda: 0)() == 2 and ids.shape[0] > 1:
         return "a streamer over a batch of several prompts"
     for name in ("cache", "past_key_values"):
         if model_inputs.get(name) is not None:

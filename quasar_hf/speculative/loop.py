@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -28,6 +29,18 @@ class QuasarGenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus the speculative counters."""
 
     quasar_stats: QuasarStats | None = None
+
+
+class RowStreamer(Protocol):
+    """A streamer for a batch: `put_row(row, token_ids)` gets each row's new tokens as they are accepted
+    (`row` indexes the batch as given) and returns True to stop that row there (a cancelled request, a row's
+    own token budget); `end()` when the call is over. `put` receives the prompt once, from generate."""
+
+    def put(self, value: torch.Tensor) -> None: ...
+
+    def put_row(self, row: int, token_ids: list[int]) -> bool: ...
+
+    def end(self) -> None: ...
 
 
 @dataclass
@@ -171,7 +184,9 @@ class SpeculativeRun:
             if bool(self.prepared.stopping_criteria(self.rows[row][None], scores[j : j + 1]).any()):
                 done = True
                 break
-        if self.streamer is not None:
+        if self.streamer is not None and hasattr(self.streamer, "put_row"):  # a RowStreamer: it may stop the row
+            done = bool(self.streamer.put_row(row, tokens[:count].tolist())) or done
+        elif self.streamer is not None:
             self.streamer.put(tokens[:count].cpu())
         return count, done
 

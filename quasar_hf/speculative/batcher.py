@@ -1,0 +1,292 @@
+"""RequestBatcher: concurrent requests decoded together, each row exactly its own speculative decoding.
+
+A server hands requests to `submit` from any thread. One worker thread takes the requests waiting
+when it is free (after a short gather window, so clients that send together are batched together),
+groups those whose generation settings agree (everything but `max_new_tokens`), and runs each group
+as one batched call of the speculative loop: left-padded prompts, one verify forward per step for
+all rows, each row accepting its own drafts. Greedy rows are batched; a sampled request runs alone,
+so its seed reproduces it whatever else is being served. A request with Quasar off
+(`quasar: false` in its generation config) runs the same loop without drafts, which is plain
+decoding; the same compiled steps serve both.
+
+Each row streams through a RowStreamer (speculative/loop.py): its tokens go to the request's
+callback as they are accepted, and the row stops at its own `max_new_tokens` or when the request is
+cancelled (a client that went away), without disturbing the other rows. Where a row's batch shape
+changes its bits (prefill padding), the difference is a near-tie; `benchmarks serve-load` proves it
+from the logits gap.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from quasar_hf import compat
+
+from .config import QuasarGenerationConfig
+from .defaults import FIELD, declined_reason
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH_SIZE = 8  # rows of one batched call (compiled steps round up to a power of two)
+GATHER_SECONDS = 0.01  # how long a free worker waits for requests sent together with the first one
+
+
+@dataclass
+class BatchRequest:
+    """One request: its prompt, its settings, and where its tokens go (callbacks run on the worker thread).
+
+    on_tokens(token_ids) receives each batch of new tokens; on_done(error) ends it (None: success)."""
+
+    input_ids: list[int]
+    generation_config: GenerationConfig
+    on_tokens: Callable[[list[int]], None]
+    on_done: Callable[[str | None], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    tokenizer: Any = None  # stop strings need it
+    generator: torch.Generator | None = None  # a sampled request's randomness (seeded by the caller)
+    emitted: int = 0
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    @property
+    def budget(self) -> int:
+        return int(self.generation_config.max_new_tokens or 0) - self.emitted
+
+
+class RequestBatcher:
+    """The worker thread that batches and decodes requests for one model (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_batch_size: int = MAX_BATCH_SIZE,
+        gather_seconds: float = GATHER_SECONDS,
+        quasar: dict | None = None,
+    ) -> None:
+        """`quasar`: Quasar options the server sets for every request (compiled steps), under each request's own."""
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.gather_seconds = gather_seconds
+        self.quasar = quasar
+        self.fatal_error: BaseException | None = None
+        self.batches_run = 0
+        self.rows_run = 0
+        self._waiting: queue.Queue[BatchRequest | None] = queue.Queue()
+        self._held: list[BatchRequest] = []
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="quasar-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: BatchRequest) -> BatchRequest:
+        """Queue a request (from any thread); its callbacks run on the worker thread."""
+        if self._stopping.is_set() or self.fatal_error is not None:
+            raise RuntimeError(f"the request batcher is stopped{f': {self.fatal_error}' if self.fatal_error else ''}")
+        self._waiting.put(request)
+        return request
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """Finish the batch running now, fail the requests still waiting, and end the worker."""
+        self._stopping.set()
+        self._waiting.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ worker thread
+    def _work(self) -> None:
+        while not self._stopping.is_set():
+            batch = self._next_batch()
+            if batch:
+                self._run(batch)
+        for request in [*self._held, *self._drain()]:
+            request.on_done("the server is shutting down")
+
+    def _next_batch(self) -> list[BatchRequest]:
+        """The requests to run next: the oldest waiting one and those that batch with it."""
+        if not self._held:
+            first = self._waiting.get()
+            if first is None:
+                return []
+            self._held.append(first)
+            time.sleep(self.gather_seconds)
+        self._held.extend(r for r in self._drain() if r is not None)
+        self._held = [r for r in self._held if not self._finish_if_cancelled(r)]
+        if not self._held:
+            return []
+        key = batch_key(self._held[0])
+        batch = [r for r in self._held if batch_key(r) == key][: self.max_batch_size]
+        self._held = [r for r in self._held if r not in batch]
+        return batch
+
+    def _drain(self) -> list[BatchRequest | None]:
+        items = []
+        while True:
+            try:
+                item = self._waiting.get_nowait()
+            except queue.Empty:
+                return items
+            if item is None:
+                self._stopping.set()
+            else:
+                items.append(item)
+
+    @staticmethod
+    def _finish_if_cancelled(request: BatchRequest) -> bool:
+        if request.cancelled.is_set():
+            request.on_done(None)
+            return True
+        return False
+
+    def _run(self, batch: list[BatchRequest]) -> None:
+        try:
+            decode_batch(self.model, batch, self.quasar)
+            errors = [None] * len(batch)
+        except Exception as error:  # a request's own fault (bad settings) fails its batch, not the server
+            logger.exception("quasar_hf: a batch of %d request(s) failed", len(batch))
+            errors = [f"{type(error).__name__}: {error}"] * len(batch)
+        except BaseException as error:  # noqa: B036 - the worker is gone: say so to every caller
+            self.fatal_error = error
+            for request in batch:
+                request.on_done(f"the decoding worker died: {error!r}")
+            raise
+        self.batches_run += 1
+        self.rows_run += len(batch)
+        for request, error in zip(batch, errors):
+            request.on_done(error)
+
+
+def batch_key(request: BatchRequest) -> str:
+    """Requests with equal keys decode in one batch: greedy ones whose settings differ only in max_new_tokens."""
+    config = request.generation_config
+    if config.do_sample:
+        return f"sampled-{uuid.uuid4()}"  # alone: its randomness depends on nothing else served
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("max_new_tokens", "max_length", "transformers_version")}
+    return json.dumps(settings, sort_keys=True, default=repr)
+
+
+class _RowStreamer:
+    """The loop's RowStreamer for one batch: row i's tokens go to batch[i], capped at its own budget."""
+
+    def __init__(self, batch: list[BatchRequest]) -> None:
+        self.batch = batch
+
+    def put(self, value: torch.Tensor) -> None:
+        """The prompt, streamed by generate before decoding: not new tokens."""
+
+    def put_row(self, row: int, token_ids: list[int]) -> bool:
+        request = self.batch[row]
+        if request.cancelled.is_set():
+            return True
+        token_ids = token_ids[: max(request.budget, 0)]
+        if token_ids:
+            request.emitted += len(token_ids)
+            request.on_tokens(token_ids)
+        return request.budget <= 0 or request.cancelled.is_set()
+
+    def end(self) -> None:
+        pass
+
+
+def decode_batch(model: torch.nn.Module, batch: list[BatchRequest], quasar: dict | None = None) -> None:
+    """One batched speculative call for `batch` (requests of one batch key), streaming every row."""
+    from .strategy import generate_with_quasar
+
+    config = _runnable(batch[0].generation_config)
+    config.max_new_tokens = max(int(r.generation_config.max_new_tokens or 0) for r in batch)
+    quasar_config = request_quasar_config(model, config, quasar)
+    if quasar_config is None:  # options the loop does not implement: plain generate, one request at a time
+        for request in batch:
+            _decode_plainly(model, request)
+        return
+    input_ids, attention_mask = left_padded(batch, pad_token_id(model, config), compat.input_device(model))
+    with torch.no_grad():
+        generate_with_quasar(
+            model,
+            input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            streamer=_RowStreamer(batch),
+            quasar=quasar_config,
+            quasar_generator=batch[0].generator,
+            tokenizer=batch[0].tokenizer,
+        )
+
+
+def _runnable(config: GenerationConfig) -> GenerationConfig:
+    """A copy to decode with: Transformers' continuous batching turns use_cache off; every path here keeps a cache."""
+    config = copy.deepcopy(config)
+    config.use_cache = True
+    return config
+
+
+def _decode_plainly(model: torch.nn.Module, request: BatchRequest) -> None:
+    """Plain generate of one request (its options are ones the speculative loop does not implement)."""
+    ids = torch.tensor([request.input_ids], dtype=torch.long, device=compat.input_device(model))
+    with torch.no_grad():
+        out = model.generate(
+            ids, generation_config=_runnable(request.generation_config), tokenizer=request.tokenizer, quasar=False
+        )
+    _RowStreamer([request]).put_row(0, out[0, ids.shape[1] :].tolist())
+
+
+SERVER_OPTIONS = ("compile", "cache_implementation")  # a request cannot change these: they decide what the server compiled
+
+
+def request_quasar_config(
+    model: torch.nn.Module, config: GenerationConfig, override: dict | None
+) -> QuasarGenerationConfig | None:
+    """The loop's settings for a request: the server's options (`override`), then its generation config's
+    `quasar` field (else the model's); Quasar off is the loop without drafts (plain decoding). None when the
+    loop declines the request's generation options."""
+    if declined_reason(model, (), {"generation_config": config}) is not None:
+        return None
+    setting = getattr(config, FIELD, None)
+    if setting is None:
+        setting = getattr(model.generation_config, FIELD, None)
+    options = dict(override or {})
+    if setting is False:
+        options["num_draft_tokens"] = 0
+    elif isinstance(setting, dict):
+        options.update({k: v for k, v in setting.items() if k not in SERVER_OPTIONS})
+    elif setting not in (None, True):
+        raise ValueError(f"generation_config.quasar must be true, false or an object of Quasar options, got {setting!r}")
+    return QuasarGenerationConfig.from_value(options or True)
+
+
+def left_padded(batch: list[BatchRequest], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and attention_mask [B, T], prompts right-aligned (decoder-only generation pads on the left)."""
+    width = max(len(r.input_ids) for r in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, request in enumerate(batch):
+        n = len(request.input_ids)
+        ids[row, width - n :] = torch.tensor(request.input_ids, dtype=torch.long)
+        mask[row, width - n :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def pad_token_id(model: torch.nn.Module, config: GenerationConfig) -> int:
+    """The id left padding uses (never read: the mask hides it), an in-vocabulary one."""
+    for value in (config.pad_token_id, config.eos_token_id, model.generation_config.pad_token_id):
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0

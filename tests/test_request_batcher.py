@@ -1,0 +1,111 @@
+"""RequestBatcher: requests sent together decode as one batch, each row its own request's tokens, budget and
+cancellation; plain (Quasar off) and options the loop declines run too."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from test_hub_support import make_tiny_checkpoint, quantize_tiny
+from transformers import GenerationConfig
+
+from quasar_hf.speculative.batcher import BatchRequest, RequestBatcher, batch_key
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [40, 41, 42, 40, 41], [70, 71, 72, 73, 74, 75, 70, 71, 72, 73]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return quantize_tiny(make_tiny_checkpoint(tmp_path_factory.mktemp("base")))
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.error = "not finished"
+        self.done = threading.Event()
+
+    def request(self, ids, **config) -> BatchRequest:
+        options = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": None, **config}
+        return BatchRequest(list(ids), GenerationConfig(**options), self.tokens.extend, self.finish)
+
+    def finish(self, error) -> None:
+        self.error = error
+        self.done.set()
+
+
+def alone(model, ids, max_new_tokens=12, **options) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, **options)
+    return out[0, len(ids) :].tolist()
+
+
+def run_together(batcher, requests_and_collectors):
+    for request, _ in requests_and_collectors:
+        batcher.submit(request)
+    for _, collector in requests_and_collectors:
+        assert collector.done.wait(120)
+
+
+def test_requests_sent_together_run_as_one_batch_with_each_rows_own_budget(model):
+    batcher = RequestBatcher(model, gather_seconds=0.2)
+    try:
+        collectors = [Collector() for _ in PROMPTS]
+        budgets = [12, 5, 9]
+        run_together(batcher, [(c.request(p, max_new_tokens=b), c) for c, p, b in zip(collectors, PROMPTS, budgets)])
+        assert batcher.batches_run == 1 and batcher.rows_run == 3
+        for collector, prompt, budget in zip(collectors, PROMPTS, budgets):
+            assert collector.error is None
+            assert collector.tokens == alone(model, prompt, budget, quasar=False)
+    finally:
+        batcher.stop()
+
+
+def test_quasar_off_and_declined_options_run_plain_decoding(model):
+    batcher = RequestBatcher(model, gather_seconds=0.05)
+    try:
+        off, declined = Collector(), Collector()
+        run_together(batcher, [(off.request(PROMPTS[0], quasar=False), off)])
+        run_together(batcher, [(declined.request(PROMPTS[1], output_scores=True), declined)])
+        assert off.error is None and off.tokens == alone(model, PROMPTS[0], quasar=False)
+        assert declined.error is None and declined.tokens == alone(model, PROMPTS[1], quasar=False)
+    finally:
+        batcher.stop()
+
+
+def test_a_cancelled_row_stops_and_the_others_finish(model):
+    batcher = RequestBatcher(model, gather_seconds=0.2)
+    try:
+        first, second = Collector(), Collector()
+        cancelled = first.request(PROMPTS[0], max_new_tokens=40)
+        original = cancelled.on_tokens
+
+        def cancel_after_first_tokens(tokens):
+            original(tokens)
+            cancelled.cancel()
+
+        cancelled.on_tokens = cancel_after_first_tokens
+        run_together(batcher, [(cancelled, first), (second.request(PROMPTS[2], max_new_tokens=20), second)])
+        assert first.error is None and 0 < len(first.tokens) < 40
+        assert second.tokens == alone(model, PROMPTS[2], 20, quasar=False)
+    finally:
+        batcher.stop()
+
+
+def test_a_failing_request_fails_alone_and_the_batcher_keeps_serving(model):
+    batcher = RequestBatcher(model, gather_seconds=0.05)
+    try:
+        bad, good = Collector(), Collector()
+        run_together(batcher, [(bad.request([5, 6, 7], quasar={"num_draft_tokens": -1}), bad)])
+        assert bad.error is not None and "num_draft_tokens" in bad.error
+        run_together(batcher, [(good.request(PROMPTS[1]), good)])
+        assert good.error is None and good.tokens == alone(model, PROMPTS[1], quasar=False)
+    finally:
+        batcher.stop()
+
+
+def test_sampled_requests_never_share_a_batch():
+    greedy = BatchRequest([1], GenerationConfig(max_new_tokens=4), print, print)
+    other = BatchRequest([2, 3], GenerationConfig(max_new_tokens=9), print, print)
+    sampled = BatchRequest([1], GenerationConfig(max_new_tokens=4, do_sample=True), print, print)
+    assert batch_key(greedy) == batch_key(other) != batch_key(sampled) != batch_key(sampled)
