@@ -2,7 +2,7 @@
 
 Importing the package registers quant_method "quasar" with Transformers (its quantizer registry)
 and the self drafter with the speculative loop's drafter registry. Nothing else changes:
-Quasar models get `generate(quasar=...)` and model-card saving on the instance when they load,
+Quasar models get `generate` with Quasar as its default and model-card saving on the instance when they load,
 and any causal LM can decode with `model.generate(ids, custom_generate=quasar_hf.generate, quasar=...)`.
 """
 
@@ -11,6 +11,7 @@ from quasar_hf.nn import W8A8Linear, prepare_weights, set_backend
 from quasar_hf.ops.rowstable_attention import use_rowstable_attention
 from quasar_hf.speculative import QuasarGenerationConfig, speculative_generate
 from quasar_hf.speculative.strategy import generate
+from quasar_hf.speculative.warm_up import warm_up
 
 register_with_transformers()
 register_self_drafter()
@@ -26,5 +27,6 @@ __all__ = [
     "set_backend",
     "speculative_generate",
     "use_rowstable_attention",
+    "warm_up",
     "__version__",
 ]

@@ -78,12 +78,18 @@ def atomic_folder(target: str | os.PathLike) -> Iterator[Path]:
 
 
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:
-    """Write one file via a temporary file in the same folder and `os.replace` (old or new, never half)."""
+    """Write one text file (UTF-8) atomically: `write_bytes_atomically`."""
+    write_bytes_atomically(path, text.encode("utf-8"))
+
+
+def write_bytes_atomically(path: str | os.PathLike, data: bytes) -> None:
+    """Write one file via a temporary file in the same folder (flushed to disk) and `os.replace`: a reader
+    sees the old file or the new one, never half of one."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         if path.exists():

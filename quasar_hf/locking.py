@@ -1,4 +1,5 @@
-"""A cross-process exclusive lock on a file, for building shared caches (checkpoints, C kernels).
+"""Where quasar_hf's shared caches live (`cache_root`), and a cross-process exclusive lock on a file for
+building them (checkpoints, C kernels, compiled steps).
 
 Uses `fcntl.flock` where it exists (Linux, macOS): the kernel drops the lock when the holder
 exits, so a crashed build never leaves the cache locked. Elsewhere it degrades to no lock; the
@@ -33,3 +34,12 @@ def exclusive_lock(path: Path) -> Iterator[bool]:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def cache_root() -> Path:
+    """quasar_hf's cache folder: $QUASAR_HF_CACHE, else $XDG_CACHE_HOME/quasar_hf, else ~/.cache/quasar_hf."""
+    explicit = os.environ.get("QUASAR_HF_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "quasar_hf"

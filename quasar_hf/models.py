@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from quasar_hf.locking import exclusive_lock
+from quasar_hf.locking import cache_root, exclusive_lock
 
 MANIFEST_NAME = "quasar_hf_build.json"  # written last: its presence + matching sizes mean "complete"
 STAGING_MARK = ".staging-"
@@ -70,12 +70,8 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 
 
 def cache_dir() -> Path:
-    """Where quasar_hf keeps built checkpoints: $QUASAR_HF_CACHE, else $XDG_CACHE_HOME/quasar_hf, else ~/.cache/quasar_hf."""
-    explicit = os.environ.get("QUASAR_HF_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "quasar_hf"
+    """Where quasar_hf keeps built checkpoints: locking.cache_root() ($QUASAR_HF_CACHE, else ~/.cache/quasar_hf)."""
+    return cache_root()
 
 
 def gguf_chunks(spec: EmbeddedModel) -> list[Path]:

@@ -28,9 +28,10 @@ def compiled_greedy(model, ids, mask, new_tokens: int, **quasar) -> torch.Tensor
     return model.generate(ids, quasar={**COMPILED, **quasar}, **options)
 
 
-def test_batches_round_to_powers_of_two_and_caches_to_doubling_sizes():
+def test_batches_round_to_powers_of_two_and_every_length_shares_one_cache_size():
     assert [batch_bucket(b) for b in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
-    assert [compiled_cache_slots(t) for t in (1, 256, 257, 600, 1025)] == [256, 256, 512, 1024, 2048]
+    assert [compiled_cache_slots(t) for t in (1, 257, 2000, 4096, 4097)] == [4096, 4096, 4096, 4096, 8192]
+    assert [compiled_cache_slots(t, context=500) for t in (1, 512, 513)] == [512, 512, 1024]  # a short context
     with pytest.raises(ValueError, match="batch size"):
         batch_bucket(0)
 
@@ -51,8 +52,8 @@ def test_any_sequence_of_batch_sizes_and_lengths_stays_compiled_and_exact(tmp_pa
             assert torch.equal(out.sequences, plain), f"batch {size}, {new_tokens} tokens"
             accepted_somewhere |= out.quasar_stats.accepted_tokens > 0
     table = compiled_steps_for(model, AOT_EAGER)
-    assert set(table.steps) == {(1, 256), (2, 256), (4, 256), (8, 256), (2, 512)}
-    assert table.compiled_keys == 5 and accepted_somewhere
+    assert set(table.steps) == {(1, 512), (2, 512), (4, 512), (8, 512)}  # 300 new tokens: the same cache size
+    assert table.compiled_keys == 4 and accepted_somewhere
     torch._dynamo.reset()
 
 
@@ -66,7 +67,7 @@ def test_the_oldest_shape_is_dropped_and_compiles_again_with_the_same_tokens(tmp
         first = compiled_greedy(model, *batch(1), 8)
         for size in (2, 3):
             compiled_greedy(model, *batch(size), 8)
-        assert list(table.steps) == [(2, 256), (4, 256)], "batch 1's steps were dropped"
+        assert list(table.steps) == [(2, 512), (4, 512)], "batch 1's steps were dropped"
         again = compiled_greedy(model, *batch(1), 8)
     assert torch.equal(again, first) and table.compiled_keys == 4
     torch._dynamo.reset()
@@ -85,7 +86,7 @@ def test_more_draft_widths_than_dynamo_allows_one_function_still_run(tmp_path):
         for width in range(1, 9):
             assert torch.equal(compiled_greedy(model, ids, mask, 10, num_draft_tokens=width), plain), f"width {width}"
     table = compiled_steps_for(model, AOT_EAGER)
-    assert list(table.steps) == [(1, 256)] and table.compiled_keys == 2, "one rebuild"
+    assert list(table.steps) == [(1, 512)] and table.compiled_keys == 2, "one rebuild"
     torch._dynamo.reset()
 
 
@@ -104,7 +105,7 @@ def test_compiled_shapes_measurement_reports_keys_times_and_exactness(tmp_path):
     paths = compiled_shapes.main(argv)
     torch._dynamo.reset()
     report = json.loads(open(paths[0]).read())
-    assert [r["key"] for r in report["rows"]] == [[1, 256], [4, 256], [4, 256]]
+    assert [r["key"] for r in report["rows"]] == [[1, 512], [4, 512], [4, 512]]
     assert [r["new_key"] for r in report["rows"]] == [True, True, False] and report["all_equal"]
     with pytest.raises(SystemExit):
         compiled_shapes.main(["--quantized", ".", "--calls", "9x4"])

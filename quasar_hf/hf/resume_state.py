@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import warnings
 from collections.abc import Collection
 
@@ -35,6 +34,7 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 from torch import nn
 
+from quasar_hf.atomic_folder import write_bytes_atomically
 from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
 
 PROGRESS = "progress.json"
@@ -47,18 +47,8 @@ def fingerprint(parts: dict) -> str:
 
 
 def _atomic_write(path: str, data: bytes) -> str:
-    """Write `data` to a temporary name, flush it to disk and rename it to `path`; its SHA-256."""
-    folder = os.path.dirname(path)
-    handle, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(handle, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """Write `data` to `path` atomically (atomic_folder.write_bytes_atomically); its SHA-256."""
+    write_bytes_atomically(path, data)
     return hashlib.sha256(data).hexdigest()
 
 
@@ -205,7 +195,7 @@ class ResumeState:
         return os.path.join(self.folder, name)
 
 
-STATE_FILE = re.compile(r"(\.tmp-.*)?((layer|hidden)_\d{4,}\.safetensors|progress\.json)")  # _atomic_write's temporaries too
+STATE_FILE = re.compile(r"(\.tmp-)?((layer|hidden)_\d{4,}\.safetensors|progress\.json)(\..*\.tmp)?")  # temporaries too
 
 
 def is_state_file(name: str) -> bool:

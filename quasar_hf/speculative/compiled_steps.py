@@ -8,7 +8,12 @@ keys exist:
 
 - batch sizes round up to a power of two (1, 2, 4, 8, 16, ...); the extra rows idle in the static
   cache (each sees only its own token, its outputs are dropped);
-- cache sizes round up to 256 slots times a power of two (256, 512, 1024, ...).
+- every call whose prompt and new tokens fit in COMPILED_SLOTS_BASE (4096) slots, or in the model's
+  context when that is shorter, uses one cache size; longer ones double it. So one decode graph and
+  one verify graph per batch size serve every length up to 4096 tokens: unused slots cost no
+  compute (the row-stable attention kernels skip masked keys without loading them), only memory.
+
+`warm_up.warm_up` compiles the keys a process will meet before its first request.
 
 A key (rows, slots) holds the decode step [B, 1] and a verify step [B, width + 1] per draft width in
 use (one, unless calls change `num_draft_tokens`; should a key ever reach Dynamo's limit, its function
@@ -21,6 +26,7 @@ depends only on its shapes, so compiled `quasar=True` and compiled plain decodin
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +36,11 @@ import torch
 from quasar_hf import compat
 from quasar_hf.ops.rowstable_attention import decide_kernels
 
+logger = logging.getLogger(__name__)
+
 MAX_COMPILED_SHAPES = 32  # shape keys kept per model (each: a decode graph and a verify graph)
-COMPILED_SLOTS_BASE = 256  # the smallest compiled cache; larger ones double
+COMPILED_SLOTS_BASE = 4096  # the compiled cache of every call up to this many tokens; larger ones double
+SLOTS_STEP = 256  # a context shorter than the base rounds up to this
 TABLE_ATTR = "_quasar_compiled_steps"
 
 
@@ -42,12 +51,21 @@ def batch_bucket(batch_size: int) -> int:
     return 1 << (batch_size - 1).bit_length()
 
 
-def compiled_cache_slots(tokens: int) -> int:
-    """Cache slots of a compiled step holding `tokens` tokens: 256 times a power of two."""
+def compiled_cache_slots(tokens: int, context: int | None = None) -> int:
+    """Cache slots of a compiled step holding `tokens` tokens: COMPILED_SLOTS_BASE (or `context`, the model's
+    max_position_embeddings, rounded up to 256 when that is smaller), doubled until they hold `tokens`."""
     slots = COMPILED_SLOTS_BASE
+    if context is not None and context < slots:
+        slots = max(SLOTS_STEP, -(-context // SLOTS_STEP) * SLOTS_STEP)
     while slots < tokens:
         slots *= 2
     return slots
+
+
+def model_context(model: torch.nn.Module) -> int | None:
+    """The model's context length (max_position_embeddings), if its config says."""
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 class CompiledSteps:
@@ -91,6 +109,11 @@ class CompiledSteps:
         for device in {p.device for p in self.model.parameters()}:
             decide_kernels(device)  # first-use checks run here, eagerly: the traced step reads their answers
         self.compiled_keys += 1
+        logger.info(
+            "quasar_hf: compiling steps for %d rows x %d cache slots in this call (quasar_hf.warm_up compiles them "
+            "before the first request)",
+            *key,
+        )
         name = "quasar_step_b{}_s{}".format(*key)
         return compat.compiled_step(self.model, self.compile_config, name)
 

@@ -37,9 +37,11 @@ class QuasarGenerationConfig:
         verify steps with `model.get_compiled_call` (fullgraph, static shapes; CUDA graphs on CUDA,
         Inductor's C++ code on CPU) over a static cache. Greedy output then equals plain greedy
         decoding with the same compiled step (`num_draft_tokens=0`), token for token; it need not
-        equal eager decoding. Batch sizes round up to a power of two and cache sizes to 256 slots
-        times a power of two; each such shape compiles its two graphs on first use, and a model
-        keeps the 32 most recently used shapes (speculative/compiled_steps.py).
+        equal eager decoding. Batch sizes round up to a power of two, and every call of up to 4096
+        tokens (prompt + new) shares one cache size; each such shape compiles its two graphs on first
+        use, or beforehand with `quasar_hf.warm_up(model, batch_sizes=...)`, which also keeps them in
+        an on-disk cache for the next process; a model keeps the 32 most recently used shapes
+        (speculative/compiled_steps.py).
     """
 
     drafter: Any = "ngram"

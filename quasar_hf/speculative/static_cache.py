@@ -91,6 +91,7 @@ class StaticVerifierCache:
         if n > 1 and not prefill:  # several tokens over a cache: verification
             kwargs.update(self.verify_kwargs)
         forward = self.model if prefill else self.step
+        tokens, positions = tokens.contiguous(), positions.contiguous()  # one stride per shape: one graph
         outputs = forward(
             input_ids=tokens,
             attention_mask=self.slot_mask,  # [B_all, slots]: explicit, or unwritten slots would count as keys

@@ -32,7 +32,7 @@ from quasar_hf import compat
 
 from .attention import verification_attention
 from .checks import INPUTS_EMBEDS_HELP, _check_inputs, _refuse_unsupported, as_long_ids
-from .compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for
+from .compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for, model_context
 from .config import QuasarGenerationConfig
 from .drafters import make_drafter
 from .loop import PreparedGeneration, QuasarGenerateOutput, SpeculativeRun
@@ -138,7 +138,7 @@ def verifier_cache(
     compile_config = compile_config or prepared.generation_config.compile_config  # generate(compile_config=...)
     if compile_config is None:
         compile_config = compat.default_compile_config(device)
-    rows, slots = batch_bucket(batch_size), compiled_cache_slots(tokens)
+    rows, slots = batch_bucket(batch_size), compiled_cache_slots(tokens, model_context(model))
     step = compiled_steps_for(model, compile_config).step_for(rows, slots)
     cache = StaticVerifierCache(model, rows, device, slots, step, verify_kwargs, batch_size=batch_size)
     return cache, width

@@ -1,0 +1,173 @@
+"""warm_up: compile every step a process will run before its first request, from a cache on disk when it can.
+
+Compiled `quasar=...` steps are keyed by (batch rows, cache slots) (compiled_steps.py); each key runs a
+decode graph [B, 1] and a verify graph [B, k + 1]. `warm_up(model, batch_sizes, max_length)` builds
+the keys those calls use and runs one decode and one verify step through each, so Dynamo traces and
+Inductor compiles now instead of inside a request; a progress bar shows the shapes and the time is
+returned and logged.
+
+Inductor and AOTAutograd cache what they compile on disk (torch's FX-graph and autograd caches, keyed by
+the graph, the inputs and torch's version), so a second process only traces. Those caches live
+under /tmp; warm_up also keeps torch's portable bundle of them (`torch.compiler.save_cache_artifacts`)
+per user and machine in cache_root()/compiled, under a key of torch's and quasar_hf's versions, the
+model config and dtype, the CPU, the compile config and the shapes, and loads it before compiling. A
+bundle whose bytes do not match the SHA-256 recorded beside it, or that torch cannot load, is deleted
+and rebuilt, never used. Entries torch's caches hold for other graphs are ignored by torch itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quasar_hf import compat
+from quasar_hf.atomic_folder import write_bytes_atomically
+from quasar_hf.locking import cache_root
+
+from .attention import verification_attention
+from .compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for, model_context
+from .config import DEFAULT_NUM_DRAFT_TOKENS
+from .static_cache import StaticVerifierCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WarmUpReport:
+    """What warm_up did: the shapes, the seconds, the graphs Dynamo built, and the on-disk bundle."""
+
+    shapes: list[tuple[int, int]] = field(default_factory=list)  # (rows, slots)
+    seconds: float = 0.0
+    graphs_compiled: int = 0
+    cache_file: str | None = None
+    cache: str = "off"  # "off", "loaded", "missing", "rebuilt: <why>"
+
+
+def warm_up(
+    model: torch.nn.Module,
+    batch_sizes: Iterable[int] = (1,),
+    max_length: int | None = None,
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    compile_config: Any = None,
+    cache_folder: str | Path | None = "default",
+    log: Callable[[str], None] | None = None,
+    progress: bool = True,
+) -> WarmUpReport:
+    """Compile the decode and verify steps of every batch size in `batch_sizes` (rounded as calls round them)
+    for calls of up to `max_length` tokens (prompt + new tokens; default: COMPILED_SLOTS_BASE), the same
+    steps `generate(..., quasar={"compile": compile_config or True, "num_draft_tokens": num_draft_tokens})`
+    then runs. `cache_folder=None` skips the on-disk bundle; "default" is locking.cache_root()/compiled."""
+    from tqdm.auto import tqdm
+
+    started = time.perf_counter()
+    device = compat.input_device(model)
+    config = compile_config if compile_config not in (None, True) else compat.default_compile_config(device)
+    slots = compiled_cache_slots(max_length or 1, model_context(model))
+    shapes = sorted({(batch_bucket(size), slots) for size in batch_sizes})
+    report = WarmUpReport(shapes=shapes)
+    bundle = _bundle_path(model, config, shapes, num_draft_tokens, cache_folder)
+    if bundle is not None:
+        report.cache_file, report.cache = str(bundle), load_bundle(bundle)
+    graphs_before = _graphs_built()
+    table = compiled_steps_for(model, config)
+    width = max(num_draft_tokens, 1)
+    with torch.no_grad(), verification_attention(model, True) as verify_kwargs:
+        for rows, cache_slots in tqdm(shapes, desc="Quasar compiling steps", unit="shape", disable=not progress):
+            step = table.step_for(rows, cache_slots)
+            cache = StaticVerifierCache(model, rows, device, cache_slots, step, verify_kwargs)
+            cache.forward(torch.ones(rows, 2, dtype=torch.long, device=device), last_only=True)  # the eager prefill
+            cache.forward(torch.ones(rows, 1, dtype=torch.long, device=device))  # decode graph [rows, 1]
+            cache.forward(torch.ones(rows, width + 1, dtype=torch.long, device=device))  # verify graph
+    report.graphs_compiled = _graphs_built() - graphs_before
+    if bundle is not None and (report.cache != "loaded" or report.graphs_compiled):
+        save_bundle(bundle)
+    report.seconds = time.perf_counter() - started
+    message = (
+        f"compiled steps for batch sizes {[r for r, _ in shapes]} and up to {slots} tokens in {report.seconds:.1f} s "
+        f"({report.graphs_compiled} graphs traced; cache: {report.cache})"
+    )
+    (log or logger.info)(message)
+    return report
+
+
+def _graphs_built() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def _bundle_path(model: torch.nn.Module, config: Any, shapes: list, width: int, folder: Any) -> Path | None:
+    """cache_root()/compiled/<key>.bin for this model, machine, compile config and shapes (None: no bundle)."""
+    if folder is None:
+        return None
+    if folder == "default":
+        folder = cache_root() / "compiled"
+    from quasar_hf.detect import package_version
+
+    parameter = next(model.parameters())
+    key = {
+        "torch": torch.__version__,
+        "quasar_hf": package_version(),
+        "model": model.config.to_json_string(use_diff=False),
+        "dtype": str(parameter.dtype),
+        "device": str(parameter.device),
+        "cpu": cpu_description(),
+        "compile": json.dumps(config.to_dict(), sort_keys=True, default=repr),
+        "shapes": shapes,
+        "draft_width": width,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return Path(folder) / f"{type(model).__name__}-{digest}.bin"
+
+
+def cpu_description() -> str:
+    """The CPU a compiled kernel was built for: its model name and instruction-set flags."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            lines = info.read().splitlines()
+        fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in lines if ":" in line}
+        return f"{fields.get('model name', '')}|{fields.get('flags', fields.get('Features', ''))}"
+    except OSError:
+        return f"{platform.machine()}|{platform.processor()}"
+
+
+def load_bundle(path: Path) -> str:
+    """Hot-load a saved bundle into torch's compile caches: "loaded", "missing", or "rebuilt: <why>" (deleted)."""
+    record = path.with_suffix(".json")
+    if not path.is_file() or not record.is_file():
+        return "missing"
+    try:
+        data = path.read_bytes()
+        expected = json.loads(record.read_text()).get("sha256")
+        if hashlib.sha256(data).hexdigest() != expected:
+            raise ValueError("its bytes do not match the SHA-256 recorded beside it")
+        torch.compiler.load_cache_artifacts(data)
+        return "loaded"
+    except Exception as error:  # a damaged or foreign bundle: never used, rebuilt by this warm-up
+        path.unlink(missing_ok=True)
+        record.unlink(missing_ok=True)
+        reason = f"rebuilt: {path.name} could not be used ({type(error).__name__}: {error})"
+        logger.warning("quasar_hf: %s", reason)
+        return reason
+
+
+def save_bundle(path: Path) -> None:
+    """Write torch's bundle of this process's compile artifacts, and its SHA-256 beside it (atomically)."""
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return
+    data = saved[0]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomically(path, data)
+        record = {"sha256": hashlib.sha256(data).hexdigest(), "torch": torch.__version__, "bytes": len(data)}
+        write_bytes_atomically(path.with_suffix(".json"), json.dumps(record).encode())
+    except OSError as error:  # a read-only cache: the steps are compiled, the next process compiles again
+        logger.warning("quasar_hf: could not save the compiled steps to %s: %s", path, error)
