@@ -67,6 +67,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "benchmarks.load_checksum:main",
         "the SHA-256 check at load beside reading the tensors, at real checkpoint sizes",
     ),
+    "serve-load": (
+        "benchmarks.serve_load:main",
+        "quasar-hf serve (Quasar on and off), transformers serve (BF16) and llama-server under 1-8 concurrent clients",
+    ),
     "vllm-check": ("benchmarks.vllm_check:main", "serve the compressed-tensors export in vLLM and compare its greedy output"),
 }
 

@@ -359,3 +359,18 @@ def write_reports(result: dict, out_dir: str, name: str = "bench", title: str | 
     with open(md_path, "w") as f:
         f.write(to_markdown(full, title or f"quasar_hf {name}"))
     return [json_path, md_path, *plots]
+
+
+def write_json_and_markdown(result: dict, out_dir: str | os.PathLike, name: str, render: Any) -> list[str]:
+    """A measurement's report: {name}.json (with the environment block, added unless present) and {name}.md
+    (`render(result)`, the measurement's own tables), written into `out_dir`; returns both paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    full = dict(result)
+    full.setdefault("environment", environment())
+    json_path = os.path.join(out_dir, f"{name}.json")
+    with open(json_path, "w") as f:
+        json.dump(full, f, indent=1, default=str)
+    md_path = os.path.join(out_dir, f"{name}.md")
+    with open(md_path, "w") as f:
+        f.write(render(full))
+    return [json_path, md_path]

@@ -50,7 +50,8 @@ def servable_checkpoint(name: str) -> str:
     model = quantize_checkpoint(path, {}, "bfloat16")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    save_quantized(model, load_tokenizer(path), str(staging), base_model=name)
+    hub_id = name if "/" in name and not Path(name).exists() else None  # a model card names Hub ids only
+    save_quantized(model, load_tokenizer(path), str(staging), base_model=hub_id)
     if target.exists():
         shutil.rmtree(target)
     staging.rename(target)

@@ -1,0 +1,198 @@
+"""Servers and load clients for `python -m benchmarks serve-load`: start a server process on 127.0.0.1, send
+it requests from N concurrent clients, time each one (first token, whole response) and sample its RSS.
+
+Two wire formats: the OpenAI API that `quasar-hf serve` and `transformers serve` answer (chat or text
+completions, streamed), and llama.cpp's native `/completion`, which takes the prompt as token ids (the
+checkpoint's own, so every server decodes the same tokens) and never reuses a cached prefix
+(`cache_prompt: false`: no other server does).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rss_bytes(pid: int, field_name: str = "VmRSS") -> int | None:
+    """A process's resident set (VmRSS) or its peak (VmHWM), from /proc."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class ServerProcess:
+    """A server started with `command`, ready once `health` answers; stopped by `stop` (or the with-block)."""
+
+    def __init__(self, command: list[str], port: int, log: Path, health: str = "/health", timeout_s: float = 1800) -> None:
+        self.port, self.log = port, log
+        self.started = time.perf_counter()
+        self.process = subprocess.Popen(
+            command, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{command[0]} exited before it served: {log.read_text()[-2000:]}")
+            try:
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                connection.request("GET", health)
+                if connection.getresponse().status == 200:
+                    self.ready_s = time.perf_counter() - self.started
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"{command[0]} did not start in {timeout_s} s: {log.read_text()[-2000:]}")
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(30)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+@dataclass
+class Prompt:
+    """One benchmark prompt in both wire formats: chat messages or raw text, and its token ids."""
+
+    id: str
+    ids: list[int]
+    messages: list[dict] | None = None
+    text: str | None = None
+
+
+@dataclass
+class Outcome:
+    """One request: when it started, its first token and its end (seconds), its text and token count."""
+
+    prompt: str
+    started: float
+    first_token: float | None = None
+    ended: float | None = None
+    text: str = ""
+    tokens: int = 0
+    error: str | None = None
+    rss: int | None = None
+
+
+@dataclass
+class Wire:
+    """How to ask a server for one response: `openai` (model name, extra body fields) or `llamacpp`."""
+
+    kind: str
+    model: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def request_once(connection: http.client.HTTPConnection, wire: Wire, prompt: Prompt, max_tokens: int) -> Outcome:
+    """Send one streamed greedy request and time it."""
+    outcome = Outcome(prompt.id, time.perf_counter())
+    try:
+        if wire.kind == "llamacpp":
+            path = "/completion"
+            body = {"prompt": prompt.ids, "n_predict": max_tokens, "temperature": 0, "top_k": 1, "stream": True}
+            body.update(cache_prompt=False, ignore_eos=False)
+        elif prompt.messages is not None:
+            path = "/v1/chat/completions"
+            body = {"model": wire.model, "messages": prompt.messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        else:
+            path = "/v1/completions"
+            body = {"model": wire.model, "prompt": prompt.text, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        body.update(wire.extra)
+        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            outcome.error = f"HTTP {response.status}: {response.read()[:300]!r}"
+            return outcome
+        for raw in response:
+            _read_event(raw.decode("utf-8").rstrip("\r\n"), wire.kind, outcome)
+        if outcome.error is None and outcome.ended is None:
+            outcome.ended = time.perf_counter()
+    except (OSError, http.client.HTTPException, ValueError) as error:
+        outcome.error = f"{type(error).__name__}: {error}"
+        connection.close()
+    return outcome
+
+
+def _read_event(line: str, kind: str, outcome: Outcome) -> None:
+    if not line.startswith("data: ") or line.strip() == "data: [DONE]":
+        return
+    event = json.loads(line[len("data: ") :])
+    if "error" in event:
+        outcome.error = str(event["error"])[:300]
+        return
+    if kind == "llamacpp":
+        piece = event.get("content", "")
+        if event.get("stop"):
+            outcome.tokens = int(event.get("tokens_predicted", outcome.tokens))
+            outcome.ended = time.perf_counter()
+    else:
+        choice = (event.get("choices") or [{}])[0]
+        piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+        if event.get("usage"):
+            outcome.tokens = int(event["usage"].get("completion_tokens", 0))
+    if piece and outcome.first_token is None:
+        outcome.first_token = time.perf_counter()
+    outcome.text += piece
+
+
+def run_level(base: str, wire: Wire, prompts: list[Prompt], clients: int, requests: int, max_tokens: int, pid: int) -> dict:
+    """`requests` requests from `clients` concurrent clients (each sends its next request when its last one
+    ends), prompts taken in order; the outcomes and the level's wall time."""
+    lock = threading.Lock()
+    order = iter(range(requests))
+    outcomes: list[Outcome | None] = [None] * requests
+
+    host, port = base.removeprefix("http://").split(":")
+
+    def client_loop() -> None:
+        connection = http.client.HTTPConnection(host, int(port), timeout=600)
+        while True:
+            with lock:
+                index = next(order, None)
+            if index is None:
+                connection.close()
+                return
+            outcome = request_once(connection, wire, prompts[index % len(prompts)], max_tokens)
+            outcome.rss = rss_bytes(pid)
+            outcomes[index] = outcome
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"wall_s": time.perf_counter() - started, "outcomes": outcomes}
