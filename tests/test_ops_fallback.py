@@ -82,9 +82,26 @@ def test_backend_report_lists_every_backend_with_a_reason_when_unusable(monkeypa
 
 def test_doctor_prints_versions_and_every_backend(monkeypatch, capsys):
     monkeypatch.setattr(cpu_fused, "unavailable_reason", lambda: REASON)
-    assert main(["doctor"]) == 0
+    assert main(["doctor", "--no-compile-check"]) == 0
     out = capsys.readouterr().out
     for name in ("torch", "transformers", "triton", "CUDA", *dispatch.BACKENDS, "rowstable_cpu", "rowstable_triton"):
         assert name in out
     assert f"cpu_fused         unavailable: {REASON}" in out
     assert torch.__version__ in out
+
+
+def test_doctor_checks_that_compiled_steps_work_and_says_why_not(monkeypatch, capsys):
+    from quasar_hf import compat
+    from quasar_hf.commands import doctor
+
+    assert doctor.compiled_steps_check().startswith("works (")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("InductorError: no C++ compiler found")
+
+    monkeypatch.setattr(compat, "compiled_step", broken)
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "Compiled steps" in out and "unavailable: RuntimeError: InductorError: no C++ compiler found" in out
+    assert "g++" in out
+    assert main(["doctor", "--no-compile-check"]) == 0 and "Compiled steps" not in capsys.readouterr().out

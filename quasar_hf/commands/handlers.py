@@ -284,7 +284,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from quasar_hf.commands.doctor import run_doctor
 
-    return run_doctor()
+    return run_doctor(check_compile=not args.no_compile_check)
 
 
 def cmd_mark(args: argparse.Namespace) -> int:

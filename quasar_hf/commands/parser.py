@@ -190,7 +190,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--num-draft-tokens", type=positive_int, default=5)
     demo.add_argument("--rebuild", action="store_true", help="re-quantize even if the cached checkpoint exists")
 
-    command("doctor", cmd_doctor, "Print the kernel backends, which are usable here and why not, and library versions")
+    doctor = command(
+        "doctor",
+        cmd_doctor,
+        "Print the kernel backends, which are usable here and why not, library versions, and whether compiled steps work",
+    )
+    doctor.add_argument("--no-compile-check", action="store_true", help="skip compiling a small step (a few seconds)")
 
     serve = command(
         "serve",
