@@ -178,14 +178,14 @@ def run_level(base: str, wire: Wire, prompts: list[Prompt], clients: int, reques
     host, port = base.removeprefix("http://").split(":")
 
     def client_loop() -> None:
-        connection = http.client.HTTPConnection(host, int(port), timeout=600)
         while True:
             with lock:
                 index = next(order, None)
             if index is None:
-                connection.close()
                 return
+            connection = http.client.HTTPConnection(host, int(port), timeout=600)  # one per request: some servers close
             outcome = request_once(connection, wire, prompts[index % len(prompts)], max_tokens)
+            connection.close()
             outcome.rss = rss_bytes(pid)
             outcomes[index] = outcome
 

@@ -59,8 +59,8 @@ def make_tiny_checkpoint(path: Path, chat_template: bool = True, seed: int = 0) 
     return path
 
 
-def quantize_tiny(path: Path, device_map=None, offload_folder=None, **overrides):
-    """Quantize the tiny checkpoint at `path` with Quasar (small, fast calibration)."""
+def quantize_tiny(path: Path, device_map=None, offload_folder=None, dtype=torch.float32, **overrides):
+    """Quantize the tiny checkpoint at `path` with Quasar (small, fast calibration), in `dtype`."""
     from transformers import AutoModelForCausalLM
 
     import quasar_hf
@@ -70,7 +70,7 @@ def quantize_tiny(path: Path, device_map=None, offload_folder=None, **overrides)
     return AutoModelForCausalLM.from_pretrained(
         path,
         quantization_config=quasar_hf.QuasarConfig(**options),
-        dtype=torch.float32,
+        dtype=dtype,
         device_map=device_map,
         offload_folder=offload_folder,
     ).eval()

@@ -109,3 +109,21 @@ def test_sampled_requests_never_share_a_batch():
     other = BatchRequest([2, 3], GenerationConfig(max_new_tokens=9), print, print)
     sampled = BatchRequest([1], GenerationConfig(max_new_tokens=4, do_sample=True), print, print)
     assert batch_key(greedy) == batch_key(other) != batch_key(sampled) != batch_key(sampled)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_left_padded_long_prefill_gives_each_row_the_bits_it_gets_alone(tmp_path, dtype):
+    """Prompts past the kernel's prefill limit (64 tokens) go to SDPA: in a left-padded batch each row runs
+    SDPA on its own tokens, the call it makes alone, so served batches decode what single requests do."""
+    model = quantize_tiny(make_tiny_checkpoint(tmp_path / "base"), dtype=dtype)
+    prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in (70, 99, 130)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)  # what generate gives a left-padded row
+        batched = model(ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+        for row, prompt in enumerate(prompts):
+            assert torch.equal(batched[row], model(prompt[None]).logits[0, -1]), f"row {row}"

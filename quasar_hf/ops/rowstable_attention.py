@@ -12,7 +12,8 @@ Two registered attention implementations:
   row alone (`attention_cpu` on CPU in float32/bfloat16, `triton_attention` on CUDA), so a
   verified row equals its decode step by construction, in one batched call. Where no kernel
   applies (CPU float16, a device where the Triton kernel fails its first-use check) and for long
-  prefills it is SDPA.
+  prefills it is SDPA; a left-padded batch's long prefill runs SDPA per row on that row's own tokens,
+  the call a request alone makes, so a served batch gives each request its own bits.
 * `QUASAR_SDPA` ("quasar_sdpa"): plain SDPA, for SDPA models during one speculative call.
 Both take the forward keyword `quasar_rowstable=True` (Transformers passes a forward's extra keyword
 arguments through to the attention function): a multi-token call over a cache that no kernel
@@ -137,11 +138,38 @@ def _verifying_over_cache(query: torch.Tensor, key: torch.Tensor, rowstable: boo
     return rowstable and 1 < query.shape[2] < key.shape[2]
 
 
+def _left_padding(query, key, attention_mask, kwargs) -> list[int] | None:
+    """Each row's left padding when this is a fresh prefill (Q == N) of a left-padded batch, else None."""
+    if attention_mask is None or query.shape[0] == 1 or kwargs.get("sliding_window") is not None:
+        return None
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[-1] < key.shape[2]:
+        return None
+    sees = attention_mask[:, 0, -1, : key.shape[2]]  # [B, N]: the keys each row's last token sees
+    pads = (~sees).int().cumprod(-1).sum(-1).tolist()  # leading masked keys: the row's padding
+    return pads if any(pads) and max(pads) < key.shape[2] else None
+
+
+def _sdpa_prefill_by_row(module, query, key, value, pads, **kwargs):
+    """A left-padded batch's long prefill as each row's own SDPA call on its unpadded tokens: the call a
+    request alone makes (mask None, causal), so a batched row gets that request's bits. Padding rows out: 0."""
+    outputs = []
+    for row, pad in enumerate(pads):
+        rows = [t[row : row + 1, :, pad:].contiguous() for t in (query, key, value)]
+        out, _ = sdpa_attention_forward(module, *rows, None, **kwargs)  # [1, N - pad, H, D]
+        outputs.append(torch.nn.functional.pad(out, (0, 0, 0, 0, pad, 0)))
+    return torch.cat(outputs), None
+
+
 def rowstable_attention_forward(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, quasar_rowstable: bool = False, **kwargs
 ):
-    """QUASAR_ATTENTION: the row-stable kernel where it applies, else SDPA (row by row when verifying)."""
+    """QUASAR_ATTENTION: the row-stable kernel where it applies, else SDPA (row by row when verifying; each
+    row on its own tokens for a left-padded batch's long prefill, as it runs alone)."""
     q_len, kv_len = query.shape[2], key.shape[2]
+    if q_len == kv_len and q_len > LONG_PREFILL_ROWS and not torch.compiler.is_compiling():
+        pads = _left_padding(query, key, attention_mask, kwargs)
+        if pads is not None:
+            return _sdpa_prefill_by_row(module, query, key, value, pads, dropout=dropout, scaling=scaling, **kwargs)
     if not (q_len == kv_len and q_len > LONG_PREFILL_ROWS):
         kernel, visible = _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs)
         if kernel is not None:
