@@ -8,7 +8,7 @@ each of its n-gram speculation modes. Not a test: a bounded load run.
 Per model and server, for 1, 2, 4 and 8 concurrent clients: --requests greedy requests of --max-tokens
 tokens (the shipped chat, code and grounded prompts, in turn), each client sending its next request
 when its last one ends. Per level: failed requests, our responses equal to offline decoding of the
-same checkpoint (the same mode: eager, or compiled with --compile), time to first token, latency
+same checkpoint (the same mode: eager, or compiled for quasar-compiled), time to first token, latency
 p50/p95, aggregate tokens/s; per server: peak RSS and RSS over the run. A response that differs from
 offline is traced to its first differing token, where the offline logits' gap between the two
 leading tokens must be a near-tie (<= --near-tie nats). One server runs at a time.
@@ -30,7 +30,7 @@ from quasar_hf.bench.report import environment, write_json_and_markdown
 from quasar_hf.bench.suites import load_suites, render_prompt
 
 LLAMA_SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
-OURS = ("quasar", "quasar_off")
+OURS = ("quasar", "quasar-compiled")  # our server, eager and with --compile: each answers Quasar and Quasar-off rows
 
 
 def interleaved_prompts(tokenizer, count: int) -> list[Prompt]:
@@ -105,8 +105,8 @@ def _round(value: float | None) -> float | None:
 
 def server_commands(args, name: str, checkpoint: str, base: str, gguf: str | None, port: int) -> list[str] | None:
     """The command line of server `name` on `port` (None: not available here)."""
-    if name == "quasar":
-        extra = ["--compile", "--max-model-len", str(args.max_model_len)] if args.compile else []
+    if name in OURS:
+        extra = ["--compile", "--max-model-len", str(args.max_model_len)] if name == "quasar-compiled" else []
         return [
             sys.executable,
             "-m",
@@ -132,6 +132,8 @@ def server_commands(args, name: str, checkpoint: str, base: str, gguf: str | Non
 
 
 def measure_server(args, label: str, command: list[str], wires: dict[str, Wire], prompts, offline_texts, log_dir: Path) -> dict:
+    """Each row of `wires` (a request kind) on one server process at every level; `offline_texts`: what our
+    rows must equal (None for the other servers)."""
     port = int(command[command.index("--port") + 1])
     results = {}
     with ServerProcess(command, port, log_dir / f"{label}.log", "/health") as server:
@@ -140,7 +142,7 @@ def measure_server(args, label: str, command: list[str], wires: dict[str, Wire],
             levels = {}
             for clients in args.levels:
                 level = run_level(server.base, wire, prompts, clients, args.requests, args.max_tokens, server.process.pid)
-                levels[str(clients)] = summarize(level, offline_texts if row in OURS else None, prompts)
+                levels[str(clients)] = summarize(level, offline_texts, prompts)
                 print(f"  {row} x{clients}: {levels[str(clients)]['tokens_per_s']} tokens/s", flush=True)
             results[row] = {"levels": levels, "start_s": round(server.ready_s, 1)}
         peak = rss_bytes(server.process.pid, "VmHWM")
@@ -155,12 +157,13 @@ def measure_server(args, label: str, command: list[str], wires: dict[str, Wire],
 def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks serve-load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2,qwen2.5-coder", help="embedded model aliases")
-    parser.add_argument("--servers", default="quasar,bf16,llamacpp," + ",".join(f"llamacpp-{t}" for t in LLAMA_SPEC_TYPES))
+    parser.add_argument(
+        "--servers", default="quasar,quasar-compiled,bf16,llamacpp," + ",".join(f"llamacpp-{t}" for t in LLAMA_SPEC_TYPES)
+    )
     parser.add_argument("--levels", default="1,2,4,8", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--requests", type=int, default=32, help="requests per level")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--compile", action="store_true", help="our server with compiled steps (warmed up at start)")
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (../shared/tools/build_llamacpp.sh)")
     parser.add_argument("--gguf", default="", help="model=Q8_0 GGUF file, comma-separated")
     parser.add_argument("--near-tie", type=float, default=1.0, help="largest logit gap (nats) a differing response may have")
@@ -190,35 +193,41 @@ def measure_model(args, alias: str, gguf: str | None, out: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     prompts = interleaved_prompts(tokenizer, args.requests)
-    started = time.perf_counter()
-    offline = offline_reference(model, tokenizer, prompts, args.max_tokens, args.compile)
-    offline_texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in offline]
-    report = {"checkpoint": checkpoint, "offline_s": round(time.perf_counter() - started, 1), "servers": {}}
+    report = {"checkpoint": checkpoint, "servers": {}}
     off = json.loads((Path(checkpoint) / "generation_config.json").read_text())
-    wires = {
-        "quasar": Wire("openai", checkpoint),
-        "quasar_off": Wire("openai", checkpoint, {"generation_config": json.dumps({**off, "quasar": False})}),
-    }
-    for name in ["quasar"] + [s for s in args.servers.split(",") if s not in OURS]:
+    references = {}
+    for name in [s for s in args.servers.split(",") if s]:
         command = server_commands(args, name, checkpoint, base, gguf, free_port())
         if command is None:
             report["servers"][name] = {"skipped": "not available here (llama-server binary or GGUF missing)"}
             continue
+        offline = None
+        if name in OURS:
+            if name not in references:  # offline decoding in the server's mode, before the server starts
+                started = time.perf_counter()
+                tokens = offline_reference(model, tokenizer, prompts, args.max_tokens, name == "quasar-compiled")
+                references[name] = (tokens, [tokenizer.decode(ids, skip_special_tokens=True) for ids in tokens])
+                report[f"offline_{name}_s"] = round(time.perf_counter() - started, 1)
+            offline = references[name][1]
+            quasar_off = {"generation_config": json.dumps({**off, "quasar": False})}
+            rows = {name: Wire("openai", checkpoint), f"{name}_off": Wire("openai", checkpoint, quasar_off)}
+        else:
+            rows = {name: Wire("llamacpp") if name.startswith("llamacpp") else Wire("openai", base)}
         print(f"{alias}: {name}", flush=True)
-        rows = wires if name == "quasar" else {name: Wire("llamacpp") if name.startswith("llamacpp") else Wire("openai", base)}
         try:
-            report["servers"].update(measure_server(args, f"{alias}-{name}", command, rows, prompts, offline_texts, out))
+            report["servers"].update(measure_server(args, f"{alias}-{name}", command, rows, prompts, offline, out))
         except RuntimeError as error:
             report["servers"][name] = {"skipped": str(error)[:500]}
-    for row in OURS:
-        for level in report["servers"].get(row, {}).get("levels", {}).values():
-            texts = level.pop("texts")
-            level["divergences"] = [
-                {"prompt": p.id, **near_tie_gap(model, tokenizer, p, o, texts[p.id])}
-                for p, o, t in zip(prompts, offline, offline_texts)
-                if p.id in texts and texts[p.id] != t
-            ]
-            level["all_near_ties"] = all((d["gap_nats"] or 0) <= args.near_tie for d in level["divergences"])
+    for name, (tokens, texts) in references.items():
+        for row in (name, f"{name}_off"):
+            for level in report["servers"].get(row, {}).get("levels", {}).values():
+                served = level.pop("texts")
+                level["divergences"] = [
+                    {"prompt": p.id, **near_tie_gap(model, tokenizer, p, o, served[p.id])}
+                    for p, o, t in zip(prompts, tokens, texts)
+                    if p.id in served and served[p.id] != t
+                ]
+                level["all_near_ties"] = all((d["gap_nats"] or 0) <= args.near_tie for d in level["divergences"])
     for data in report["servers"].values():
         for level in data.get("levels", {}).values():
             level.pop("texts", None)

@@ -13,7 +13,8 @@ pytest.importorskip("fastapi", reason="serving needs transformers[serving]")
 def test_serve_load_runs_our_server_and_transformers_serve_and_reports_every_level(tmp_path):
     from benchmarks import serve_load
 
-    paths = serve_load.main(["--tiny", "--levels", "1,2", "--requests", "4", "--max-tokens", "12", "--out", str(tmp_path)])
+    argv = ["--tiny", "--servers", "quasar,bf16,llamacpp", "--levels", "1,2", "--requests", "4", "--max-tokens", "12"]
+    paths = serve_load.main([*argv, "--out", str(tmp_path)])
     report = json.loads(open(paths[0]).read())
     servers = report["models"]["tiny"]["servers"]
     for name in ("quasar", "quasar_off", "bf16"):

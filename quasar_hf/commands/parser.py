@@ -218,6 +218,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
         help="with --compile: prompt plus new tokens per request, the compiled cache size (default 4096)",
     )
     serve.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    serve.add_argument(
+        "--drafter",
+        choices=("auto", "ngram"),
+        default="auto",
+        help="auto (default): n-gram drafts paused while they do not pay (batches, open-ended chat); ngram: always draft",
+    )
 
 
 def build_parser(prog: str = "quasar-hf") -> argparse.ArgumentParser:

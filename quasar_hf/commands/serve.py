@@ -85,7 +85,7 @@ def run_serve(args: Any) -> int:
     problem = kernel_report()
     if problem is not None:
         log(problem)
-    quasar = {"compile": True} if args.compile else None
+    quasar = {"drafter": args.drafter, **({"compile": True} if args.compile else {})}
     started = time.perf_counter()
     app, model_manager, state = build_app(
         checkpoint,
