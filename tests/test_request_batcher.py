@@ -61,6 +61,26 @@ def test_requests_sent_together_run_as_one_batch_with_each_rows_own_budget(model
         batcher.stop()
 
 
+def test_sampled_requests_run_one_at_a_time_with_their_own_generator(model):
+    batcher = RequestBatcher(model, gather_seconds=0.2)
+    try:
+        outputs = []
+        for seed in (7, 7, 8):
+            collectors = [Collector(), Collector()]
+            requests = []
+            for collector in collectors:
+                request = collector.request(PROMPTS[1], do_sample=True, temperature=1.5, max_new_tokens=16)
+                request.generator = torch.Generator().manual_seed(seed)
+                requests.append((request, collector))
+            run_together(batcher, requests)
+            assert all(c.error is None and len(c.tokens) == 16 for c in collectors)
+            outputs.append([c.tokens for c in collectors])
+        assert outputs[0] == outputs[1] != outputs[2]  # a request's seed decides its tokens, whatever runs beside it
+        assert outputs[0][0] == outputs[0][1]  # two requests with one seed, sent together: the same tokens
+    finally:
+        batcher.stop()
+
+
 def test_quasar_off_and_declined_options_run_plain_decoding(model):
     batcher = RequestBatcher(model, gather_seconds=0.05)
     try:
@@ -108,7 +128,8 @@ def test_sampled_requests_never_share_a_batch():
     greedy = BatchRequest([1], GenerationConfig(max_new_tokens=4), print, print)
     other = BatchRequest([2, 3], GenerationConfig(max_new_tokens=9), print, print)
     sampled = BatchRequest([1], GenerationConfig(max_new_tokens=4, do_sample=True), print, print)
-    assert batch_key(greedy) == batch_key(other) != batch_key(sampled) != batch_key(sampled)
+    alone = BatchRequest([1], GenerationConfig(max_new_tokens=4, do_sample=True), print, print)
+    assert batch_key(greedy) == batch_key(other) != batch_key(sampled) == batch_key(sampled) != batch_key(alone)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

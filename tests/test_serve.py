@@ -139,10 +139,13 @@ def test_completions_max_tokens_and_stop_strings(server, checkpoint):
 
 def test_seeded_sampling_repeats_and_concurrent_greedy_clients_equal_one_at_a_time(server, checkpoint, offline):
     client = server.client()
-    sampled = [
-        chat(client, checkpoint, MESSAGES[0], temperature=1.0, seed=7, max_tokens=16).choices[0].message.content for _ in range(2)
-    ]
-    assert sampled[0] == sampled[1]
+    sampling = {"generation_config": json.dumps({"do_sample": True, "temperature": 1.5, "max_new_tokens": 16})}
+
+    def sampled(seed: int) -> str:
+        reply = client.chat.completions.create(model=str(checkpoint), messages=MESSAGES[0], seed=seed, extra_body=sampling)
+        return reply.choices[0].message.content
+
+    assert sampled(7) == sampled(7) != sampled(8)
     replies: dict[int, str] = {}
 
     def ask(index: int) -> None:

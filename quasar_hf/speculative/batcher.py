@@ -57,6 +57,7 @@ class BatchRequest:
     tokenizer: Any = None  # stop strings need it
     generator: torch.Generator | None = None  # a sampled request's randomness (seeded by the caller)
     emitted: int = 0
+    key: str | None = None  # batch_key, computed once
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -173,12 +174,14 @@ class RequestBatcher:
 
 
 def batch_key(request: BatchRequest) -> str:
-    """Requests with equal keys decode in one batch: greedy ones whose settings differ only in max_new_tokens."""
-    config = request.generation_config
-    if config.do_sample:
-        return f"sampled-{uuid.uuid4()}"  # alone: its randomness depends on nothing else served
-    settings = {k: v for k, v in config.to_dict().items() if k not in ("max_new_tokens", "max_length", "transformers_version")}
-    return json.dumps(settings, sort_keys=True, default=repr)
+    """Requests with equal keys decode in one batch: greedy ones whose settings differ only in max_new_tokens
+    (a sampled request's key is its own: its randomness depends on nothing else served)."""
+    if request.key is None:
+        config = request.generation_config
+        ignored = ("max_new_tokens", "max_length", "transformers_version")
+        settings = {k: v for k, v in config.to_dict().items() if k not in ignored}
+        request.key = f"sampled-{uuid.uuid4()}" if config.do_sample else json.dumps(settings, sort_keys=True, default=repr)
+    return request.key
 
 
 class _RowStreamer:
