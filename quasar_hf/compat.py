@@ -176,6 +176,16 @@ def set_generation_field(config: Any, name: str, value: Any) -> None:
     config._from_model_config = False
 
 
+def clear_static_cache(cache: Any, written: int) -> None:
+    """Zero the first `written` slots of every filled layer of a StaticCache and move its write position to 0:
+    the cache a fresh one is, without a new allocation (its tensors keep their addresses)."""
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False) and written:
+            layer.keys[:, :, :written].zero_()
+            layer.values[:, :, :written].zero_()
+    set_static_cache_length(cache, 0)
+
+
 def default_compile_config(device: torch.device) -> Any:
     """The CompileConfig of a compiled step: one full graph per static shape; CUDA graphs on CUDA
     (mode "reduce-overhead"'s option), Inductor's C++ code elsewhere (the CPU opt-in that generate checks).

@@ -18,7 +18,7 @@ from quasar_hf import QuasarConfig, speculative_generate
 from quasar_hf.ops import attention_cpu, native, rowstable_linear
 from quasar_hf.ops.rowstable_attention import _visible_keys
 from quasar_hf.speculative import static_cache
-from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
+from quasar_hf.speculative.static_cache import KVCacheSlot, StaticVerifierCache, static_cache_slots
 from tests.test_arch_gemma_phi import save_tiny_arch
 from tests.tiny_models import save_tiny, tiny_model
 
@@ -159,6 +159,41 @@ def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
     for row, p in enumerate(prompts):
         ids[row, width - p.shape[1] :], mask[row, width - p.shape[1] :] = p[0], 1
     return ids, mask
+
+
+def test_a_reused_cache_gives_the_logits_of_a_fresh_one():
+    """Compiled steps keep a call's KV cache for the next call of that shape: the cache is cleared of every
+    slot the last call wrote, so the next call reads what a new cache would give it."""
+    model = tiny_model().eval()
+    slots = static_cache_slots(40)
+    kv = KVCacheSlot.fresh(model, slots)
+    with torch.no_grad():
+        first = StaticVerifierCache(model, 1, torch.device("cpu"), slots, kv=kv)
+        first.forward(repeating_prompt(5, 36), last_only=True)
+        first.forward(torch.tensor([[7, 8, 9]]))
+        assert kv.written == 39
+        reused = StaticVerifierCache(model, 1, torch.device("cpu"), slots, kv=kv)
+        assert kv.written == 0 and reused.cache is kv.cache
+        assert all(not layer.keys.any() and not layer.values.any() for layer in kv.cache.layers)
+        fresh = StaticVerifierCache(model, 1, torch.device("cpu"), slots)
+        for tokens in (repeating_prompt(1, 12), torch.tensor([[3, 4]])):
+            assert torch.equal(reused.forward(tokens), fresh.forward(tokens))
+
+
+@needs_kernels
+def test_a_left_padded_long_prefill_into_a_static_cache_gives_each_row_its_own_logits(tmp_path):
+    """A batch's prompt past the kernel's rows, left-padded, into an empty static cache: each row's last
+    logits are those of the prompt alone (the cache's unwritten slots are left out, each row runs SDPA on
+    its own tokens)."""
+    model = quasar_model(tmp_path, "llama", torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 96, (1, n), generator=generator) for n in (100, 80)]
+    ids, mask = left_padded(prompts)
+    with torch.no_grad():
+        cache = StaticVerifierCache(model, 2, torch.device("cpu"), static_cache_slots(120))
+        batched = cache.forward(ids, mask, last_only=True)[:, -1]  # [2, V]
+        for row, prompt in enumerate(prompts):
+            assert torch.equal(batched[row], model(prompt).logits[0, -1].float()), f"row {row}"
 
 
 @needs_kernels

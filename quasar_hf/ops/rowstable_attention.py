@@ -149,6 +149,14 @@ def _left_padding(query, key, attention_mask, kwargs) -> list[int] | None:
     return pads if any(pads) and max(pads) < key.shape[2] else None
 
 
+def _fresh_static_prefill(attention_mask, q_len: int, kv_len: int) -> bool:
+    """A long prefill into an empty static cache: no row sees a key past the first `q_len` slots (the prompt's).
+    It then runs as a prefill over its own keys (SDPA), not over the cache's unwritten slots."""
+    if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+        return False
+    return attention_mask.shape[-1] >= kv_len and not bool(attention_mask[..., q_len:kv_len].any())
+
+
 def _sdpa_prefill_by_row(module, query, key, value, pads, **kwargs):
     """A left-padded batch's long prefill as each row's own SDPA call on its unpadded tokens: the call a
     request alone makes (mask None, causal), so a batched row gets that request's bits. Padding rows out: 0."""
@@ -166,6 +174,10 @@ def rowstable_attention_forward(
     """QUASAR_ATTENTION: the row-stable kernel where it applies, else SDPA (row by row when verifying; each
     row on its own tokens for a left-padded batch's long prefill, as it runs alone)."""
     q_len, kv_len = query.shape[2], key.shape[2]
+    if q_len > LONG_PREFILL_ROWS and kv_len > q_len and not torch.compiler.is_compiling():
+        if _fresh_static_prefill(attention_mask, q_len, kv_len):  # an empty static cache: its unwritten slots go
+            key, value, attention_mask = key[:, :, :q_len], value[:, :, :q_len], attention_mask[..., :q_len]
+            kv_len = q_len
     if q_len == kv_len and q_len > LONG_PREFILL_ROWS and not torch.compiler.is_compiling():
         pads = _left_padding(query, key, attention_mask, kwargs)
         if pads is not None:

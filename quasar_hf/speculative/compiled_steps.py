@@ -26,9 +26,11 @@ depends only on its shapes, so compiled `quasar=True` and compiled plain decodin
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -77,6 +79,25 @@ class CompiledSteps:
         self.max_shapes = max_shapes
         self.steps: OrderedDict[tuple, Callable] = OrderedDict()
         self.compiled_keys = 0  # keys compiled so far (a dropped key compiled again counts again)
+        self.idle_caches: dict[tuple, list] = {}  # key -> KV caches no call holds now (reused, not reallocated)
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def kv_cache(self, batch_rows: int, cache_slots: int, fresh: Callable[[], Any]) -> Iterator[Any]:
+        """A KV cache of this shape for the length of one call: one an earlier call left, else `fresh()`; given
+        back after. A call's own, so concurrent calls never share one; kept per key, so a server's calls
+        do not allocate (and zero) hundreds of MB each. The caller clears what it reads (StaticVerifierCache)."""
+        key = (batch_rows, cache_slots)
+        with self._lock:
+            idle = self.idle_caches.get(key) or []
+            cache = idle.pop() if idle else None
+        cache = fresh() if cache is None else cache
+        try:
+            yield cache
+        finally:
+            with self._lock:
+                if key in self.steps:  # a dropped key's caches go with it
+                    self.idle_caches.setdefault(key, []).append(cache)
 
     def step_for(self, batch_rows: int, cache_slots: int) -> Callable:
         """The step a static cache of this shape calls: this key's compiled function, looked up at
@@ -101,7 +122,8 @@ class CompiledSteps:
             self.steps.move_to_end(key)
             return step
         while len(self.steps) >= self.max_shapes:
-            self.steps.popitem(last=False)
+            dropped, _ = self.steps.popitem(last=False)
+            self.idle_caches.pop(dropped, None)
         self.steps[key] = step = self._compile(key)
         return step
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,25 @@ CACHE_SLOTS_STEP = 256  # cache sizes are rounded up to this: calls of similar l
 def static_cache_slots(tokens: int) -> int:
     """Slots for `tokens` tokens, rounded up to a multiple of CACHE_SLOTS_STEP (a new size is a new graph)."""
     return -(-tokens // CACHE_SLOTS_STEP) * CACHE_SLOTS_STEP
+
+
+@dataclass
+class KVCacheSlot:
+    """A Transformers StaticCache that outlives one call (compiled steps keep one per shape), and how many of
+    its slots the last call wrote: what the next call clears before it starts."""
+
+    cache: object
+    has_sliding_layers: bool
+    written: int = 0
+
+    @classmethod
+    def fresh(cls, model: torch.nn.Module, slots: int) -> KVCacheSlot:
+        return cls(*compat.full_attention_static_cache(model, slots))
+
+    def reset(self) -> None:
+        """The cache as new: the written slots zeroed (finite values under every mask), the write position 0."""
+        compat.clear_static_cache(self.cache, self.written)
+        self.written = 0
 
 
 class StaticVerifierCache:
@@ -43,14 +63,18 @@ class StaticVerifierCache:
         step: Callable | None = None,
         verify_kwargs: dict | None = None,
         batch_size: int | None = None,
+        kv: KVCacheSlot | None = None,
     ) -> None:
         """`rows` rows are allocated; the first `batch_size` (default: all) are the prompts' and the
-        others idle from the start (padding to a compiled step's batch)."""
+        others idle from the start (padding to a compiled step's batch). `kv`: a cache to reuse (cleared
+        here), else a new one."""
         self.model = model
         self.max_cache_len = max_cache_len
         self.step = step if step is not None else model
         self.verify_kwargs = verify_kwargs or {}
-        self.cache, self.has_sliding_layers = compat.full_attention_static_cache(model, max_cache_len)
+        self.kv = kv if kv is not None else KVCacheSlot.fresh(model, max_cache_len)
+        self.kv.reset()
+        self.cache, self.has_sliding_layers = self.kv.cache, self.kv.has_sliding_layers
         batch_size = rows if batch_size is None else batch_size
         if not 1 <= batch_size <= rows:
             raise ValueError(f"a static cache of {rows} rows cannot hold a batch of {batch_size}")
@@ -91,6 +115,7 @@ class StaticVerifierCache:
         if n > 1 and not prefill:  # several tokens over a cache: verification
             kwargs.update(self.verify_kwargs)
         forward = self.model if prefill else self.step
+        self.kv.written = max(self.kv.written, self.length + n)  # before the write: a failed step's slots count
         tokens, positions = tokens.contiguous(), positions.contiguous()  # one stride per shape: one graph
         outputs = forward(
             input_ids=tokens,

@@ -15,8 +15,10 @@ through it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,7 +38,7 @@ from .compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_f
 from .config import QuasarGenerationConfig
 from .drafters import make_drafter
 from .loop import PreparedGeneration, QuasarGenerateOutput, SpeculativeRun
-from .static_cache import StaticVerifierCache, static_cache_slots
+from .static_cache import KVCacheSlot, StaticVerifierCache, static_cache_slots
 
 # model_kwargs that Transformers' generate prepares itself; anything else is a model input we refuse.
 _PREPARED_MODEL_KWARGS = ("attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache", "past_key_values")
@@ -110,8 +112,10 @@ def run_prepared(
         max_length=int(generation_config.max_length),
     )
     drafter = make_drafter(model, quasar_config)
-    with verification_attention(model, quasar_config.rowstable_attention) as verify_kwargs:
-        verifier, draft_width = verifier_cache(model, prepared, quasar_config, verify_kwargs)
+    with (
+        verification_attention(model, quasar_config.rowstable_attention) as verify_kwargs,
+        verifier_cache(model, prepared, quasar_config, verify_kwargs) as (verifier, draft_width),
+    ):
         run = SpeculativeRun(model, prepared, drafter, streamer, generator, verify_kwargs, verifier, draft_width)
         sequences, stats = run.run()
     if generation_config.return_dict_in_generate:
@@ -119,29 +123,34 @@ def run_prepared(
     return sequences
 
 
+@contextlib.contextmanager
 def verifier_cache(
     model: torch.nn.Module, prepared: PreparedGeneration, config: QuasarGenerationConfig, verify_kwargs: dict
-) -> tuple[StaticVerifierCache | None, int | None]:
-    """The static verifier cache and the padded draft width when the config asks for one, else (None, None):
-    the loop then keeps a RowAlignedCache. With compile, the cache's batch and size are bucketed and its
-    steps run the model's compiled step for that shape (speculative/compiled_steps.py), compiled with
-    the CompileConfig given (quasar's, else generate's `compile_config`, else
-    `compat.default_compile_config`): calls of the same shapes and settings share its graphs."""
+) -> Iterator[tuple[StaticVerifierCache | None, int | None]]:
+    """Within the block, the static verifier cache and the padded draft width when the config asks for one,
+    else (None, None): the loop then keeps a RowAlignedCache. With compile, the cache's batch and size are
+    bucketed and its steps run the model's compiled step for that shape (speculative/compiled_steps.py),
+    compiled with the CompileConfig given (quasar's, else generate's `compile_config`, else
+    `compat.default_compile_config`): calls of the same shapes and settings share its graphs, and its
+    KV cache is one an earlier call of that shape gave back (cleared), not a new allocation."""
     if config.cache_implementation != "static":
-        return None, None
+        yield None, None
+        return
     width = max(config.num_draft_tokens, 1)
     batch_size, device = prepared.input_ids.shape[0], prepared.input_ids.device
     tokens = prepared.max_length + width + 1
     if not config.compile:
-        return StaticVerifierCache(model, batch_size, device, static_cache_slots(tokens), None, verify_kwargs), width
+        yield StaticVerifierCache(model, batch_size, device, static_cache_slots(tokens), None, verify_kwargs), width
+        return
     compile_config = config.compile if not isinstance(config.compile, bool) else None
     compile_config = compile_config or prepared.generation_config.compile_config  # generate(compile_config=...)
     if compile_config is None:
         compile_config = compat.default_compile_config(device)
     rows, slots = batch_bucket(batch_size), compiled_cache_slots(tokens, model_context(model))
-    step = compiled_steps_for(model, compile_config).step_for(rows, slots)
-    cache = StaticVerifierCache(model, rows, device, slots, step, verify_kwargs, batch_size=batch_size)
-    return cache, width
+    table = compiled_steps_for(model, compile_config)
+    step = table.step_for(rows, slots)
+    with table.kv_cache(rows, slots, lambda: KVCacheSlot.fresh(model, slots)) as kv:
+        yield StaticVerifierCache(model, rows, device, slots, step, verify_kwargs, batch_size=batch_size, kv=kv), width
 
 
 def row_processors(processors: LogitsProcessorList, batch_size: int) -> list[LogitsProcessorList]:

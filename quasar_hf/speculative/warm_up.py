@@ -36,7 +36,7 @@ from quasar_hf.locking import cache_root
 from .attention import verification_attention
 from .compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for, model_context
 from .config import DEFAULT_NUM_DRAFT_TOKENS
-from .static_cache import StaticVerifierCache
+from .static_cache import KVCacheSlot, StaticVerifierCache
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +83,11 @@ def warm_up(
     with torch.no_grad(), verification_attention(model, True) as verify_kwargs:
         for rows, cache_slots in tqdm(shapes, desc="Quasar compiling steps", unit="shape", disable=not progress):
             step = table.step_for(rows, cache_slots)
-            cache = StaticVerifierCache(model, rows, device, cache_slots, step, verify_kwargs)
-            cache.forward(torch.ones(rows, 2, dtype=torch.long, device=device), last_only=True)  # the eager prefill
-            cache.forward(torch.ones(rows, 1, dtype=torch.long, device=device))  # decode graph [rows, 1]
-            cache.forward(torch.ones(rows, width + 1, dtype=torch.long, device=device))  # verify graph
+            with table.kv_cache(rows, cache_slots, lambda: KVCacheSlot.fresh(model, cache_slots)) as kv:  # kept for calls
+                cache = StaticVerifierCache(model, rows, device, cache_slots, step, verify_kwargs, kv=kv)
+                cache.forward(torch.ones(rows, 2, dtype=torch.long, device=device), last_only=True)  # the eager prefill
+                cache.forward(torch.ones(rows, 1, dtype=torch.long, device=device))  # decode graph [rows, 1]
+                cache.forward(torch.ones(rows, width + 1, dtype=torch.long, device=device))  # verify graph
     report.graphs_compiled = _graphs_built() - graphs_before
     if bundle is not None and (report.cache != "loaded" or report.graphs_compiled):
         save_bundle(bundle)
