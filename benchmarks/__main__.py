@@ -11,67 +11,79 @@ import sys
 
 # name -> (module:function taking argv, what it measures)
 MEASUREMENTS: dict[str, tuple[str, str]] = {
-    "step": ("benchmarks.step:main", "where a decode / verify step's time goes, against its bytes floor"),
-    "ab-step": ("benchmarks.ab_step:main", "two source trees' steps alternated batch by batch (a code change as a ratio)"),
+    "step": ("benchmarks.speed.step:main", "where a decode / verify step's time goes, against its bytes floor"),
+    "ab-step": ("benchmarks.speed.ab_step:main", "two source trees' steps alternated batch by batch (a code change as a ratio)"),
     "same-bits": (
-        "benchmarks.same_bits:main",
+        "benchmarks.speed.same_bits:main",
         "two source trees' eager logits and tokens on saved checkpoints, compared bit for bit",
     ),
     "compiled-rows": (
-        "benchmarks.compiled_rows:main",
+        "benchmarks.speed.compiled_rows:main",
         "compiled verify rows vs compiled decode steps over a static cache, per compile mode",
     ),
     "compiled-steps": (
-        "benchmarks.compiled_steps:main",
+        "benchmarks.speed.compiled_steps:main",
         "eager vs compiled decode / verify steps against the bytes floor, and end to end with exactness",
     ),
     "compiled-shapes": (
-        "benchmarks.compiled_shapes:main",
+        "benchmarks.speed.compiled_shapes:main",
         "compiled generation over changing batch sizes and lengths: compile cost per new shape, exactness",
     ),
-    "graph-ops": ("benchmarks.graph_ops:main", "our ops per decoder layer in a compiled step's graph, per W8A8 backend"),
-    "scaling": ("benchmarks.scaling:main", "quantize cost and step time at real Llama sizes (random weights)"),
+    "graph-ops": ("benchmarks.speed.graph_ops:main", "our ops per decoder layer in a compiled step's graph, per W8A8 backend"),
+    "scaling": ("benchmarks.quantize.scaling:main", "quantize cost and step time at real Llama sizes (random weights)"),
     "quantize-rss": (
-        "benchmarks.quantize_rss:main",
+        "benchmarks.quantize.quantize_rss:main",
         "peak RSS and seconds per layer of `quasar-hf quantize` over a real shape's first layers",
     ),
-    "drafters": ("benchmarks.drafters:main", "drafters compared on a real checkpoint, grounded and open prompts"),
-    "fidelity": ("benchmarks.fidelity:main", "W8A8 vs BF16 perplexity, top-1 and KL of QuasarConfig variants on one model"),
+    "drafters": ("benchmarks.speed.drafters:main", "drafters compared on a real checkpoint, grounded and open prompts"),
+    "fidelity": (
+        "benchmarks.fidelity.variants:main",
+        "W8A8 vs BF16 perplexity, top-1 and KL of QuasarConfig variants on one model",
+    ),
     "rotation-sqnr": (
-        "benchmarks.rotation_sqnr:main",
+        "benchmarks.fidelity.rotation_sqnr:main",
         "act-only SQNR of down_proj / o_proj inputs: SmoothQuant vs Hadamard rotation",
     ),
     "fidelity-acceptance": (
-        "benchmarks.fidelity_acceptance:main",
+        "benchmarks.fidelity.fidelity_acceptance:main",
         "W8A8 vs BF16 vs FP32 fidelity plus acceptance length on the embedded model",
     ),
-    "kernels": ("benchmarks.kernels:main", "W8A8 linear vs BF16 micro-benchmark at real model shapes"),
+    "kernels": ("benchmarks.kernels.kernels:main", "W8A8 linear vs BF16 micro-benchmark at real model shapes"),
     "attention-kernel": (
-        "benchmarks.attention_kernel:main",
+        "benchmarks.kernels.attention_kernel:main",
         "the row-stable attention kernel's builds at real models' attention shapes",
     ),
     "hadamard-kernel": (
-        "benchmarks.hadamard_kernel:main",
+        "benchmarks.kernels.hadamard_kernel:main",
         "the Hadamard rotation kernel's builds at real models' rotated widths",
     ),
-    "lm-head": ("benchmarks.lm_head:main", "the row-stable lm_head kernel's builds vs F.linear at real vocabulary shapes"),
-    "per-layer": ("benchmarks.per_layer:main", "W8A8 error per decoder linear: weight-only, activation-only"),
-    "per-layer-compare": ("benchmarks.per_layer_compare:main", "two per-layer reports of one model side by side (dB change)"),
+    "lm-head": (
+        "benchmarks.kernels.lm_head:main",
+        "the row-stable lm_head kernel's builds vs F.linear at real vocabulary shapes",
+    ),
+    "per-layer": ("benchmarks.fidelity.per_layer_report:main", "W8A8 error per decoder linear: weight-only, activation-only"),
+    "per-layer-compare": (
+        "benchmarks.fidelity.per_layer_compare:main",
+        "two per-layer reports of one model side by side (dB change)",
+    ),
     "humaneval": ("quasar_hf.eval.humaneval:main", "HumanEval pass@1: unquantized vs W8A8 vs W8A8 with Quasar decoding"),
     "export-loaders": (
-        "benchmarks.export_loaders:main",
+        "benchmarks.fidelity.export_loaders:main",
         "compressed-tensors exports read by Transformers' loader, against the Quasar model they came from",
     ),
-    "gpu-check": ("benchmarks.gpu_check:main", "one-call GPU check: kernels, verify step, end to end (--tiny on CPU)"),
+    "gpu-check": ("benchmarks.gpu.gpu_check:main", "one-call GPU check: kernels, verify step, end to end (--tiny on CPU)"),
     "load-checksum": (
-        "benchmarks.load_checksum:main",
+        "benchmarks.speed.load_checksum:main",
         "the SHA-256 check at load beside reading the tensors, at real checkpoint sizes",
     ),
     "serve-load": (
-        "benchmarks.serve_load:main",
+        "benchmarks.serve.serve_load:main",
         "quasar-hf serve (Quasar on and off), transformers serve (BF16) and llama-server under 1-8 concurrent clients",
     ),
-    "vllm-check": ("benchmarks.vllm_check:main", "serve the compressed-tensors export in vLLM and compare its greedy output"),
+    "vllm-check": (
+        "benchmarks.serve.vllm_check:main",
+        "serve the compressed-tensors export in vLLM and compare its greedy output",
+    ),
 }
 
 

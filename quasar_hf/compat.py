@@ -191,7 +191,7 @@ def default_compile_config(device: torch.device) -> Any:
     (mode "reduce-overhead"'s option), Inductor's C++ code elsewhere (the CPU opt-in that generate checks).
     `emulate_precision_casts` keeps the bf16 rounding after each op that eager has: without it Inductor
     keeps fused intermediates in fp32, and SmolLM2's compiled verify rows then differ from its compiled
-    decode steps (benchmarks/compiled_rows_smollm2_cpu.md). `size_asserts` off drops the size and
+    decode steps (benchmarks/reports/compiled-rows/compiled_rows_smollm2_cpu.md). `size_asserts` off drops the size and
     stride check Inductor runs on every graph input and op output at every call (~1,300 per SmolLM2
     step): Dynamo's guards already check the inputs, and our ops' fake implementations are tested
     against the real ones (opcheck in tests/test_ops_torch_ops.py). What `quasar={"compile": True}`

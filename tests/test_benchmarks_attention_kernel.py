@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import attention_kernel
+from benchmarks.kernels import attention_kernel
 from quasar_hf.ops import attention_cpu
 from quasar_hf.ops.c_build import CSRC, missing_cpu_flags
 

@@ -1,4 +1,4 @@
-"""`python -m benchmarks fidelity` (benchmarks/fidelity.py): variant parsing and merging reports of one model (no model runs)."""
+"""`python -m benchmarks fidelity` (benchmarks/fidelity/variants.py): variant parsing and merging reports of one model (no model runs)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 
 def _script():
-    from benchmarks import fidelity
+    from benchmarks.fidelity import variants
 
-    return fidelity
+    return variants
 
 
 def _report(code: str, ppl: float = 10.0) -> dict:

@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from benchmarks.gpu_check import check_targets, run_gpu_check
+from benchmarks.gpu.gpu_check import check_targets, run_gpu_check
 
 BLOCK_OPTIONAL = (
     "import sys, runpy\n"
     "for name in ('datasets', 'gguf', 'bitsandbytes', 'optimum'):\n"
     "    sys.modules[name] = None  # absent on the GPU image: importing them must not be needed\n"
     "sys.argv = ['gpu_check', *sys.argv[1:]]\n"
-    "runpy.run_module('benchmarks.gpu_check', run_name='__main__')\n"
+    "runpy.run_module('benchmarks.gpu.gpu_check', run_name='__main__')\n"
 )
 
 
@@ -65,7 +65,7 @@ def test_tiny_check_runs_every_section_without_optional_packages(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernel_under_interpreter_matches_reference():
     code = (
-        "from benchmarks.gpu_check import check_correctness\n"
+        "from benchmarks.gpu.gpu_check import check_correctness\n"
         "rows = check_correctness('cpu', True, ['triton'])\n"
         "assert len(rows) == 3 and all(r.get('ok') for r in rows), rows\n"
         "assert all(r['max_rel_err'] == 0.0 for r in rows), rows\n"

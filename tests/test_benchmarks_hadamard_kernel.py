@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import c_kernels, hadamard_kernel
+from benchmarks.kernels import c_kernels, hadamard_kernel
 from quasar_hf.ops import hadamard_cpu
 from quasar_hf.ops.c_build import CSRC
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import load_checksum
+from benchmarks.speed import load_checksum
 
 
 def test_load_checksum_reports_check_and_read_times(tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.rotation_sqnr import to_markdown, treatments
+from benchmarks.fidelity.rotation_sqnr import to_markdown, treatments
 
 
 def test_treatments_rank_as_expected_on_an_outlier_channel():

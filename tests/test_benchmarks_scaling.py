@@ -1,4 +1,4 @@
-"""`python -m benchmarks scaling` (benchmarks/scaling.py) end to end on a tiny shape: checkpoint built, quantized, verify step timed."""
+"""`python -m benchmarks scaling` (benchmarks/quantize/scaling.py) end to end on a tiny shape: checkpoint built, quantized, verify step timed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tiny_models import char_tokenizer
 
 
 def _load_script():
-    from benchmarks import scaling
+    from benchmarks.quantize import scaling
 
     return scaling
 

@@ -11,7 +11,7 @@ pytest.importorskip("fastapi", reason="serving needs transformers[serving]")
 
 
 def test_serve_load_runs_our_server_and_transformers_serve_and_reports_every_level(tmp_path):
-    from benchmarks import serve_load
+    from benchmarks.serve import serve_load
 
     argv = ["--tiny", "--servers", "quasar,bf16,llamacpp", "--levels", "1,2", "--requests", "4", "--max-tokens", "12"]
     paths = serve_load.main([*argv, "--out", str(tmp_path)])

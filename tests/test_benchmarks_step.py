@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
-from benchmarks import step as breakdown
+from benchmarks.speed import step as breakdown
 from quasar_hf import QuasarConfig
 from quasar_hf.ops import cpu_fused
 from tests.tiny_models import save_tiny

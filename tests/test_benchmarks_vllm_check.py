@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from benchmarks import vllm_check
-from benchmarks.vllm_report import divergence, gap_noise, summarize_model
+from benchmarks.serve import vllm_check
+from benchmarks.serve.vllm_report import divergence, gap_noise, summarize_model
 
 
 def test_first_difference_and_compare():

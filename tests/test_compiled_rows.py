@@ -120,7 +120,7 @@ def test_compiled_rows_measurement_reports_a_checkpoint(tmp_path, tiny_llama):
     """`python -m benchmarks compiled-rows` on a saved tiny checkpoint (the fast mode only)."""
     import json
 
-    from benchmarks import compiled_rows
+    from benchmarks.speed import compiled_rows
 
     tiny_llama.save_pretrained(tmp_path / "saved")
     out = tmp_path / "rows.json"

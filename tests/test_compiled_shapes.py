@@ -94,7 +94,7 @@ def test_more_draft_widths_than_dynamo_allows_one_function_still_run(tmp_path):
 def test_compiled_shapes_measurement_reports_keys_times_and_exactness(tmp_path):
     import json
 
-    from benchmarks import compiled_shapes
+    from benchmarks.speed import compiled_shapes
     from tests.tiny_models import char_tokenizer
 
     model = quasar_model(tmp_path, "llama", torch.bfloat16)

@@ -205,23 +205,25 @@ def test_a_row_must_come_from_one_record():
 
 
 # ---------------------------------------------------------------- the benchmarks index
-def index_files(text: str) -> set[str]:
-    """Files named in the first cell of the index rows of benchmarks/README.md, braces expanded."""
-    names = set()
-    for line in text.split("## Index of reports", 1)[1].splitlines():
-        match = re.match(r"^\| `([^`]+)` \|", line)
-        if match:
-            names.update(expand_braces(match.group(1)))
-    return names
+def test_the_index_of_reports_is_the_one_the_report_files_make():
+    """benchmarks/reports/README.md is generated (`python -m benchmarks.index`), never kept by hand."""
+    from benchmarks.index import INDEX, index_text
+
+    assert INDEX.read_text() == index_text(), "run `python -m benchmarks.index` and commit benchmarks/reports/README.md"
 
 
-def test_the_benchmarks_index_has_one_row_per_report_and_only_reports_that_exist():
-    bench = ROOT / "benchmarks"
-    indexed = index_files((bench / "README.md").read_text())
-    reports = {p.name for p in bench.iterdir() if p.suffix in (".md", ".json", ".png") and p.name != "README.md"}
-    assert sorted(reports - indexed) == [], "reports missing from benchmarks/README.md"
-    assert sorted(indexed - reports) == [], "benchmarks/README.md names reports that do not exist"
-    assert len((bench / "README.md").read_text().splitlines()) <= 220
+def test_every_report_lives_in_the_folder_of_a_measurement():
+    from benchmarks import REPORTS
+    from benchmarks.__main__ import MEASUREMENTS
+
+    loose = [
+        p.name
+        for p in (ROOT / "benchmarks").iterdir()
+        if p.suffix in (".json", ".png") or p.suffix == ".md" and p.name != "README.md"
+    ]
+    assert loose == [], "reports belong in benchmarks/reports/<measurement>/"
+    folders = {p.name for p in REPORTS.iterdir() if p.is_dir()}
+    assert folders <= {*MEASUREMENTS, "bench"}, folders - {*MEASUREMENTS, "bench"}  # bench: `quasar-hf bench`
 
 
 def heading_slugs(path: Path) -> set[str]:

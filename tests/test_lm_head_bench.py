@@ -1,9 +1,9 @@
-"""benchmarks/lm_head.py on a tiny shape: every build here plus F.linear (and baseline builds) get a row."""
+"""benchmarks/kernels/lm_head.py on a tiny shape: every build here plus F.linear (and baseline builds) get a row."""
 
 import pytest
 
-from benchmarks import lm_head
-from benchmarks.lm_head import VARIANTS
+from benchmarks.kernels import lm_head
+from benchmarks.kernels.lm_head import VARIANTS
 from quasar_hf.ops.c_build import CSRC, missing_cpu_flags
 from quasar_hf.ops.rowstable_linear import is_available
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import kernels
+from benchmarks.kernels import kernels
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_copies_push_the_working_set_past_the_cache():
 
 
 def test_cli_rejects_unknown_shape_prefix():
-    from benchmarks.kernels import main
+    from benchmarks.kernels.kernels import main
 
     with pytest.raises(SystemExit, match="no shape matches"):
         main(["--shapes", "gpt5", "--out", "/nonexistent"])

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
-from benchmarks.per_layer import main as per_layer_main
+from benchmarks.fidelity.per_layer_report import main as per_layer_main
 from quasar_hf import QuasarConfig, W8A8Linear
 from quasar_hf.bench.per_layer import evaluate_per_layer, linear_frames
 from quasar_hf.hf.fusion import projections_apart

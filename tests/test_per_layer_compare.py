@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import per_layer_compare
+from benchmarks.fidelity import per_layer_compare
 
 
 def report(model: str, down_act: float, command: str) -> dict:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.quantize_floor import gram_flop, rotation_gemm_flop
+from benchmarks.quantize.quantize_floor import gram_flop, rotation_gemm_flop
 from quasar_hf.ops.hadamard import HadamardRotation
 from quasar_hf.smoothquant.calibration import GRAM_TILE, mirrored, upper_gram_add
 from quasar_hf.smoothquant.gptq import rotated_hessian
@@ -50,7 +50,7 @@ def test_rotation_flops_match_rotated_hessian(k: int) -> None:
 def test_floor_times_the_forward_at_the_math_dtype_rate_and_the_rest_at_fp32(monkeypatch) -> None:
     from transformers import LlamaConfig
 
-    from benchmarks import quantize_floor
+    from benchmarks.quantize import quantize_floor
 
     rates = {torch.float32: 0.01, torch.bfloat16: 0.04}  # slow enough that the rounded floors differ
     monkeypatch.setattr(quantize_floor, "gemm_gflops", lambda *shape, dtype=torch.float32: rates[dtype])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks import quantize_rss
+from benchmarks.quantize import quantize_rss
 
 
 def test_bad_arguments_are_named(tmp_path):

@@ -144,7 +144,7 @@ def test_greedy_quasar_equals_plain_w8a8(checkpoint, prompts, dtype, attention):
 
 
 # Dynamo's graphs of the real model with eager kernels (seconds to compile); set "inductor" to check
-# Inductor's generated code too (minutes per graph on 2 cores; benchmarks/compiled_steps_smollm2_cpu.md).
+# Inductor's generated code too (minutes per graph on 2 cores; benchmarks/reports/compiled-steps/compiled_steps_smollm2_cpu.md).
 COMPILED_BACKEND = os.environ.get("QUASAR_SPEC_COMPILED_BACKEND", "aot_eager")
 
 

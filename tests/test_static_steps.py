@@ -277,7 +277,7 @@ def test_compiled_steps_measurement_reports_a_checkpoint(tmp_path):
     """`python -m benchmarks compiled-steps` on a saved tiny checkpoint (aot_eager, steps only)."""
     import json
 
-    from benchmarks import compiled_steps
+    from benchmarks.speed import compiled_steps
 
     quasar_model(tmp_path, "llama", torch.bfloat16).save_pretrained(tmp_path / "saved")
     argv = ["--quantized", str(tmp_path / "saved"), "--steps", "1", "--rounds", "1", "--prompts", "0"]

@@ -10,6 +10,7 @@ matplotlib is optional: without it the plots are skipped and the JSON says why.
 
 from __future__ import annotations
 
+import datetime
 import importlib.metadata
 import json
 import os
@@ -46,6 +47,13 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _memory_gib() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def _git_commit() -> str | None:
     """The repository's HEAD commit, when run from a git checkout."""
     try:
@@ -56,8 +64,9 @@ def _git_commit() -> str | None:
         return None
 
 
-def environment(packages: tuple[str, ...] = _PACKAGES) -> dict:
-    """Versions (of `packages`), CPU/GPU, threads and load: what a reader needs to judge a measurement."""
+def environment(packages: tuple[str, ...] = _PACKAGES, device: Any = None) -> dict:
+    """Versions (of `packages`), CPU/GPU, memory, threads and load: what a reader needs to judge a measurement
+    (the one environment block of every report; `device`: the torch device measured, when not the CPU)."""
     versions = {}
     for name in packages:
         try:
@@ -70,11 +79,18 @@ def environment(packages: tuple[str, ...] = _PACKAGES) -> dict:
         "versions": versions,
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
+        "memory_gib": _memory_gib(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "git_commit": _git_commit(),
         "cuda": None,
     }
+    if device is not None:
+        env["device"] = str(device)
+        if torch.device(device).type == "cuda":
+            env["gpu"] = torch.cuda.get_device_name(device)
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         env["cuda"] = {
@@ -96,7 +112,7 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+def markdown_table(header: list[str], rows: list[list[Any]]) -> list[str]:
     """Markdown table lines."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
@@ -140,7 +156,7 @@ def variants_table(result: dict) -> list[str]:
                 s.get("same_tokens_as_own_plain_greedy"),
             ]
         )
-    return _table(header, rows)
+    return markdown_table(header, rows)
 
 
 def _generation_notes(variants: dict) -> list[str]:
@@ -187,12 +203,12 @@ def fidelity_table(fidelity: dict) -> list[str]:
                 [f"L {mode} (reference)", acc["reference"].get("mean_acceptance_length")],
                 [f"L ratio {mode}", acc.get("L_ratio")],
             ]
-    return _table(["metric", "value"], rows)
+    return markdown_table(["metric", "value"], rows)
 
 
 def kernels_table(rows: list[dict]) -> list[str]:
     """Kernel micro-benchmark rows: shape, M, backend, time, speedup vs BF16, GB/s."""
-    return _table(
+    return markdown_table(
         ["shape", "M", "backend", "us", "x vs bf16", "GB/s"],
         [[r.get("shape"), r.get("M"), r.get("backend"), r.get("time_us"), r.get("speedup_vs_bf16"), r.get("gbps")] for r in rows],
     )
@@ -230,7 +246,7 @@ def to_markdown(result: dict, title: str = "quasar_hf benchmark") -> str:
     scale = {k: v for k, v in result.items() if k.endswith("_vs_fp32") and isinstance(v, dict)}
     if scale:
         lines += ["## Against FP32 (for scale)", ""]
-        lines += _table(
+        lines += markdown_table(
             ["comparison", "perplexity", "FP32 perplexity", "ratio", "top-1 agreement", "mean KL (nats)"],
             [
                 [

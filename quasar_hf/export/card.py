@@ -3,7 +3,7 @@
 Transformers' compressed-tensors loader does not apply `quantization_config.transform_config`
 (transformers#40673, which would have, was closed unmerged), and nothing in that format makes it
 refuse one: it loads an export with Hadamard-rotated linears without an error and computes them on
-unrotated inputs (benchmarks/export_loaders_*.md has the measured error). vLLM applies the transform.
+unrotated inputs (benchmarks/reports/export-loaders/export_loaders_*.md has the measured error). vLLM applies the transform.
 So the export states it where a reader looks: `config.json["quasar_export"]` and the README.md card.
 """
 

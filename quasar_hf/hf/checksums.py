@@ -5,7 +5,7 @@ and compute wrong logits. A Quasar save records each tensor's digest (`tensor_di
 tensors being saved) in the header entry `quasar_sha256`; a load hashes the stored bytes of each
 recorded tensor straight from the file (`check_file_digests`, through mmap: no tensor is built)
 and refuses a mismatch, naming the tensor and the file. Hashing runs at roughly 1 GB/s on one
-core (benchmarks/load_checksum_epyc_avx2.md). Set QUASAR_VERIFY_CHECKSUMS=0 to skip the check.
+core (benchmarks/reports/load-checksum/load_checksum_epyc_avx2.md). Set QUASAR_VERIFY_CHECKSUMS=0 to skip the check.
 """
 
 from __future__ import annotations

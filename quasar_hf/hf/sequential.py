@@ -44,7 +44,7 @@ from quasar_hf.smoothquant.smoothing import smooth_mapping
 
 # Which activations feed layer i+1 during calibration: "quantized" (layer i after W8A8) or
 # "float" (layer i before smoothing). "float" measured a slightly lower held-out perplexity and a
-# lower peak RSS on SmolLM2-135M (benchmarks/sequential_calibration_cpu.md).
+# lower peak RSS on SmolLM2-135M (benchmarks/reports/fidelity/sequential_calibration_cpu.md).
 LAYER_INPUTS = ("quantized", "float")
 DEFAULT_LAYER_INPUTS = "float"
 

@@ -1,0 +1,1 @@
+"""Quantization cost: time against its arithmetic floor, peak memory, scaling to real shapes."""

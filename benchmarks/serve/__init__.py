@@ -1,0 +1,1 @@
+"""Served: quasar-hf serve under load beside transformers serve and llama-server; the export served by vLLM."""

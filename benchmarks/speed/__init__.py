@@ -1,0 +1,1 @@
+"""Step and generation speed on CPU, eager and compiled, drafters, and two code trees compared (ab-step, same-bits)."""
