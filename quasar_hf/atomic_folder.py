@@ -33,6 +33,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 STAGING_TAG = ".quasar-staging-"
 # Files a model save replaces as a whole: never carried over from the old folder, so a sharded
@@ -120,19 +121,35 @@ def verify_checkpoint_files(folder: Path) -> None:
             raise CheckpointWriteError(f"{index.name} names shards that were not written: {missing}; the old folder is kept")
 
 
+def safetensors_header(source: BinaryIO | bytes) -> tuple[dict, int]:
+    """The JSON header of a safetensors file (an open binary file at its start, or the file's bytes) and the
+    offset where its tensor data starts (8 + the header's length). ValueError naming what is wrong."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        size, prefix = len(source), bytes(source[:8])
+    else:
+        size, prefix = os.fstat(source.fileno()).st_size, source.read(8)
+    header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    if header_len < 0 or header_len > size - 8:
+        raise ValueError(f"is truncated ({size} bytes, header claims {max(header_len, 0)})")
+    raw = source[8 : 8 + header_len] if isinstance(source, (bytes, bytearray, memoryview)) else source.read(header_len)
+    try:
+        return json.loads(bytes(raw)), 8 + header_len
+    except ValueError as error:
+        raise ValueError(f"has an unreadable header ({error})") from None
+
+
 def safetensors_problem(path: Path) -> str | None:
     """None when the file's size matches its header (8-byte length, JSON, tensor bytes), else what is wrong."""
     size = path.stat().st_size
     try:
         with open(path, "rb") as handle:
-            header_len = int.from_bytes(handle.read(8), "little")
-            if size < 8 or header_len > size - 8:
-                return f"is truncated ({size} bytes, header claims {header_len})"
-            header = json.loads(handle.read(header_len))
-    except (OSError, ValueError) as error:
+            header, start = safetensors_header(handle)
+    except OSError as error:
         return f"has an unreadable header ({error})"
+    except ValueError as error:
+        return str(error)
     ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
-    expected = 8 + header_len + max(ends, default=0)
+    expected = start + max(ends, default=0)
     return None if size == expected else f"is {size} bytes, its header says {expected}"
 
 

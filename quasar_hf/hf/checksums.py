@@ -14,10 +14,11 @@ import hashlib
 import json
 import mmap
 import os
-import struct
 from collections.abc import Iterable
 
 import torch
+
+from quasar_hf.atomic_folder import safetensors_header
 
 DIGESTS_KEY = "quasar_sha256"
 SKIP_ENV = "QUASAR_VERIFY_CHECKSUMS"
@@ -47,8 +48,10 @@ def check_file_digests(path: str, required: bool = False) -> int:
     them, or a tensor without one, was edited, and is refused rather than loaded unchecked."""
     name = os.path.basename(path)
     with open(path, "rb") as handle:
-        header_len = struct.unpack("<Q", handle.read(8))[0]
-        header = json.loads(handle.read(header_len))
+        try:
+            header, start = safetensors_header(handle)
+        except ValueError as error:
+            raise ValueError(f"{name} {error}: download or save the checkpoint again") from None
         recorded = (header.get("__metadata__") or {}).get(DIGESTS_KEY)
         if recorded is None:
             if required:
@@ -69,7 +72,6 @@ def check_file_digests(path: str, required: bool = False) -> int:
                 f"{name}: tensor {unrecorded[0]!r} has no SHA-256 in the header's {DIGESTS_KEY} entry, so the header was "
                 f"edited. Download or save the checkpoint again (to load it anyway, set {SKIP_ENV}=0)."
             )
-        start = 8 + header_len
         if os.fstat(handle.fileno()).st_size <= start:
             return _check_each(header, digests, memoryview(b""), start, path)
         with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as data:

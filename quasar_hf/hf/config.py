@@ -22,9 +22,16 @@ _WEIGHT_ROUNDINGS = ("nearest", "gptq")
 # Names `rotate` may list: the last components of the architecture specs' rotatable linears (inputs
 # no norm produces, where smoothing does least): ("down_proj", "o_proj").
 ROTATABLE = tuple(dict.fromkeys(path.rsplit(".", 1)[-1] for spec in ARCHITECTURES.values() for path in spec.rotatable))
-DEFAULT_ROTATE = ["down_proj"]  # o_proj: +1.6 dB on SmolLM2 but -2.3 dB on Qwen 0.5B (benchmarks/rotation_sqnr.md)
+# o_proj: +1.6 dB on SmolLM2 but -2.3 dB on Qwen 0.5B (benchmarks/reports/rotation-sqnr/rotation_sqnr.md)
+DEFAULT_ROTATE = ["down_proj"]
 # Fields that are run-time inputs only (never written to config.json).
 _RUNTIME_ONLY = ("tokenizer", "calibration_dataset", "resume_dir", "calibration_device")
+
+
+# Fields the quantizer writes (read back on reload); users set none of them.
+QUANTIZER_RECORDS = ("calibration_info", "searched_alphas", "rotation_info", "draft_info", "keep_float_info", "measured")
+QUANTIZER_MODULE_LISTS = ("quantized_modules", "prescaled_modules", "rotated_modules")
+WRITTEN_BY_QUANTIZER = (*QUANTIZER_RECORDS, *QUANTIZER_MODULE_LISTS)
 
 
 @dataclass
@@ -140,19 +147,11 @@ class QuasarConfig(QuantizationConfigMixin):
                 f"{QUASAR_FORMAT_VERSION!r}; a newer format needs a newer quasar_hf (`pip install -U quasar-hf`), "
                 "an older one must be re-quantized from its original model"
             )
-        for name in (
-            "calibration_info",
-            "searched_alphas",
-            "draft_info",
-            "keep_float_info",
-            "measured",
-            "smoothquant_mappings",
-            "rotation_info",
-        ):
+        for name in (*QUANTIZER_RECORDS, "smoothquant_mappings"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, dict):
                 raise ValueError(f"{name} must be a dict (written by quasar_hf) or None; got {value!r}")
-        for name in ("quantized_modules", "prescaled_modules", "rotated_modules"):
+        for name in QUANTIZER_MODULE_LISTS:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value)):
                 raise ValueError(f"{name} must be a list of module names (written by quasar_hf) or None; got {value!r}")

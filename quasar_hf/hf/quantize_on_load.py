@@ -12,9 +12,9 @@ from torch import nn
 from quasar_hf import compat
 from quasar_hf.detect import package_version
 from quasar_hf.hf.checksums import tensor_bytes
-from quasar_hf.hf.config import QUASAR_FORMAT_VERSION, QuasarConfig
+from quasar_hf.hf.config import QUASAR_FORMAT_VERSION, WRITTEN_BY_QUANTIZER, QuasarConfig
 from quasar_hf.hf.resume_state import ResumeState, fingerprint
-from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially, set_submodule
+from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially
 from quasar_hf.nn import RotatedW8A8Linear, RowStableLinear, RowStableRMSNorm, W8A8Linear
 from quasar_hf.nn.rowstable_norm import rms_norm_formula
 from quasar_hf.ops.hadamard import ROTATION_CONSTRUCTION, rotation_layout
@@ -78,16 +78,9 @@ def replace_with_w8a8_skeleton(model: nn.Module, config: QuasarConfig) -> None:
             raise ValueError(f"checkpoint lists {name!r} as quantized, but it is a {type(linear).__name__}")
         if name in rotated:
             check_rotation(linear.in_features, config.rotation_info)
-        skeleton = (RotatedW8A8Linear if name in rotated else W8A8Linear)(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            has_act_prescale=name in prescaled,
-            backend=config.backend,
-            bias_dtype=linear.weight.dtype,
-            device=linear.weight.device,
-        )
-        set_submodule(model, name, skeleton)
+        kind = RotatedW8A8Linear if name in rotated else W8A8Linear
+        skeleton = kind.shaped_like(linear, config.backend, has_act_prescale=name in prescaled)
+        model.set_submodule(name, skeleton)
 
 
 def rotation_info(sizes: set[int]) -> dict:
@@ -114,7 +107,7 @@ def use_rowstable_norms(model: nn.Module) -> int:
     for name, module in list(model.named_modules()):
         if type(module) is RowStableRMSNorm or rms_norm_formula(module) is None or compat.has_accelerate_hook(module):
             continue
-        set_submodule(model, name, RowStableRMSNorm(module))
+        model.set_submodule(name, RowStableRMSNorm(module))
         replaced += 1
     return replaced
 
@@ -240,7 +233,7 @@ def resume_state(
     for name, tensor in compat.state_dict_values(model):  # offloaded weights read from their hooks, one at a time
         weights.update(name.encode())
         weights.update(tensor_bytes(tensor))
-    settings = {k: v for k, v in config.to_dict().items() if k not in _WRITTEN_BY_QUANTIZER}
+    settings = {k: v for k, v in config.to_dict().items() if k not in WRITTEN_BY_QUANTIZER}
     key = fingerprint(
         {
             "settings": settings,
@@ -256,19 +249,6 @@ def resume_state(
         }
     )
     return ResumeState(config.resume_dir, key)
-
-
-_WRITTEN_BY_QUANTIZER = (
-    "calibration_info",
-    "searched_alphas",
-    "quantized_modules",
-    "prescaled_modules",
-    "rotated_modules",
-    "rotation_info",
-    "draft_info",
-    "keep_float_info",
-    "measured",
-)
 
 
 DRAFT_SEARCH_BLOCKS = 2

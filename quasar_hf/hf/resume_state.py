@@ -34,7 +34,7 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 from torch import nn
 
-from quasar_hf.atomic_folder import write_bytes_atomically
+from quasar_hf.atomic_folder import safetensors_header, write_bytes_atomically
 from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
 
 PROGRESS = "progress.json"
@@ -134,17 +134,8 @@ class ResumeState:
         for name, kind in kinds.items():
             linear = layer.get_submodule(name)
             cls = RotatedW8A8Linear if kind == "rotated" else W8A8Linear
-            module = cls(
-                linear.in_features,
-                linear.out_features,
-                bias=linear.bias is not None,
-                has_act_prescale=f"{name}.act_prescale" in tensors,
-                backend=backend,
-                bias_dtype=bias_dtype,
-                device=linear.weight.device,
-            )
-            parent, _, child = name.rpartition(".")
-            setattr(layer.get_submodule(parent) if parent else layer, child, module)
+            module = cls.shaped_like(linear, backend, has_act_prescale=f"{name}.act_prescale" in tensors, bias_dtype=bias_dtype)
+            layer.set_submodule(name, module)
         layer.load_state_dict(tensors, strict=True)
         for module in layer.modules():
             if isinstance(module, W8A8Linear):
@@ -255,9 +246,8 @@ def _hidden_name(index: int) -> str:
 
 
 def _header(data: bytes) -> dict:
-    """The header of a safetensors file held in memory."""
-    size = int.from_bytes(data[:8], "little")
-    return json.loads(data[8 : 8 + size])
+    """The header of a safetensors file held in memory (its bytes were checked against their digest)."""
+    return safetensors_header(data)[0]
 
 
 def _header_metadata(data: bytes) -> dict:

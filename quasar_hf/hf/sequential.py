@@ -85,11 +85,6 @@ def w8a8_biases_to(layer: nn.Module, dtype: torch.dtype) -> None:
             module.bias = module.bias.to(dtype)
 
 
-def set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent_name) if parent_name else root, child, module)
-
-
 def active_mappings(arch: ArchitectureMappings, quantized: set[str], rotated: set[str] = frozenset()) -> list[SmoothMapping]:
     """The mappings that apply when only `quantized` (paths inside a layer) become W8A8: every balance
     linear quantized, and a smooth linear too (folding 1/s into a high-precision linear changes it);
@@ -191,7 +186,7 @@ def swap_in_w8a8(
                 weight = float_weights.pop(name)  # drop the fp32 copy as soon as its int8 copy exists
                 cls = RotatedW8A8Linear if rotation is not None else W8A8Linear
                 module = cls.from_weight(weight, linear.bias, prescales.get(name), backend=backend, rounded=rounded[name])
-                set_submodule(root, name, module)
+                root.set_submodule(name, module)
                 del weight, linear
 
 

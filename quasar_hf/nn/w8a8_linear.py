@@ -96,6 +96,34 @@ class W8A8Linear(PreparedModule):
             self.prepare()
 
     @classmethod
+    def shaped_like(
+        cls, linear: nn.Module, backend: str = "auto", has_act_prescale: bool = False, bias_dtype: torch.dtype | None = None
+    ) -> W8A8Linear:
+        """An unloaded module (zero int8 weight, unit scales) of `linear`'s shape, bias and device, for the
+        tensors a checkpoint or a resume state loads into it next; the bias in `bias_dtype` (default: the
+        linear's weight dtype)."""
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            has_act_prescale=has_act_prescale,
+            backend=backend,
+            bias_dtype=bias_dtype or linear.weight.dtype,
+            device=linear.weight.device,
+        )
+
+    @classmethod
+    def holding(cls, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, backend: str) -> W8A8Linear:
+        """A module over these tensors as they are (no copy; int8 [out, in], fp32 [out], optional bias), prepared."""
+        module = cls(weight.shape[1], weight.shape[0], bias=bias is not None, backend=backend, device=torch.device("meta"))
+        module.register_buffer("weight", weight)
+        module.register_buffer("weight_scale", weight_scale)
+        if bias is not None:
+            module.register_buffer("bias", bias)
+        module.prepare()
+        return module
+
+    @classmethod
     def from_linear(cls, linear: nn.Linear, act_prescale: torch.Tensor | None = None, backend: str = "auto") -> W8A8Linear:
         """Quantize a float nn.Linear. `act_prescale` [in] is applied to x at run time, not to W."""
         if not isinstance(linear, nn.Linear):

@@ -6,15 +6,11 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 
 import torch
 
 from quasar_hf.ops.reference import w8a8_linear_reference
-
-
-def interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+from quasar_hf.ops.triton_settings import interpret_mode
 
 
 @functools.cache

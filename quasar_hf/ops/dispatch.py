@@ -254,7 +254,8 @@ def pack_weight_for(weight_q: torch.Tensor, backend: str = "auto") -> object | N
 
 @dataclass(frozen=True)
 class PreparedW8A8:
-    """One weight validated, its backend resolved and its layout packed, with `linear(x)` bound.
+    """One weight validated, its backend resolved and its layout packed (`bind_w8a8_linear` gives a bound
+    Python form for benchmarks and tests; modules call `op`).
 
     weights: (weight_q, weight_scale, bias, act_prescale) as prepared; packed_tensors: the packed
     layout as tensors (what the generic `quasar::w8a8_linear` op takes); op: (name, arguments after
@@ -269,7 +270,6 @@ class PreparedW8A8:
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
     packed: object | None
     packed_tensors: tuple[torch.Tensor, ...]
-    linear: Callable[[torch.Tensor], torch.Tensor]
     op: tuple[str, tuple]
     fold_op: tuple[str, tuple] | None = None
 
@@ -281,19 +281,18 @@ def prepare_w8a8(
     act_prescale: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> PreparedW8A8:
-    """Validate, resolve the backend, pack and bind once (the work W8A8Linear.prepare does)."""
+    """Validate, resolve the backend and pack once (the work W8A8Linear.prepare does)."""
     validate_weights(weight_q, weight_scale, bias, act_prescale)
     name = resolve_backend(backend, weight_q.device)
     entry = _TABLE[name]
     packed = entry.pack(weight_q) if entry.pack is not None else None
     tensors = entry.packed_tensors(packed) if packed is not None and entry.packed_tensors is not None else ()
-    linear = bind_w8a8_linear(weight_q, weight_scale, bias, act_prescale, name, packed=packed)
     weights = (weight_q, weight_scale, bias, act_prescale)
     if entry.op_call is not None and packed is not None:
         op = entry.op_call(weights, packed)
     else:
         op = ("w8a8_linear", (*weights, tensors, name))
-    return PreparedW8A8(name, weights, packed, tensors, linear, op, _fold_op(entry, weights, packed, tensors))
+    return PreparedW8A8(name, weights, packed, tensors, op, _fold_op(entry, weights, packed, tensors))
 
 
 def _fold_op(entry: Backend, weights: tuple, packed: object | None, tensors: tuple) -> tuple[str, tuple] | None:

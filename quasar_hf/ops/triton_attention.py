@@ -15,19 +15,19 @@ one chunk gets the same bits either way: its merge multiplies by e^0 = 1.) Oracl
 `ops.reference.attention_reference`.
 
 Verified in Triton's CPU interpreter (tests) and by an ahead-of-time compile for sm_90; its GPU
-speed and the chunk size are unmeasured: `benchmarks/gpu_check.sh` times it against SDPA.
+speed and the chunk size are unmeasured: `benchmarks/gpu/gpu_check.sh` times it against SDPA.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
 from .fallback import warn_fallback_once
 from .reference import attention_layout_ok, attention_reference
+from .triton_settings import interpret_mode
 
 try:
     import triton
@@ -36,10 +36,6 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _attention_chunk_kernel(
@@ -139,7 +135,7 @@ CHUNK_BLOCKS = 2  # key blocks per chunk: 128 keys at head size 128 (64 KiB of K
 def _block_sizes(head_dim: int) -> tuple[int, int, int]:
     """(CHUNK, BLOCK_N, BLOCK_D): functions of the head size only, never of the key or row count."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = 16 if _interpret_mode() else max(16, 8192 // block_d)
+    block_n = 16 if interpret_mode() else max(16, 8192 // block_d)
     return CHUNK_BLOCKS * block_n, block_n, block_d
 
 
@@ -192,7 +188,7 @@ def _static_reason(device: torch.device) -> str | None:
         return "the triton package is not installed (pip install 'quasar-hf[triton]')"
     if device.type == "cuda" and not torch.cuda.is_available():
         return "no CUDA device is visible to torch"
-    if device.type != "cuda" and not (device.type == "cpu" and _interpret_mode()):
+    if device.type != "cuda" and not (device.type == "cpu" and interpret_mode()):
         return f"the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 on CPU), got {device.type!r}"
     return None
 
@@ -261,7 +257,7 @@ def rowstable_attention_triton(
     partial_m = torch.empty(rows * splits if splits > 1 else 1, dtype=torch.float32, device=query.device)
     partial_l = torch.empty_like(partial_m)
     partial_acc = torch.empty(rows * splits * head_dim if splits > 1 else 1, dtype=torch.float32, device=query.device)
-    chunk_kernel, combine_kernel = _jitted_kernels(_interpret_mode())
+    chunk_kernel, combine_kernel = _jitted_kernels(interpret_mode())
     chunk_kernel[(batch * heads, q_len, splits)](
         query, key, value, mask if mask is not None else ends, ends, out, partial_m, partial_l, partial_acc,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),

@@ -17,16 +17,17 @@ Bit-exactness with the reference: divisions and the square root use `tl.math.div
 launches pass `enable_fp_fusion=False` so `x * inv + 0.5` and the epilogue are not contracted into
 FMAs. Under `TRITON_INTERPRET=1` (tests on CPU) tiles are tiny so ragged edges and several K splits
 get exercised. Launch settings are a heuristic until a device run tunes them
-(`benchmarks/gpu_check.sh`). The kernels are built lazily, because `triton.jit` decides at
+(`benchmarks/gpu/gpu_check.sh`). The kernels are built lazily, because `triton.jit` decides at
 decoration time whether to interpret.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from .triton_settings import PROGRAMS_PER_SM, device_sm_count, interpret_mode
 
 try:
     import triton
@@ -35,17 +36,13 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
     raise ImportError("the 'triton' backend needs the triton package: pip install 'quasar-hf[triton]'") from exc
 
 
-def interpret_mode() -> bool:
-    """True when Triton kernels run in the CPU interpreter (`TRITON_INTERPRET=1`)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def _quantize_rows_kernel(
     x_ptr, pre_ptr, q_ptr, scale_ptr, r_ptr, K, stride_xm, norm_eps,
-    HAS_PRESCALE: tl.constexpr, FOLD_NORM: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_PRESCALE: tl.constexpr, FOLD_NORM: tl.constexpr, WRITE_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Program m: q[m, :] int8 and scale[m] fp32 of row m (NaN for a row with NaN/Inf); with FOLD_NORM, x is the
-    RMSNorm's input, pre_ptr its scale, and scale[m] carries r[m] = 1 / sqrt(mean(x^2) + eps) (written to r_ptr)."""
+    RMSNorm's input, pre_ptr its scale, and scale[m] carries r[m] = 1 / sqrt(mean(x^2) + eps) (also written to
+    r_ptr with WRITE_R)."""
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_xm
     if FOLD_NORM:  # squares in 16 lanes over k ascending, lanes added by a fixed tree (rms_factor_reference)
@@ -61,7 +58,8 @@ def _quantize_rows_kernel(
         total = tl.sum(sq, axis=1)  # [1]: (l, l + 1)
         mean = tl.math.div_rn(total, tl.full([1], K, tl.float32))
         r = tl.math.div_rn(tl.full([1], 1.0, tl.float32), tl.math.sqrt_rn(mean + norm_eps))  # [1]
-        tl.store(r_ptr + row + tl.arange(0, 1), r)
+        if WRITE_R:
+            tl.store(r_ptr + row + tl.arange(0, 1), r)
     rk = tl.arange(0, BLOCK_K)
     amax = tl.zeros([1], dtype=tl.float32)
     bad = tl.zeros([1], dtype=tl.int32)
@@ -158,17 +156,17 @@ def jitted_kernels(interpret: bool):
 
 
 DECODE_ROWS = 16  # calls of at most this many rows: one row tile, K split
-TARGET_PROGRAMS = 264  # decode launches aim for about 2 programs per SM of an H100/H200 (132 SMs)
 
 
-def launch_config(m: int, n: int, k: int) -> dict[str, int]:
-    """Tiles, warps and the K split for an [M, K] x [N, K]^T call; the split depends on N and K only."""
+def launch_config(m: int, n: int, k: int, sms: int) -> dict[str, int]:
+    """Tiles, warps and the K split for an [M, K] x [N, K]^T call on a GPU of `sms` SMs; the split depends on
+    N, K and the SM count only (decode launches aim at PROGRAMS_PER_SM programs per SM)."""
     if interpret_mode():  # tiny tiles: ragged edges and several splits on test shapes
         tile = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 1, "QUANTIZE_K": 32, "REDUCE_N": 16}
         target = 8
     elif m <= DECODE_ROWS:
         tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "QUANTIZE_K": 1024, "REDUCE_N": 256}
-        target = TARGET_PROGRAMS
+        target = PROGRAMS_PER_SM * sms
     else:
         big = m > 64
         tile = {"BLOCK_M": 128 if big else 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8 if big else 4}
@@ -201,7 +199,7 @@ def _run(
     acc = torch.empty(m, n, dtype=torch.int32, device=x2.device) if want_acc else None
     if m == 0:
         return out.to(x2.dtype), acc
-    cfg = launch_config(m, n, k)
+    cfg = launch_config(m, n, k, 1 if interpret_mode() else device_sm_count(x2.device))
     quantize, gemm, reduce = jitted_kernels(interpret_mode())
     rows = torch.empty(m, k, dtype=torch.int8, device=x2.device)  # [M, K]
     scales = torch.empty(m, dtype=torch.float32, device=x2.device)  # [M]
@@ -209,7 +207,8 @@ def _run(
     quantize[(m,)](
         x2, act_prescale if act_prescale is not None else dummy, rows, scales, r_out if r_out is not None else dummy,
         k, x2.stride(0), 0.0 if norm_eps is None else float(norm_eps),
-        HAS_PRESCALE=act_prescale is not None, FOLD_NORM=norm_eps is not None, BLOCK_K=cfg["QUANTIZE_K"],
+        HAS_PRESCALE=act_prescale is not None, FOLD_NORM=norm_eps is not None, WRITE_R=r_out is not None,
+        BLOCK_K=cfg["QUANTIZE_K"],
         num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     splits = cfg["SPLITS"]
@@ -244,7 +243,7 @@ def w8a8_linear_triton(
     bias: torch.Tensor | None = None,
     act_prescale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [..., K] -> [..., N] in x.dtype with the fused kernel (inputs validated by ops.dispatch)."""
+    """x [..., K] -> [..., N] in x.dtype with the quantize, GEMM (and split-K reduce) kernels; inputs validated by ops.dispatch."""
     out, _ = _run(_as_rows(x), weight_q, weight_scale, bias, act_prescale, want_acc=False)
     return out.reshape(*x.shape[:-1], weight_q.shape[0])
 
@@ -258,14 +257,13 @@ def w8a8_accumulators_triton(x: torch.Tensor, weight_q: torch.Tensor, act_presca
 
 def bind_folded_triton(weights: tuple):
     """`folded(x, norm_scale, eps)`: one launch with the RMSNorm folded into the kernel's quantization
-    (the bits of reference.w8a8_linear_rmsnorm_reference); x is one this weight takes (backends._from_fold
-    checks it)."""
+    (the bits of reference.w8a8_linear_rmsnorm_reference); x is one this weight takes (the caller, the
+    `quasar::w8a8_folded_norm_linear` op, checked it)."""
     weight_q, weight_scale, bias = weights
 
     def folded(x: torch.Tensor, norm_scale: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = _as_rows(x)  # [M, K]
-        r = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)  # [M]: the kernel writes the row factors
-        out, _ = _run(x2, weight_q, weight_scale, bias, norm_scale, False, eps, r)
+        out, _ = _run(x2, weight_q, weight_scale, bias, norm_scale, False, eps)
         return out.reshape(*x.shape[:-1], weight_q.shape[0])
 
     return folded

@@ -125,8 +125,7 @@ class KeepFloatSelector:
             linear.weight.data.copy_(weight)
             if bias is not None:
                 linear.bias.data.copy_(bias.to(weight.dtype))
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, linear)
+            model.set_submodule(name, linear)
         self._weights = {}
         return sorted(self.chosen)
 

@@ -60,10 +60,8 @@ def _restore(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def _set(layer: nn.Module, path: str, module: nn.Module) -> nn.Module:
-    parent, _, child = path.rpartition(".")
-    owner = layer.get_submodule(parent) if parent else layer
-    old = getattr(owner, child)
-    setattr(owner, child, module)
+    old = layer.get_submodule(path)
+    layer.set_submodule(path, module)
     return old
 
 
