@@ -5,8 +5,11 @@ One `ArchitectureSpec` per model class (`LlamaForCausalLM`, ...) says:
 - `norm`: the RMSNorm class the model uses and its formula, x * rsqrt(mean(x^2) + eps) * (offset + w),
   scaled in fp32 before the cast to x's dtype or after (what `nn.RowStableRMSNorm` computes op for
   op, and what `nn.NormFoldedW8A8Linear` folds);
-- `mappings`: the SmoothQuant mappings of one decoder layer (`smooth` -> `balance` linears). Those of
-  kind "norm" are also the fold groups: the RMSNorm and the W8A8 linears it feeds;
+- `mappings`: the SmoothQuant mappings of one decoder layer (`smooth` -> `balance` linears);
+- `fold_groups`: each RMSNorm whose output the layer forward passes to a group of projections and to
+  nothing else (q/k/v, gate/up). Fusion (hf/fusion.py) puts the stacked projections in the norm's place,
+  which is right only under that rule; hf/fold_check.py traces the forward once per class to confirm
+  it, and a group that breaks it stays unfused;
 - `rotatable`: the linears (paths in a decoder layer) whose input may be Hadamard-rotated, named in
   `QuasarConfig(rotate=...)` by their last component. No norm produces their input, so smoothing
   does least there.
@@ -53,6 +56,14 @@ class SmoothMapping:
 
 
 @dataclass(frozen=True)
+class FoldGroup:
+    """A norm (path in the decoder layer) and the projections its output feeds, and nothing else does."""
+
+    norm: str
+    projections: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ArchitectureMappings:
     """Where the decoder layers live and how each layer is smoothed (a spec's, or a user's own)."""
 
@@ -67,6 +78,7 @@ class ArchitectureSpec:
     layers_path: str
     norm: RMSNormFormula
     mappings: tuple[SmoothMapping, ...]
+    fold_groups: tuple[FoldGroup, ...]
     rotatable: tuple[str, ...] = ("mlp.down_proj", "self_attn.o_proj")
 
     def __post_init__(self) -> None:
@@ -80,11 +92,6 @@ class ArchitectureSpec:
     def smoothing(self) -> ArchitectureMappings:
         return ArchitectureMappings(self.layers_path, self.mappings)
 
-    @property
-    def fold_groups(self) -> tuple[SmoothMapping, ...]:
-        """The norms that feed a group of linears directly (q/k/v, gate/up): what hf.fusion stacks and folds."""
-        return tuple(m for m in self.mappings if m.kind == "norm")
-
 
 def _llama_like(norm: RMSNormFormula) -> ArchitectureSpec:
     """Llama, Mistral, Qwen2 (q/k/v biases: the v bias is scaled with the v rows), Qwen3 (q_norm/k_norm
@@ -97,6 +104,10 @@ def _llama_like(norm: RMSNormFormula) -> ArchitectureSpec:
             SmoothMapping("self_attn.v_proj", ("self_attn.o_proj",), kind="grouped_linear"),
             SmoothMapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
             SmoothMapping("mlp.up_proj", ("mlp.down_proj",), kind="linear"),
+        ),
+        fold_groups=(
+            FoldGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            FoldGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
         ),
     )
 
@@ -113,6 +124,10 @@ _GEMMA3 = ArchitectureSpec(
         SmoothMapping("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), norm_offset=1.0),
         SmoothMapping("mlp.up_proj", ("mlp.down_proj",), kind="linear"),
     ),
+    fold_groups=(
+        FoldGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        FoldGroup("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    ),
 )
 
 # Phi-3: one norm feeds each fused projection (an ordinary norm mapping). v is the last block of
@@ -125,6 +140,10 @@ _PHI3 = ArchitectureSpec(
         SmoothMapping("self_attn.qkv_proj", ("self_attn.o_proj",), kind="grouped_linear", smooth_rows="last"),
         SmoothMapping("post_attention_layernorm", ("mlp.gate_up_proj",)),
         SmoothMapping("mlp.gate_up_proj", ("mlp.down_proj",), kind="linear", smooth_rows="last"),
+    ),
+    fold_groups=(
+        FoldGroup("input_layernorm", ("self_attn.qkv_proj",)),
+        FoldGroup("post_attention_layernorm", ("mlp.gate_up_proj",)),
     ),
 )
 

@@ -53,11 +53,13 @@ def test_spec_matches_the_model(class_name):
         for path in (mapping.smooth, *mapping.balance):
             layer.get_submodule(path)  # raises when the spec names a module the model lacks
     for group in spec.fold_groups:
-        norm = layer.get_submodule(group.smooth)
+        norm = layer.get_submodule(group.norm)
         assert type(norm).__name__ == spec.norm.class_name
         eps, offset, scale_in_float = rms_norm_formula(norm)
-        assert eps == getattr(norm, spec.norm.eps_attribute) and offset == group.norm_offset
-        assert all(isinstance(layer.get_submodule(p), torch.nn.Linear) for p in group.balance)
+        assert eps == getattr(norm, spec.norm.eps_attribute) and offset == spec.norm.offset
+        assert all(isinstance(layer.get_submodule(p), torch.nn.Linear) for p in group.projections)
+    folded = {(m.smooth, m.balance) for m in spec.mappings if m.kind == "norm"}
+    assert {(g.norm, g.projections) for g in spec.fold_groups} == folded  # each group is smoothed as one
     for path in spec.rotatable:
         assert isinstance(layer.get_submodule(path), torch.nn.Linear)
         assert path.rsplit(".", 1)[-1] in ROTATABLE
@@ -73,7 +75,7 @@ def test_unknown_architecture_names_itself_and_the_supported_ones():
 
 def test_a_fold_group_offset_must_be_its_norms():
     with pytest.raises(ValueError, match="norm_offset 0.0, its norm 1.0"):
-        ArchitectureSpec("model.layers", RMSNormFormula("X", offset=1.0), (SmoothMapping("norm", ("a",)),))
+        ArchitectureSpec("model.layers", RMSNormFormula("X", offset=1.0), (SmoothMapping("norm", ("a",)),), ())
 
 
 def test_rotate_is_checked_against_the_specs():

@@ -358,3 +358,27 @@ def test_compiled_graph_calls_the_fused_ops_with_no_pass(tmp_path):
     assert sum("quasar.w8a8_linear_cpu_packed" in t for t in seen) == 2 * layers  # o_proj, down_proj
     assert sum("quasar.rms_norm" in t for t in seen) == 1  # the final norm only
     assert ((compiled - eager).norm() / eager.norm()) < 0.05
+
+
+def test_a_group_whose_norm_output_feeds_something_else_stays_unfused_and_says_so(tmp_path, caplog):
+    """The rule fusion rests on, checked by tracing: here layer 0's MLP also reads the normed hidden states
+    outside its projections (as a MoE router would), so that group stays unfused; the others fuse."""
+    import logging
+
+    from test_hub_support import make_tiny_checkpoint, quantize_tiny
+
+    from quasar_hf.hf.fusion import unfuse_projections
+
+    model = quantize_tiny(make_tiny_checkpoint(tmp_path / "base"))
+    unfuse_projections(model)
+    model.__dict__.pop("_quasar_fold_check", None)
+    mlp = model.model.layers[0].mlp
+    plain_forward = mlp.forward
+    mlp.forward = lambda x: plain_forward(x) + 0 * x.mean(-1, keepdim=True)  # a "router" on the norm's output
+    with caplog.at_level(logging.INFO, logger="quasar_hf.hf.fusion"):
+        fused = fuse_projections(model)
+    assert fused == 2 * 2 - 2  # the post-attention group stays unfused in every layer (the rule is the class's)
+    assert "fused 2 of 4 norm + projection groups; first not fused: layer 0 post_attention_layernorm" in caplog.text
+    assert "also passes post_attention_layernorm's output to mean" in caplog.text
+    assert isinstance(model.model.layers[0].input_layernorm, NormFoldedW8A8Linear)
+    assert not isinstance(model.model.layers[0].post_attention_layernorm, NormFoldedW8A8Linear)

@@ -5,9 +5,11 @@ NormFoldedW8A8Linear (nn/norm_folded_linear.py), with checkpoint names unchanged
 architecture spec (a norm and the linears it feeds: q/k/v, gate/up; Phi-3's qkv_proj alone) whose
 members are all plain W8A8Linears on one device with no act_prescale and alike biases, it stacks the
 members' int8 weights, scales and biases into one W8A8Linear, puts a NormFoldedW8A8Linear where the
-norm was and a FusedProjectionSlice where each member was. The groups are facts of the model class's
-layer forward (which linears read which norm), not of how it was smoothed, so custom SmoothQuant
-mappings change nothing here. Groups that do not qualify, layers that Accelerate dispatches, and
+norm was and a FusedProjectionSlice where each member was. The groups are the spec's `fold_groups`,
+declared per architecture (architectures.py) with the rule they rest on: the layer forward passes the
+norm's output to those projections and to nothing else. hf/fold_check.py confirms it by tracing one
+forward per model class; a group that breaks it stays unfused. Custom SmoothQuant mappings change
+nothing here. Groups that do not qualify, layers that Accelerate dispatches, and
 model classes without an architecture spec (whose layer forward quasar_hf does not know) stay
 unfused: their norms run alone and each projection quantizes the norm's rounded output.
 
@@ -20,6 +22,7 @@ the names and values of the unfused model.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -27,78 +30,102 @@ from torch import nn
 
 from quasar_hf import compat
 from quasar_hf.architectures import UnknownArchitectureError, spec_for
-from quasar_hf.hf.sequential import set_submodule
+from quasar_hf.hf.fold_check import groups_breaking_the_rule
 from quasar_hf.nn.norm_folded_linear import FusedProjectionSlice, NormFoldedW8A8Linear, rmsnorm_epsilon
 from quasar_hf.nn.rowstable_norm import RowStableRMSNorm
 from quasar_hf.nn.w8a8_linear import W8A8Linear, check_int8_weight
 from quasar_hf.smoothquant.mappings import decoder_layers_at
 
+logger = logging.getLogger(__name__)
+
 STACKED = ("weight", "weight_scale", "bias")  # the W8A8Linear tensors stacked along output rows
 HOOKED = "quasar_fusion_hooks"  # set on a decoder layer that holds the two hooks (they do nothing once unfused)
 
 
-def fuse_projections(model: nn.Module) -> int:
-    """Fuse every qualifying fold group of `model` (see the module docstring); returns how many."""
+def fuse_projections(model: nn.Module, log: bool = True) -> int:
+    """Fuse every qualifying fold group of `model` (see the module docstring); returns how many. With `log`,
+    one line at info level says how many groups fused out of how many, and the first reason for a skip."""
     try:
         spec = spec_for(model)
     except UnknownArchitectureError:
+        if log:
+            logger.info("quasar_hf: no norm + projection group fused: %s has no architecture spec", type(model).__name__)
         return 0
-    fused = 0
-    for layer in decoder_layers_at(model, spec.layers_path):
-        if compat.has_accelerate_hook(layer):
-            continue
+    layers = decoder_layers_at(model, spec.layers_path)
+    broken = groups_breaking_the_rule(model, layers[0], spec.fold_groups) if len(layers) else {}
+    fused, total, first_skip = 0, 0, None
+    for index, layer in enumerate(layers):
         layer_fused = 0
         for group in spec.fold_groups:
-            layer_fused += _fuse_group(layer, group.smooth, group.balance)
+            total += 1
+            reason = broken.get(group.norm) or _fuse_group(layer, group.norm, group.projections)
+            layer_fused += reason is None
+            first_skip = first_skip or (None if reason is None else f"layer {index} {group.norm}: {reason}")
         if layer_fused and not getattr(layer, HOOKED, False):  # once per layer: a layer fused again keeps them
             layer.register_state_dict_post_hook(split_fused_state)
             layer.register_load_state_dict_pre_hook(stack_fused_state)
             setattr(layer, HOOKED, True)
         fused += layer_fused
+    if log:
+        logger.info(
+            "quasar_hf: fused %d of %d norm + projection groups%s",
+            fused,
+            total,
+            f"; first not fused: {first_skip}" if first_skip else "",
+        )
     return fused
 
 
-def _fuse_group(layer: nn.Module, norm_path: str, member_paths: tuple[str, ...]) -> int:
+def _fuse_group(layer: nn.Module, norm_path: str, member_paths: tuple[str, ...]) -> str | None:
+    """Fuse one group of one layer; None when it fused, else why it stays as it is."""
+    if compat.has_accelerate_hook(layer):
+        return "Accelerate dispatches this layer (device_map): its hooks own the modules' forward"
     if "." in norm_path:  # the fused module's members are named from the layer it is a child of
-        return 0
+        return "the norm is not a direct child of the decoder layer"
     try:
         norm = layer.get_submodule(norm_path)
         members = [layer.get_submodule(path) for path in member_paths]
-    except AttributeError:  # a layer shaped unlike the spec's: left as it is
-        return 0
-    if not _fusable(norm, members):
-        return 0
+    except AttributeError:
+        return "the layer has no such modules (shaped unlike the spec)"
+    reason = _why_not_fusable(norm, members)
+    if reason is not None:
+        return reason
     stacked = _stack(members)
     columns, start = [], 0
     for path, member in zip(member_paths, members):
         columns.append((path, start, start + member.out_features))
         start += member.out_features
     fused = NormFoldedW8A8Linear(norm, stacked, columns)
-    set_submodule(layer, norm_path, fused)
+    layer.set_submodule(norm_path, fused)
     for path, first, stop in columns:
-        set_submodule(layer, path, FusedProjectionSlice(first, stop, start, norm_path, stacked.in_features))
-    return 1
+        layer.set_submodule(path, FusedProjectionSlice(first, stop, start, norm_path, stacked.in_features))
+    return None
 
 
-def _fusable(norm: nn.Module, members: list[nn.Module]) -> bool:
-    """Members that stack into one linear the fold computes exactly as each alone (a RotatedW8A8Linear
-    quantizes x Q, not the norm's output; an act_prescale would be replaced by the fold's scale)."""
-    if rmsnorm_epsilon(norm) is None or compat.has_accelerate_hook(norm) or not members:
-        return False
-    if not all(type(m) is W8A8Linear and m.act_prescale is None and not compat.has_accelerate_hook(m) for m in members):
-        return False
+def _why_not_fusable(norm: nn.Module, members: list[nn.Module]) -> str | None:
+    """None for members that stack into one linear the fold computes exactly as each alone (a
+    RotatedW8A8Linear quantizes x Q, not the norm's output; an act_prescale would be replaced by the
+    fold's scale), else why not."""
+    if rmsnorm_epsilon(norm) is None:
+        return f"{type(norm).__name__} is not an RMSNorm class quasar_hf knows"
+    if compat.has_accelerate_hook(norm) or any(compat.has_accelerate_hook(m) for m in members):
+        return "Accelerate dispatches a member (device_map)"
+    if not members or not all(type(m) is W8A8Linear for m in members):
+        return "a member is not a plain W8A8 linear (kept in float, rotated, or already fused)"
+    if any(m.act_prescale is not None for m in members):
+        return "a member keeps an unfolded SmoothQuant prescale"
     first = members[0]
-    return (
-        all(
-            m.in_features == first.in_features
-            and m.weight.device == first.weight.device != torch.device("meta")
-            and m.backend == first.backend
-            and (m.bias is None) == (first.bias is None)
-            and (m.bias is None or m.bias.dtype == first.bias.dtype)
-            for m in members
-        )
-        and norm.weight.device == first.weight.device
-    )
+    if any(m.weight.device != first.weight.device or norm.weight.device != first.weight.device for m in members):
+        return "the norm and its members are on different devices"
+    if first.weight.device == torch.device("meta"):
+        return "the members are offloaded (on the meta device)"
+    if any(m.in_features != first.in_features or m.backend != first.backend for m in members):
+        return "the members read different widths or run different backends"
+    if any(
+        (m.bias is None) != (first.bias is None) or (m.bias is not None and m.bias.dtype != first.bias.dtype) for m in members
+    ):
+        return "some members have a bias and others not, or biases of different dtypes"
+    return None
 
 
 def _stack(members: list[W8A8Linear]) -> W8A8Linear:
@@ -110,20 +137,7 @@ def _stack(members: list[W8A8Linear]) -> W8A8Linear:
 
 def _w8a8_like(like: W8A8Linear, tensors: dict[str, torch.Tensor]) -> W8A8Linear:
     """A W8A8Linear on `like`'s backend holding `tensors` (weight, weight_scale, bias), prepared."""
-    weight = tensors["weight"]
-    bias = tensors.get("bias")
-    linear = W8A8Linear(
-        weight.shape[1],
-        weight.shape[0],
-        bias=bias is not None,
-        backend=like.backend,
-        bias_dtype=None if bias is None else bias.dtype,
-        device=torch.device("meta"),
-    )
-    for name, tensor in tensors.items():
-        linear.register_buffer(name, tensor)
-    linear.prepare()
-    return linear
+    return W8A8Linear.holding(tensors["weight"], tensors["weight_scale"], tensors.get("bias"), like.backend)
 
 
 def unfuse_projections(model: nn.Module) -> int:
@@ -150,14 +164,14 @@ def projections_apart(model: nn.Module) -> Iterator[int]:
         yield split
     finally:
         if split:
-            fuse_projections(model)
+            fuse_projections(model, log=False)
 
 
 def _unfuse_in(layer: nn.Module, norm_attr: str, fused: NormFoldedW8A8Linear) -> None:
     stacked = fused.linear
     for path, start, stop in fused.members:
         rows = {t: getattr(stacked, t)[start:stop].clone() for t in STACKED if getattr(stacked, t) is not None}
-        set_submodule(layer, path, _w8a8_like(stacked, rows))
+        layer.set_submodule(path, _w8a8_like(stacked, rows))
     norm = fused.unfolded[0]
     norm.weight = fused.weight  # the Parameter the fused module holds now (a conversion may have replaced it)
     setattr(layer, norm_attr, RowStableRMSNorm(norm))  # what an unfused group's norm runs

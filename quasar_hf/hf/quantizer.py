@@ -60,8 +60,8 @@ class QuasarHfQuantizer(HfQuantizer):
         else:
             quantize_model(model, config)
         model.config.quantization_config = config
-        prepare_weights(model)  # every W8A8 kernel validated, packed and bound once
-        fuse_projections(model)  # norm + q/k/v, norm + gate/up: one op each
+        fuse_projections(model)  # norm + q/k/v, norm + gate/up: one op each (stacked and packed once)
+        prepare_weights(model, unprepared_only=True)  # every other W8A8 kernel validated, packed and bound once
         # Decode and verification attention rows bit-identical (C kernel on CPU, Triton on CUDA), so
         # generate(quasar=True) equals plain greedy generate of this model in one verify call per layer.
         use_rowstable_attention(model)

@@ -10,14 +10,15 @@ from quasar_hf.nn.w8a8_linear import W8A8Linear
 from quasar_hf.ops.dispatch import BACKENDS, resolve_backend
 
 
-def prepare_weights(model: nn.Module) -> int:
+def prepare_weights(model: nn.Module, unprepared_only: bool = False) -> int:
     """Validate, pack and bind the kernels of every W8A8Linear in `model`, and the norm-folded linears' scales.
 
     Loading, `.to()` and `load_state_dict` do this themselves; call it after editing a quantized
-    weight (or a norm-folded linear's norm weight) in place, which the forward does not check. Returns the
-    number of W8A8Linears prepared.
+    weight (or a norm-folded linear's norm weight) in place, which the forward does not check.
+    `unprepared_only`: skip the W8A8Linears prepared already (a load, after fusion packed the stacked
+    ones). Returns the number of W8A8Linears prepared.
     """
-    linears = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+    linears = [m for m in model.modules() if isinstance(m, W8A8Linear) and not (unprepared_only and m.prepared is not None)]
     for linear in linears:
         linear.prepare()
     for norm in model.modules():
