@@ -32,13 +32,26 @@ from quasar_hf.ops.kernel_ops import KERNEL_OPS
 
 LIBRARY = "quasar_native_ops"
 BUILDS_TABLE = CSRC / "kernel_builds.def"
-KERNELS = {  # kernel name (kernel_builds.def) -> what doctor and errors call it
-    "w8a8": "fused W8A8 linear",
-    "attention": "row-stable attention",
-    "rowstable_linear": "row-stable linear",
-    "rms_norm": "row-stable RMSNorm",
-    "hadamard": "Hadamard rotation",
-}
+ENTRY_POINTS = CSRC / "qhf_entry_points.h"
+
+
+def macro_body(text: str, name: str) -> str:
+    """The body of `#define name(...)` in C source `text`: its first line and every line a trailing
+    backslash continues (the C preprocessor's own rule), or a KeyError naming the macro."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.match(rf"#define {re.escape(name)}\(", line)), None)
+    if start is None:
+        raise KeyError(f"no #define {name}(...) in the kernel tables")
+    body = [lines[start].split(")", 1)[1]]
+    while body[-1].rstrip().endswith("\\") and start + len(body) < len(lines):
+        body.append(lines[start + len(body)])
+    return " ".join(line.rstrip().removesuffix("\\") for line in body)
+
+
+@functools.cache
+def kernel_titles() -> dict[str, str]:
+    """kernel name -> what doctor and errors call it: csrc/qhf_entry_points.h's QHF_KERNELS, the one list of kernels."""
+    return dict(re.findall(r'X\((\w+), "([^"]*)"\)', macro_body(ENTRY_POINTS.read_text(), "QHF_KERNELS")))
 
 
 @dataclass(frozen=True)
@@ -57,17 +70,19 @@ def kernel_build_table() -> tuple[KernelBuild, ...]:
     """The rows of csrc/kernel_builds.def, best first per kernel (the x86-64 block, then the portable one)."""
     text = BUILDS_TABLE.read_text()
     rows = []
+    pattern = r'QHF_BUILD\((\w+), (\w+), "([^"]*)",\s*"([^"]*)",\s*"([^"]*)"\)'
     for block, x86 in (("QHF_X86_BUILDS", True), ("QHF_PORTABLE_BUILDS", False)):
-        body = text.split(f"#define {block}(QHF_BUILD)", 1)[1].split("\n\n", 1)[0]
-        pattern = r'QHF_BUILD\((\w+), (\w+), "([^"]*)",\s*\\?\s*"([^"]*)",\s*\\?\s*"([^"]*)"\)'
-        for kernel, build, source, cflags, cpu_flags in re.findall(pattern, body):
+        for kernel, build, source, cflags, cpu_flags in re.findall(pattern, macro_body(text, block)):
             rows.append(KernelBuild(kernel, build, source, tuple(cflags.split()), tuple(cpu_flags.split()), x86))
     return tuple(rows)
 
 
 def _entry_points() -> tuple[str, ...]:
-    """Every C entry point the kernels define (csrc/qhf_entry_points.h)."""
-    return tuple(re.findall(r"^int (qhf_\w+)\(", (CSRC / "qhf_entry_points.h").read_text(), flags=re.M))
+    """Every C entry point of every kernel (csrc/qhf_entry_points.h's QHF_ENTRIES_<kernel> lists)."""
+    text = ENTRY_POINTS.read_text()
+    return tuple(
+        e for kernel in kernel_titles() for e in re.findall(r"X\((qhf_\w+), b\)", macro_body(text, f"QHF_ENTRIES_{kernel}"))
+    )
 
 
 def cxx_standard(torch_version: str) -> str:
@@ -144,7 +159,7 @@ def _load() -> _Loaded:
             if op.name not in implemented:
                 op_errors[op.name] = f"the C++ library has no implementation of quasar::{op.name}"
             elif op.kernel not in builds:
-                op_errors[op.name] = f"no build of the {KERNELS[op.kernel]} kernel runs on this CPU ({_needs(op.kernel)})"
+                op_errors[op.name] = f"no build of the {kernel_titles()[op.kernel]} kernel runs on this CPU ({_needs(op.kernel)})"
             else:
                 torch.ops.quasar.native_register_cpu_kernel(op.name)
                 if (mismatch := _smoke_test(op)) is not None:
@@ -190,13 +205,13 @@ def _loaded() -> _Loaded:
 
 
 def unavailable_reason(kernel: str | None = None) -> str | None:
-    """None when the library is loaded (and, given a kernel name of KERNELS, that kernel has a checked
+    """None when the library is loaded (and, given a kernel name of kernel_titles(), that kernel has a checked
     build here), else why not. Never raises."""
     loaded = _loaded()
     if loaded.error is not None or kernel is None:
         return loaded.error
     if kernel not in loaded.builds:
-        return f"no build of the {KERNELS[kernel]} kernel runs on this CPU ({_needs(kernel)})"
+        return f"no build of the {kernel_titles()[kernel]} kernel runs on this CPU ({_needs(kernel)})"
     failed = [loaded.op_errors[op.name] for op in KERNEL_OPS if op.kernel == kernel and op.name in loaded.op_errors]
     return failed[0] if failed else None
 

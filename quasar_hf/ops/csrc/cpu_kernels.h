@@ -11,7 +11,7 @@ namespace quasar {
 
 // One slot per entry point of qhf_entry_points.h, named after it (null where no build of its kernel runs).
 #define QHF_SLOT(entry, unused) decltype(&::entry) entry = nullptr;
-#define QHF_KERNEL_SLOTS(kernel) QHF_ENTRIES_##kernel(QHF_SLOT, _)
+#define QHF_KERNEL_SLOTS(kernel, title) QHF_ENTRIES_##kernel(QHF_SLOT, _)
 struct CpuKernels {
     QHF_KERNELS(QHF_KERNEL_SLOTS)
     std::vector<std::string> chosen;  // "<kernel> <build> <source>" of each kernel that has a build here

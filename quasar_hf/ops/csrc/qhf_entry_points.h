@@ -59,5 +59,11 @@ int qhf_hadamard_rows(const void *x, int64_t x_stride, int64_t rows, int dtype, 
 #define QHF_ENTRIES_rowstable_linear(X, b) X(qhf_rowstable_linear, b)
 #define QHF_ENTRIES_rms_norm(X, b) X(qhf_rms_norm_rows, b)
 #define QHF_ENTRIES_hadamard(X, b) X(qhf_hadamard_rows, b)
-#define QHF_KERNELS(X) X(w8a8) X(attention) X(rowstable_linear) X(rms_norm) X(hadamard)
+/* Every kernel: its name (kernel_builds.def's) and what doctor and errors call it (ops/native.py reads this list). */
+#define QHF_KERNELS(X)                             \
+    X(w8a8, "fused W8A8 linear")                   \
+    X(attention, "row-stable attention")           \
+    X(rowstable_linear, "row-stable linear")       \
+    X(rms_norm, "row-stable RMSNorm")              \
+    X(hadamard, "Hadamard rotation")
 #endif
