@@ -109,3 +109,15 @@ def test_compiled_shapes_measurement_reports_keys_times_and_exactness(tmp_path):
     assert [r["new_key"] for r in report["rows"]] == [True, True, False] and report["all_equal"]
     with pytest.raises(SystemExit):
         compiled_shapes.main(["--quantized", ".", "--calls", "9x4"])
+
+
+def test_the_mixed_sequence_covers_batch_sizes_1_to_4_and_prompts_of_5_to_2000_tokens():
+    from benchmarks.speed.compiled_mixed import sequence
+    from tests.tiny_models import char_tokenizer
+
+    batches = sequence(char_tokenizer(), 20, seed=0)
+    assert len(batches) == 20
+    assert {len(b) for b in batches} == {1, 2, 3, 4}
+    lengths = {len(row) for b in batches for row in b}
+    assert min(lengths) == 5 and max(lengths) == 2000
+    assert sequence(char_tokenizer(), 20, seed=0) == batches != sequence(char_tokenizer(), 20, seed=1)

@@ -96,6 +96,18 @@ def to_markdown(result: dict, command: str) -> str:
 def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks compiled-shapes", description=__doc__)
     parser.add_argument("--quantized", required=True, help="a saved Quasar checkpoint folder")
+    parser.add_argument(
+        "--mixed", action="store_true", help="warm up once, then a shuffled sequence (benchmarks/speed/compiled_mixed.py)"
+    )
+    parser.add_argument("--mixed-calls", type=int, default=20, help="--mixed: calls in the sequence")
+    parser.add_argument("--seed", type=int, default=0, help="--mixed: the shuffle")
+    parser.add_argument("--new-tokens", type=int, default=64, help="--mixed: new tokens per call")
+    parser.add_argument("--max-length", type=int, default=4096, help="--mixed: the warm-up's longest call")
+    parser.add_argument("--llama-server", help="--mixed: llama.cpp's llama-server binary")
+    parser.add_argument("--gguf", help="--mixed: a Q8_0 GGUF of the same model")
+    parser.add_argument(
+        "--llama-modes", default="plain,ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache", type=lambda s: s.split(",")
+    )
     parser.add_argument("--calls", type=parse_calls, default=parse_calls(DEFAULT_CALLS), help=f"default {DEFAULT_CALLS}")
     parser.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"], help="aot_eager: graphs only (tests)")
     parser.add_argument("--out", default=reports_dir("compiled-shapes"))
@@ -104,6 +116,11 @@ def main(argv: list[str] | None = None) -> list[str]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
 
     import quasar_hf  # noqa: F401  (registers the quantization method)
+
+    if args.mixed:
+        from benchmarks.speed.compiled_mixed import mixed_main, mixed_markdown
+
+        return write_build_reports(mixed_main(args), args.out, args.name, parser.prog, argv, mixed_markdown)
 
     compile_config = True if args.backend == "inductor" else CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")
     model = AutoModelForCausalLM.from_pretrained(args.quantized)
