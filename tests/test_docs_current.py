@@ -240,3 +240,78 @@ def test_every_link_between_documents_lands_on_a_file_and_heading(document):
         assert path.is_file(), f"{document} links to {target}, which does not exist"
         if anchor:
             assert anchor in heading_slugs(path), f"{document} links to {target}#{anchor}: no such heading"
+
+
+# ---------------------------------------------------------------- code names in prose
+PACKAGE = ROOT / "quasar_hf"
+CODE_NAME = re.compile(r"(?<![\w.])([a-z_][a-z0-9_]*)\.(_?[A-Za-z][A-Za-z0-9_]*)")
+# Module names also used as variable names in prose (`config.max_length`): not checked.
+AMBIGUOUS = {
+    "config", "model", "models", "path", "loop", "report", "stats", "verify", "head", "data", "timing", "summary",
+    "suites", "variants", "runner", "peers", "card", "tasks", "sandbox", "loading", "generation", "demo", "parser",
+    "handlers", "cli", "prepare", "quantizer", "detect", "binding", "checks", "defaults", "attention", "drafters",
+    "strategy", "batcher", "push", "accuracy", "calibration", "smoothing", "placement", "mappings", "layer_search",
+    "fidelity", "per_layer", "humaneval", "serve",
+}  # fmt: skip
+FILE_SUFFIXES = {"py", "c", "h", "cpp", "md", "json", "def", "sh", "txt", "safetensors", "bin", "so", "jsonl", "gguf", "toml"}
+
+
+def package_modules() -> dict[str, list[str]]:
+    """Module file stem -> the dotted names of quasar_hf's modules with that stem."""
+    found: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py" and "optimum_namespace" not in path.parts:
+            found.setdefault(path.stem, []).append(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    return found
+
+
+def prose(path: Path) -> str:
+    """What a reader takes for documentation in `path`: a Markdown file whole, a Python file's comments and
+    docstrings, a C/C++ file's comments."""
+    import ast
+    import io
+    import tokenize
+
+    text = path.read_text()
+    if path.suffix == ".md":
+        return text
+    if path.suffix == ".py":
+        comments = [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT]
+        nodes = [n for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))]
+        return "\n".join(comments + [ast.get_docstring(n) or "" for n in nodes])
+    return "\n".join(re.findall(r"//[^\n]*|/\*.*?\*/", text, re.S))
+
+
+def missing_code_names(text: str, modules: dict[str, list[str]]) -> list[str]:
+    """`module.name` references in `text` (a quasar_hf module, or the package itself) whose name does not exist."""
+    import importlib
+
+    missing = []
+    for module, name in sorted(set(CODE_NAME.findall(text))):
+        if name in FILE_SUFFIXES or (module not in modules and module != "quasar_hf") or module in AMBIGUOUS:
+            continue
+        candidates = ["quasar_hf"] if module == "quasar_hf" else modules[module]
+        owners = [importlib.import_module(full) for full in candidates]
+        exists = any(hasattr(owner, name) for owner in owners) or (
+            module == "quasar_hf" and importlib.util.find_spec(f"quasar_hf.{name}") is not None
+        )
+        if not exists:
+            missing.append(f"{module}.{name}")
+    return missing
+
+
+def documented_files() -> list[Path]:
+    files = [ARCHITECTURE, *sorted(PACKAGE.rglob("*.py"))]
+    return files + sorted(p for p in (PACKAGE / "ops" / "csrc").iterdir() if p.suffix in (".c", ".cpp", ".h"))
+
+
+@pytest.mark.parametrize("path", documented_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_code_name_in_architecture_comments_and_docstrings_exists(path):
+    pytest.importorskip("triton", reason="the Triton modules import triton")
+    assert missing_code_names(prose(path), package_modules()) == []
+
+
+def test_a_code_name_that_no_longer_exists_is_caught():
+    modules = package_modules()
+    text = "cpu_fused._MIN_BYTES_PER_THREAD, backends._from_fold, reference.w8a8_linear_reference, config.json, quasar_hf.nope"
+    assert missing_code_names(text, modules) == ["backends._from_fold", "cpu_fused._MIN_BYTES_PER_THREAD", "quasar_hf.nope"]

@@ -145,7 +145,7 @@ def rms_factor_torch(x2: torch.Tensor, eps: float) -> torch.Tensor:
 def bind_folded_torch(weights: tuple, packed: object | None):
     """`folded(x, norm_scale, eps)`: W8A8(RMSNorm(x)) with the norm folded into one per-token quantization
     of x * norm_scale, each row's scale times rms_factor_torch (reference.w8a8_linear_rmsnorm_reference
-    with torch's row sum); x is one this weight takes (backends._from_fold checks it)."""
+    with torch's row sum); x is one this weight takes (the `quasar::w8a8_folded_norm_linear` op checked it)."""
     weight_q, weight_scale, bias = weights
     own = packed if isinstance(packed, TorchPackedWeight) else None
 

@@ -1,6 +1,6 @@
 // The CPU implementations of the quasar:: operators (quasar_hf/ops/native.py builds, loads and checks
-// this library; ops/torch_ops.py defines the operators, their fakes, their CUDA implementations and
-// their plain-PyTorch fallbacks). Eager modules and compiled graphs call the operators alike, and on
+// this library; ops/kernel_ops.py and ops/torch_ops.py define the operators, their fakes, their CUDA
+// implementations and their plain-PyTorch fallbacks: torch_ops.OPS is the table). Eager modules and compiled graphs call the operators alike, and on
 // CPU the dispatcher lands here, then in the build of each C kernel this CPU runs (cpu_kernels.h),
 // without Python between the kernels.
 // Each function checks what would make its C kernel read out of bounds; the fakes check the rest
@@ -29,9 +29,10 @@ Fn require(Fn fn, const char *kernel) {
     return fn;
 }
 
-constexpr int64_t kMinBytesPerThread = 32 * 1024;  // cpu_fused._MIN_BYTES_PER_THREAD
-constexpr int64_t kRowstableMinBytesPerThread = 256 * 1024;  // rowstable_linear._MIN_BYTES_PER_THREAD
-constexpr int64_t kHadamardMinRowsPerThread = 64;  // hadamard_cpu._MIN_ROWS_PER_THREAD
+// Work per thread below which a call runs on fewer threads (thread start-up would cost more than it saves).
+constexpr int64_t kMinBytesPerThread = 32 * 1024;  // W8A8 linear: packed weight bytes
+constexpr int64_t kRowstableMinBytesPerThread = 256 * 1024;  // row-stable lm_head: weight bytes
+constexpr int64_t kHadamardMinRowsPerThread = 64;  // Hadamard rotation: rows
 
 bool float_or_bf16(const at::Tensor &t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
 
@@ -50,7 +51,7 @@ at::Tensor fp32_contiguous(const at::Tensor &t) {
 
 at::Tensor inner_contiguous(const at::Tensor &t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
-int threads_for(int64_t weight_bytes) {  // cpu_fused._thread_count
+int threads_for(int64_t weight_bytes) {  // at most one thread per kMinBytesPerThread of weight
     return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), weight_bytes / kMinBytesPerThread)));
 }
 
