@@ -118,13 +118,16 @@ def run_sequence(model, batches, new_tokens: int, quasar, pad: int, repeat: bool
     return rows
 
 
-def llamacpp_sequence(binary: str, gguf: str, batches, new_tokens: int, modes: list[str], log_dir: str) -> dict:
-    """Each mode of llama-server on the same prompt ids; a call's rows are sent together (one slot each)."""
+def llamacpp_sequence(binary: str, gguf: str, batches, new_tokens: int, modes: list[str]) -> dict:
+    """Each mode of llama-server on the same prompt ids; a call's rows are sent together (one slot each).
+    Its logs go to a temporary folder (named in the output), not beside the reports."""
     import threading
 
     from benchmarks.serve.serve_clients import Prompt, ServerProcess, Wire, free_port, request_once
 
     results = {}
+    log_dir = tempfile.mkdtemp(prefix="compiled-mixed-llama-")
+    print(f"llama-server logs: {log_dir}", flush=True)
     for mode in modes:
         port = free_port()
         command = [binary, "-m", gguf, "--port", str(port), "-t", str(torch.get_num_threads()), "-np", "4", "-c", "16384"]
@@ -174,7 +177,7 @@ def mixed_main(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.quantized)
     model = AutoModelForCausalLM.from_pretrained(args.quantized)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batches = sequence(tokenizer, args.mixed_calls, args.seed)
+    batches = sequence(tokenizer, args.mixed_calls, args.seed, max_prompt=min(2000, args.max_length - args.new_tokens))
     warm = quasar_hf.warm_up(model, batch_sizes=[1, 2, 3, 4], max_length=args.max_length, progress=False)
     report["warm_up"]["this_process"] = {"seconds": round(warm.seconds, 1), "cache": warm.cache, "graphs": warm.graphs_compiled}
     before = int(counters["stats"]["unique_graphs"])
@@ -201,7 +204,7 @@ def mixed_main(args) -> dict:
     report["floor"] = {"bytes": floor_bytes(model), "read_gbps": round(gbps, 2), "ms": round(floor_bytes(model) / gbps / 1e6, 3)}
     report["decode_step_ms"] = round(decode_step_ms(model), 3)
     if args.llama_server and args.gguf:
-        report["llamacpp"] = llamacpp_sequence(args.llama_server, args.gguf, batches, args.new_tokens, args.llama_modes, args.out)
+        report["llamacpp"] = llamacpp_sequence(args.llama_server, args.gguf, batches, args.new_tokens, args.llama_modes)
     return report
 
 
