@@ -4,8 +4,9 @@ after one warm-up, beside eager `quasar=True` and llama.cpp's server on the same
     python -m benchmarks compiled-shapes --mixed --quantized SMOL --llama-server BIN --gguf SMOL_GGUF --name NAME
 
 Steps, each measured in this run:
-  1. warm-up cold and from the cache, each in a fresh process with an empty Inductor cache (the second
-     with the compile-cache bundle the first saved): `quasar_hf.warm_up(model, batch_sizes=1..4)`;
+  1. warm-up, each in a fresh process: cold (empty Inductor cache, no bundle), a second start (the
+     bundle and Inductor cache the first left), and from the bundle alone (empty Inductor cache):
+     `quasar_hf.warm_up(model, batch_sizes=1..4)`;
   2. in this process, warm-up from the cache, then the sequence (--calls calls: batch 1-4, prompt
      lengths 5-2000 tokens, shuffled with --seed), each call twice (the first against its repeat), and
      Dynamo's graph count before and after (0 new graphs is the target);
@@ -40,21 +41,22 @@ print("WARMUP " + json.dumps({"seconds": round(report.seconds, 1), "cache": repo
 
 
 def warm_up_in_fresh_processes(checkpoint: str, max_length: int) -> dict:
-    """Warm-up seconds cold (empty Inductor cache, no bundle) and from the bundle the cold run saved."""
+    """Warm-up seconds, each in a fresh process: cold (empty Inductor cache, no bundle); restart (the bundle
+    and the Inductor cache the cold run left: a second start on this machine); from_cache (the bundle with an
+    empty Inductor cache: after the temporary folder was cleaned)."""
     results = {}
-    with tempfile.TemporaryDirectory() as bundles:
-        for label in ("cold", "from_cache"):
-            with tempfile.TemporaryDirectory() as inductor:
-                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor, "QUASAR_HF_CACHE": bundles}
-                out = subprocess.run(
-                    [sys.executable, "-c", WARM_UP, checkpoint, str(max_length)],
-                    capture_output=True,
-                    text=True,
-                    env=env,
-                    timeout=3600,
-                )
-                line = next((x for x in out.stdout.splitlines() if x.startswith("WARMUP ")), None)
-                results[label] = json.loads(line[7:]) if line else {"error": out.stderr[-500:]}
+    with tempfile.TemporaryDirectory() as bundles, tempfile.TemporaryDirectory() as kept, tempfile.TemporaryDirectory() as empty:
+        for label, inductor in (("cold", kept), ("restart", kept), ("from_cache", empty)):
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor, "QUASAR_HF_CACHE": bundles}
+            out = subprocess.run(
+                [sys.executable, "-c", WARM_UP, checkpoint, str(max_length)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=3600,
+            )
+            line = next((x for x in out.stdout.splitlines() if x.startswith("WARMUP ")), None)
+            results[label] = json.loads(line[7:]) if line else {"error": out.stderr[-500:]}
             print(f"warm-up {label}: {results[label]}", flush=True)
     return results
 
@@ -237,8 +239,9 @@ def mixed_markdown(report: dict, command: str) -> str:
         "",
         f"`{command}`",
         "",
-        f"Checkpoint `{report['checkpoint']}`. Warm-up (batch sizes 1-4, up to 4096 tokens): cold {w['cold'].get('seconds')} s, "
-        f"from the cache {w['from_cache'].get('seconds')} s (fresh processes, empty Inductor cache), in this process "
+        f"Checkpoint `{report['checkpoint']}`. Warm-up (batch sizes 1-4, up to 4096 tokens): cold {w['cold'].get('seconds')} s; "
+        f"a second start (bundle and Inductor cache) {w['restart'].get('seconds')} s; from the bundle alone (empty Inductor "
+        f"cache) {w['from_cache'].get('seconds')} s (each a fresh process); in this process "
         f"{w['this_process']['seconds']} s. Graphs traced after warm-up: {s['graphs_after_warm_up']}. Worst call against its "
         f"repeat: {s['worst_first_over_repeat']}x. Compiled `quasar=True` equals compiled plain on every call: {s['all_equal']}.",
         "",
