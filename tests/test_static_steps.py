@@ -183,17 +183,19 @@ def test_a_reused_cache_gives_the_logits_of_a_fresh_one():
 @needs_kernels
 def test_a_left_padded_long_prefill_into_a_static_cache_gives_each_row_its_own_logits(tmp_path):
     """A batch's prompt past the kernel's rows, left-padded, into an empty static cache: each row's last
-    logits are those of the prompt alone (the cache's unwritten slots are left out, each row runs SDPA on
-    its own tokens)."""
+    logits are those of the prompt alone, in a one-row static cache (what a served request meets alone)
+    and in a dynamic cache: the cache's unwritten slots are left out, each row runs SDPA on its own tokens."""
     model = quasar_model(tmp_path, "llama", torch.float32)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 96, (1, n), generator=generator) for n in (100, 80)]
     ids, mask = left_padded(prompts)
+    slots = static_cache_slots(120)
     with torch.no_grad():
-        cache = StaticVerifierCache(model, 2, torch.device("cpu"), static_cache_slots(120))
-        batched = cache.forward(ids, mask, last_only=True)[:, -1]  # [2, V]
+        batched = StaticVerifierCache(model, 2, torch.device("cpu"), slots).forward(ids, mask, last_only=True)[:, -1]
         for row, prompt in enumerate(prompts):
-            assert torch.equal(batched[row], model(prompt).logits[0, -1].float()), f"row {row}"
+            alone = StaticVerifierCache(model, 1, torch.device("cpu"), slots).forward(prompt, last_only=True)[0, -1]
+            assert torch.equal(batched[row], alone), f"row {row} against its prompt alone in a static cache"
+            assert torch.equal(alone, model(prompt).logits[0, -1].float()), f"row {row} against a dynamic cache"
 
 
 @needs_kernels

@@ -149,10 +149,13 @@ def _left_padding(query, key, attention_mask, kwargs) -> list[int] | None:
     return pads if any(pads) and max(pads) < key.shape[2] else None
 
 
-def _fresh_static_prefill(attention_mask, q_len: int, kv_len: int) -> bool:
+def _fresh_static_prefill(attention_mask, q_len: int, kv_len: int, sliding_window: int | None = None) -> bool:
     """A long prefill into an empty static cache: no row sees a key past the first `q_len` slots (the prompt's).
-    It then runs as a prefill over its own keys (SDPA), not over the cache's unwritten slots."""
-    if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
+    It then runs as a prefill over its own keys (SDPA), not over the cache's unwritten slots, whether one
+    row (no mask: causal from the first slot, which sees nothing past `q_len` either) or a left-padded batch."""
+    if attention_mask is None:
+        return sliding_window is None  # a window without a mask is applied by the kernel, over the slots
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
         return False
     return attention_mask.shape[-1] >= kv_len and not bool(attention_mask[..., q_len:kv_len].any())
 
@@ -175,8 +178,11 @@ def rowstable_attention_forward(
     row on its own tokens for a left-padded batch's long prefill, as it runs alone)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if q_len > LONG_PREFILL_ROWS and kv_len > q_len and not torch.compiler.is_compiling():
-        if _fresh_static_prefill(attention_mask, q_len, kv_len):  # an empty static cache: its unwritten slots go
-            key, value, attention_mask = key[:, :, :q_len], value[:, :, :q_len], attention_mask[..., :q_len]
+        if _fresh_static_prefill(
+            attention_mask, q_len, kv_len, kwargs.get("sliding_window")
+        ):  # an empty static cache: its unwritten slots go
+            key, value = key[:, :, :q_len], value[:, :, :q_len]
+            attention_mask = None if attention_mask is None else attention_mask[..., :q_len]
             kv_len = q_len
     if q_len == kv_len and q_len > LONG_PREFILL_ROWS and not torch.compiler.is_compiling():
         pads = _left_padding(query, key, attention_mask, kwargs)
