@@ -80,6 +80,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "benchmarks.serve.serve_load:main",
         "quasar-hf serve (Quasar on and off), transformers serve (BF16) and llama-server under 1-8 concurrent clients",
     ),
+    "serve-profile": (
+        "benchmarks.serve.serve_profile:main",
+        "where one client's time goes: the serve-load prompts offline per mode, prefill / draft / forwards / loop",
+    ),
     "vllm-check": (
         "benchmarks.serve.vllm_check:main",
         "serve the compressed-tensors export in vLLM and compare its greedy output",

@@ -10,8 +10,10 @@ import pytest
 pytest.importorskip("fastapi", reason="serving needs transformers[serving]")
 
 
-def test_serve_load_runs_our_server_and_transformers_serve_and_reports_every_level(tmp_path):
+def test_serve_load_runs_our_server_and_transformers_serve_and_reports_every_level(tmp_path, monkeypatch):
     from benchmarks.serve import serve_load
+
+    monkeypatch.setenv("QUASAR_HF_CACHE", str(tmp_path / "cache"))  # the servers' children inherit it
 
     argv = ["--tiny", "--servers", "quasar,bf16,llamacpp", "--levels", "1,2", "--requests", "4", "--max-tokens", "12"]
     paths = serve_load.main([*argv, "--out", str(tmp_path)])
@@ -26,3 +28,21 @@ def test_serve_load_runs_our_server_and_transformers_serve_and_reports_every_lev
         assert servers[name]["peak_rss_mb"] > 0
     assert "skipped" in servers["llamacpp"] and "environment" in report
     assert "| quasar | 2 |" in open(paths[1]).read()
+    assert not (tmp_path / "cache" / "served").exists(), "the tiny checkpoint is quantized in --out, not cached"
+
+
+def test_serve_profile_splits_each_modes_time_and_reads_the_served_rows(tmp_path):
+    from benchmarks.serve import serve_load, serve_profile
+
+    _, checkpoint = serve_load.tiny_checkpoints(tmp_path)
+    served = {"models": {checkpoint: {"servers": {"quasar": {"levels": {"1": {"tokens_per_s": 12.5}}}}}}}
+    (tmp_path / "load.json").write_text(json.dumps(served))
+    argv = ["--model", checkpoint, "--requests", "3", "--max-tokens", "8", "--modes", "eager-plain,eager-auto,eager-ngram"]
+    paths = serve_profile.main([*argv, "--serve-load", str(tmp_path / "load.json"), "--out", str(tmp_path), "--name", "p"])
+    report = json.loads(open(paths[0]).read())
+    assert set(report["modes"]) == {"eager-plain", "eager-auto", "eager-ngram"} and report["floor"]["ms"] > 0
+    assert report["modes"]["eager-plain"]["tokens"] == 3 * 8 and "forwards_per_token" not in report["modes"]["eager-plain"]
+    ngram = report["modes"]["eager-ngram"]
+    shares = ngram["prefill_share"] + ngram["draft_share"] + ngram["forward_share"] + ngram["loop_share"]
+    assert abs(shares - 1) < 0.01 and 0 < ngram["forwards_per_token"] <= 1
+    assert "| 12.500 |" in open(paths[1]).read()  # the served row beside its mode (3 decimals)

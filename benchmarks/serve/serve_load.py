@@ -188,8 +188,8 @@ def measure_model(args, alias: str, gguf: str | None, out: Path) -> dict:
     from quasar_hf.commands.loading import resolve_model
     from quasar_hf.commands.serve import servable_checkpoint
 
-    base = tiny_base(out) if alias == "tiny" else resolve_model(alias)
-    checkpoint = servable_checkpoint(base)
+    base, checkpoint = tiny_checkpoints(out) if alias == "tiny" else (resolve_model(alias), None)
+    checkpoint = checkpoint or servable_checkpoint(base)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     prompts = interleaved_prompts(tokenizer, args.requests)
@@ -234,13 +234,19 @@ def measure_model(args, alias: str, gguf: str | None, out: Path) -> dict:
     return report
 
 
-def tiny_base(out: Path) -> str:
-    from tests.test_hub_support import make_tiny_checkpoint
+def tiny_checkpoints(out: Path) -> tuple[str, str]:
+    """A tiny float checkpoint and its Quasar quantization, both in `out` (nothing in the user's cache)."""
+    from tests.test_hub_support import make_tiny_checkpoint, quantize_tiny
 
-    folder = out / "tiny-base"
-    if not (folder / "config.json").is_file():
-        make_tiny_checkpoint(folder)
-    return str(folder)
+    base, quantized = out / "tiny-base", out / "tiny-quasar"
+    if not (base / "config.json").is_file():
+        make_tiny_checkpoint(base)
+    if not (quantized / "config.json").is_file():
+        from transformers import AutoTokenizer
+
+        quantize_tiny(str(base)).save_pretrained(quantized)
+        AutoTokenizer.from_pretrained(base).save_pretrained(quantized)
+    return str(base), str(quantized)
 
 
 def to_markdown(result: dict) -> str:

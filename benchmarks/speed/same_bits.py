@@ -8,7 +8,7 @@ tree's default compile config). The driver compares the records tensor by tensor
 kernels' call paths must leave all identical; `quasar=True` must equal plain greedy in each tree,
 eager and compiled.
 
-    python -m benchmarks same-bits --a /path/to/before --b . --quantized DIR [DIR ...] [--compiled] --out benchmarks/NAME.json
+    python -m benchmarks same-bits --a /path/to/before --b . --quantized DIR [DIR ...] [--compiled] --out benchmarks/reports/same-bits/NAME.json
 """
 
 from __future__ import annotations
