@@ -6,12 +6,8 @@ responses equal offline generate. Each test module starts its own server and sto
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,6 +17,8 @@ import torch
 from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.serve.serve_clients import ServerProcess, free_port
+
 openai = pytest.importorskip("openai", reason="the server tests use the openai client (transformers[serving])")
 pytest.importorskip("fastapi", reason="serving needs transformers[serving]")
 pytest.importorskip("uvicorn", reason="serving needs transformers[serving]")
@@ -28,34 +26,15 @@ pytest.importorskip("uvicorn", reason="serving needs transformers[serving]")
 MESSAGES = [[{"role": "user", "content": text}] for text in ("abcabcabc abcabc", "hello hello hello", "the cat sat, the cat")]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """A server process on 127.0.0.1: started, waited for, stopped."""
+class Server(ServerProcess):
+    """A server process on 127.0.0.1 (the benchmark's: started, waited for, stopped), with the client's URL."""
 
     def __init__(self, command: list[str], port: int, log: Path) -> None:
-        self.port, self.log = port, log
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited: {log.read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                return
-            except (urllib.error.URLError, ConnectionError, OSError):
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"the server did not start: {log.read_text()[-3000:]}")
+        super().__init__(command, port, log, timeout_s=240)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"{self.base}/v1"
 
     def client(self):
         return openai.OpenAI(base_url=self.url, api_key="none", max_retries=0, timeout=120)
@@ -67,14 +46,6 @@ class Server:
                 return response.status, json.loads(response.read())
         except urllib.error.HTTPError as error:
             return error.code, json.loads(error.read())
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(30)
 
 
 @pytest.fixture(scope="module")

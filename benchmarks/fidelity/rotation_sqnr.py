@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks import reports_dir
 from benchmarks.fidelity.variants import resolve_model
-from quasar_hf.bench.report import environment
+from quasar_hf.bench.report import environment, write_json_and_markdown
 from quasar_hf.ops.hadamard import HadamardRotation, rotate_rows_reference
 from quasar_hf.ops.reference import quantize_per_token
 from quasar_hf.smoothquant.builtin_text import python_docs_texts
@@ -152,12 +152,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         "runs": [measure(m, args.blocks, args.seq_len) for m in args.model],
         "environment": environment(),
     }
-    paths = [os.path.join(args.out, f"{args.name}.{ext}") for ext in ("json", "md")]
-    with open(paths[0], "w") as fh:
-        json.dump(report, fh, indent=1)
-    with open(paths[1], "w") as fh:
-        fh.write(to_markdown(report))
-    return paths
+    return write_json_and_markdown(report, args.out, args.name, to_markdown)
 
 
 if __name__ == "__main__":

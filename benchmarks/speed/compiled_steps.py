@@ -36,6 +36,7 @@ from benchmarks import reports_dir
 from benchmarks.speed.op_overhead import markdown as op_overhead_markdown
 from benchmarks.speed.op_overhead import op_overhead
 from quasar_hf import compat
+from quasar_hf.bench.report import write_json_and_markdown
 from quasar_hf.detect import plain_decoding
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.speculative.config import DEFAULT_NUM_DRAFT_TOKENS
@@ -382,10 +383,4 @@ def main(argv: list[str] | None = None) -> list[str]:
         "op_overhead": overhead,
         "end_to_end": e2e,
     }
-    os.makedirs(args.out, exist_ok=True)
-    paths = [os.path.join(args.out, f"{args.name}.{ext}") for ext in ("json", "md")]
-    with open(paths[0], "w") as fh:
-        json.dump(result, fh, indent=1)
-    with open(paths[1], "w") as fh:
-        fh.write(markdown(result))
-    return paths
+    return write_json_and_markdown(result, args.out, args.name, markdown)
