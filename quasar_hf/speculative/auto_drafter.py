@@ -10,9 +10,18 @@ is preferred, the n-gram drafts it displaced are scored against the tokens the v
 (free, and exact for greedy), so the n-gram estimate stays current. Tokens are still decided by
 the verifier alone.
 
+Then the step gate (step_gate.py) prices the batch: one row's draft widens every row's step, so it
+verifies the drafts at the width with the most expected tokens per measured second, truncating
+longer drafts, or none (a plain step) when no width beats plain decoding; drafts it withholds are
+scored like displaced ones.
+
+Sampling draws random numbers per drafted token, so there no decision depends on a clock (no
+pauses, no gate, heuristic lengths): a seeded call then draws the same tokens on every run.
+
 drafter_kwargs for "auto": model_drafter = registry name of the model drafter ("self_reduced",
 "self", or "none"; default: the first of those the model supports), ngram = False to leave
-n-gram drafts out (adaptive self-drafting alone), policy = dict of AdaptivePolicy options.
+n-gram drafts out (adaptive self-drafting alone), policy = dict of AdaptivePolicy options, gate =
+False to verify every draft whole (or a dict of StepGate options).
 
 Calibration informs the model drafter: its policy starts from the draft path's measured top-1
 agreement and best draft length, and decides after one probe step (pausing 16 steps at first,
@@ -33,6 +42,7 @@ import torch
 
 from .adaptive import AdaptivePolicy, empty_draft
 from .drafters import DRAFTER_FACTORIES, Draft, Drafter, DraftSetup, NgramDrafter
+from .step_gate import StepGate
 
 MODEL_DRAFTER_PREFERENCE = ("self_reduced", "self")
 # N-gram drafts cost nothing to make, only their verification, and they are right in bursts (the
@@ -53,6 +63,7 @@ class AutoDrafter:
         num_draft_tokens: int = 5,
         policy: dict | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        gate: StepGate | None = None,
     ) -> None:
         if ngram is None and model_drafter is None:
             raise ValueError("drafter='auto' needs at least one source: n-gram drafts or a model drafter.")
@@ -63,17 +74,22 @@ class AutoDrafter:
         ngram_options = NGRAM_POLICY | {"min_tokens": options["max_tokens"]} | options
         self.ngram_policy = AdaptivePolicy(**ngram_options)
         self.model_policy = AdaptivePolicy(**_with_prior(options, getattr(model_drafter, "calibration_prediction", None)))
+        self.gate = gate if gate is not None else StepGate()  # how much of the batch's drafts a step verifies
         self.model_left_out: str | None = None  # why auto_factory left the model's draft path out
         self.clock = clock
         self.setup: DraftSetup | None = None
         self.device = torch.device("cpu")
         self._step: dict | None = None
-        self._shadows: dict[int, tuple[int, torch.Tensor]] = {}  # row -> (its length, n-gram draft not sent)
+        self._shadows: dict[int, tuple[int, torch.Tensor, str]] = {}  # row -> (its length, draft not sent, source)
         self.steps_by_source = {"ngram": 0, "model": 0, "none": 0}  # row-steps, for stats and benchmarks
         self.tokens_by_source = {"ngram": 0, "model": 0}  # drafted tokens
 
     def start(self, prompts: list[torch.Tensor], setup: DraftSetup) -> None:
         self.setup, self.device = setup, setup.device
+        if setup.do_sample:  # no decision from a clock: a seeded call draws the same tokens every run
+            self.gate.min_gain = 0.0
+            for policy in (self.ngram_policy, self.model_policy):
+                policy.min_gain, policy.length_rule = 0.0, "heuristic"
         if self.ngram is not None:
             self.ngram.start(prompts, setup)
         if self.model_drafter is not None:
@@ -108,9 +124,10 @@ class AutoDrafter:
                     rows[b], source[b] = model_draft.tokens[b, :n], "model"
         for b in range(batch):  # n-gram drafts not sent: scored against what the verifier emits instead
             if found[b] is not None and source[b] == "model":
-                self._shadows[b] = (sequences[b].shape[0], found[b])
+                self._shadows.setdefault(b, (sequences[b].shape[0], found[b], "ngram"))
             elif found[b] is not None and source[b] == "none":
                 rows[b], source[b] = found[b], "ngram"
+        self._gate(sequences, rows, source)
         ended = self.clock()
         for s, r in zip(source, rows):
             self.steps_by_source[s] += 1
@@ -126,6 +143,18 @@ class AutoDrafter:
             "end": ended,
         }
         return draft
+
+    def _gate(self, sequences: list[torch.Tensor], rows: list[torch.Tensor | None], source: list[str]) -> None:
+        """Cut every draft to the width the step gate picks (step_gate.py); drafts withheld whole are scored
+        against the tokens the verifier emits instead, so their source's acceptance stays current."""
+        lengths = [0 if r is None else r.numel() for r in rows]
+        width = self.gate.width(lengths, source)
+        for b, n in enumerate(lengths):
+            if n > width and width > 0:
+                rows[b] = rows[b][:width]
+            elif n > width:
+                self._shadows.setdefault(b, (sequences[b].shape[0], rows[b], source[b]))
+                rows[b], source[b] = None, "none"
 
     def _combine(self, rows: list[torch.Tensor | None], source: list[str], model_draft: Draft | None) -> Draft:
         """Right-padded tokens; probabilities (sampling only) = the model's q, one-hot for n-gram rows."""
@@ -158,6 +187,7 @@ class AutoDrafter:
         verify_s = self.clock() - step["end"]
         accepted = num_accepted.tolist()
         source, lengths = step["source"], step["lengths"]
+        self.gate.record(len(source), max(lengths, default=0), verify_s)
         if step["model_called"]:
             # Rows that used n-gram drafts (or none) accept none of the model's own drafts: roll them all back.
             from_model = torch.tensor([s == "model" for s in source], device=num_accepted.device)
@@ -168,6 +198,7 @@ class AutoDrafter:
         ):
             picked = [b for b, s in enumerate(source) if s == name]
             if picked:
+                self.gate.observe(name, [lengths[b] for b in picked], [accepted[b] for b in picked])
                 policy.record([lengths[b] for b in picked], [accepted[b] for b in picked], seconds, verify_s)
             elif all(s == "none" for s in source):
                 policy.record([0] * len(source), [0] * len(source), 0.0, verify_s)  # a plain step: its cost is the baseline
@@ -175,19 +206,23 @@ class AutoDrafter:
                 policy.skip_step()  # the other source drafted: a pause still runs down
 
     def _score_shadows(self, sequences: list[torch.Tensor]) -> None:
-        """Acceptance the unsent n-gram drafts would have had (prefix equal to the tokens emitted since):
-        keeps the n-gram estimate current while the model drafter is preferred. Exact for greedy."""
+        """Acceptance the unsent drafts would have had, scored against the tokens emitted since: keeps each
+        source's estimate current while the other is preferred or the step gate withholds it. A draft is
+        scored once it is decided (a token disagrees, or all of it was emitted), as if verified. Exact for greedy."""
         shadows, self._shadows = self._shadows, {}
-        drafted, accepted = [], []
-        for b, (length, tokens) in shadows.items():
+        scored: dict[str, tuple[list[int], list[int]]] = {"ngram": ([], []), "model": ([], [])}
+        for b, (length, tokens, name) in shadows.items():
             emitted = sequences[b][length : length + tokens.numel()]
-            n = min(emitted.numel(), tokens.numel())
-            if n == 0:
+            agree = int((emitted == tokens[: emitted.numel()]).long().cumprod(0).sum())
+            if agree == emitted.numel() < tokens.numel():  # every token so far agrees: the rest is not known yet
+                self._shadows[b] = (length, tokens, name)
                 continue
-            drafted.append(n)  # all n agreeing = n successes, no failure seen (the rest is unknown)
-            accepted.append(int((emitted[:n] == tokens[:n]).long().cumprod(0).sum()))
-        if drafted:
-            self.ngram_policy.observe_acceptance(drafted, accepted)
+            scored[name][0].append(tokens.numel())
+            scored[name][1].append(agree)
+        for name, policy in (("ngram", self.ngram_policy), ("model", self.model_policy)):
+            if scored[name][0]:
+                policy.observe_acceptance(*scored[name])
+                self.gate.observe(name, *scored[name])
 
     def select_rows(self, rows: torch.Tensor) -> None:
         kept = rows.tolist()
@@ -205,6 +240,7 @@ class AutoDrafter:
             "tokens_by_source": dict(self.tokens_by_source),
             "ngram": self.ngram_policy.to_dict(),
             "model": self.model_policy.to_dict(),
+            "gate": self.gate.to_dict(),
         }
 
 
@@ -259,12 +295,29 @@ def _model_drafter(verifier: torch.nn.Module, config, name: str | None) -> Draft
     return None
 
 
+def _step_gate(kwargs: dict) -> StepGate:
+    """drafter_kwargs "gate": True (default), False (every draft verified whole), or a dict of StepGate options."""
+    option = kwargs.get("gate", True)
+    if option is True:
+        return StepGate()
+    if option is False:
+        return StepGate(min_gain=0.0)
+    if isinstance(option, dict):
+        unknown = sorted(set(option) - {"min_gain", "decay"})
+        if unknown:
+            raise ValueError(f"drafter_kwargs['gate'] got unknown options {unknown}; valid: min_gain, decay.")
+        return StepGate(**option)
+    raise ValueError(f"drafter_kwargs['gate'] must be True, False or a dict of min_gain/decay, got {option!r}.")
+
+
 def auto_factory(verifier: torch.nn.Module, config) -> Drafter:
     """Registry entry for drafter="auto" (see the module docstring for drafter_kwargs)."""
     kwargs = dict(config.drafter_kwargs)
-    unknown = sorted(set(kwargs) - {"model_drafter", "ngram", "policy"})
+    unknown = sorted(set(kwargs) - {"model_drafter", "ngram", "policy", "gate"})
     if unknown:
-        raise ValueError(f"drafter='auto' got unknown drafter_kwargs {unknown}; valid: model_drafter, ngram, policy.")
+        raise ValueError(f"drafter='auto' got unknown drafter_kwargs {unknown}; valid: model_drafter, ngram, policy, gate.")
+    if config.num_draft_tokens == 0:  # plain decoding through the loop: nothing drafts
+        return NgramDrafter(0, config.max_ngram_size, config.min_ngram_size)
     use_ngram = kwargs.get("ngram", True)
     ngram = NgramDrafter(config.num_draft_tokens, config.max_ngram_size, config.min_ngram_size) if use_ngram else None
     model_drafter = _model_drafter(verifier, config, kwargs.get("model_drafter"))
@@ -276,7 +329,7 @@ def auto_factory(verifier: torch.nn.Module, config) -> Drafter:
             f"calibration predicts {prior['predicted_speedup']}x for the draft path (top-1 agreement {prior['acceptance']})"
         )
         model_drafter = None
-    drafter = AutoDrafter(ngram, model_drafter, config.num_draft_tokens, kwargs.get("policy"))
+    drafter = AutoDrafter(ngram, model_drafter, config.num_draft_tokens, kwargs.get("policy"), gate=_step_gate(kwargs))
     drafter.model_left_out = left_out
     return drafter
 
