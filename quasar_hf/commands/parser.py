@@ -24,7 +24,7 @@ from quasar_hf.commands.handlers import (
 )
 from quasar_hf.commands.loading import DTYPES, UsageError
 
-DRAFTERS = ("ngram", "assistant", "self")
+DRAFTERS = ("auto", "ngram", "assistant", "self")
 OVERWRITE_HELP = "write into a non-empty --out folder that holds something else (never the input folder)"
 
 
@@ -125,7 +125,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     generate = command("generate", cmd_generate, "Generate text with Quasar speculative decoding")
     generate.add_argument("model", help=model_help)
     generate.add_argument("--prompt", required=True, help="the user message (chat template applied when the tokenizer has one)")
-    generate.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="draft source (default ngram prompt lookup)")
+    generate.add_argument(
+        "--drafter",
+        choices=DRAFTERS,
+        default="auto",
+        help="draft source: auto (default: n-gram drafts verified as far as they pay), ngram (always verified whole)",
+    )
     generate.add_argument("--assistant", help="draft model for --drafter assistant")
     generate.add_argument("--num-draft-tokens", type=positive_int, default=5, help="tokens drafted per step (default 5)")
     generate.add_argument("--max-new-tokens", type=positive_int, default=128)

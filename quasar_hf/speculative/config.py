@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+DEFAULT_DRAFTER = "auto"  # n-gram drafts (the Quasar authors' drafter) under the step gate, plus the draft path where it pays
 DEFAULT_NUM_DRAFT_TOKENS = 5  # the Quasar authors' setting (n-gram drafter, 5 speculative tokens)
 DRAFTER_METHODS = ("start", "propose", "on_accept", "select_rows")  # the Drafter interface (drafters.py)
 CACHE_IMPLEMENTATIONS = ("dynamic", "static")
@@ -15,7 +16,10 @@ RENAMED_OPTIONS = {"shape_stable_attention": "rowstable_attention"}  # old name 
 class QuasarGenerationConfig:
     """Settings of the speculative loop (everything else comes from the GenerationConfig).
 
-    drafter: registry name ("ngram", "assistant", "self") or a ready Drafter object.
+    drafter: registry name ("auto", "ngram", "assistant", "self", "self_reduced") or a ready Drafter
+        object. "auto" (default): n-gram drafts, and the model's draft path where calibration predicts
+        it pays, each paused while it does not, verified at the width the step gate picks from measured
+        step costs (speculative/step_gate.py); "ngram": every n-gram draft verified whole.
     num_draft_tokens: tokens proposed per verify step (upper bound; the loop never drafts past
         max_new_tokens).
     max_ngram_size / min_ngram_size: n-gram sizes tried by the prompt-lookup drafter, longest first.
@@ -44,7 +48,7 @@ class QuasarGenerationConfig:
         (speculative/compiled_steps.py).
     """
 
-    drafter: Any = "ngram"
+    drafter: Any = DEFAULT_DRAFTER
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     max_ngram_size: int = 3
     min_ngram_size: int = 1
@@ -70,7 +74,7 @@ class QuasarGenerationConfig:
             raise TypeError(f"compile takes True, False or a transformers.CompileConfig, got {self.compile!r}.")
         if self.compile:
             self.cache_implementation = "static"  # compiled steps need fixed shapes and cache addresses
-        if self.assistant_model is not None and self.drafter == "ngram":
+        if self.assistant_model is not None and self.drafter in (DEFAULT_DRAFTER, "ngram"):
             self.drafter = "assistant"
         _check_drafter(self.drafter)
 
