@@ -11,7 +11,7 @@ Steps, each measured in this run:
      lengths 5-2000 tokens, shuffled with --seed), each call twice (the first against its repeat), and
      Dynamo's graph count before and after (0 new graphs is the target);
   3. the same sequence with compiled plain decoding (`num_draft_tokens=0`): equal tokens per row;
-  4. the same sequence with eager `quasar=True`: tokens/s against compiled;
+  4. the same sequence with eager `quasar=True` and eager plain decoding: tokens/s against compiled;
   5. with --llama-server, each of its n-gram modes on the same prompt ids (a call's rows sent together).
 The compiled decode step's time is reported against its bytes floor (int8 weights + lm_head bytes
 over the read bandwidth measured here).
@@ -187,12 +187,16 @@ def mixed_main(args) -> dict:
     report["graphs_after_warm_up"] = int(counters["stats"]["unique_graphs"]) - before
     plain = run_sequence(model, batches, args.new_tokens, {"compile": True, "num_draft_tokens": 0}, pad, repeat=False)
     eager = run_sequence(model, batches, args.new_tokens, True, pad, repeat=False)
+    eager_plain = run_sequence(model, batches, args.new_tokens, {"num_draft_tokens": 0}, pad, repeat=False)
     for row, other in zip(compiled, plain):
         row["equal_to_compiled_plain"] = row.pop("outputs") == other.pop("outputs")
-    for row in eager:
-        row.pop("outputs")
+    for row, other in zip(eager, eager_plain):
+        row["equal_to_eager_plain"] = row.pop("outputs") == other.pop("outputs")
     tokens = sum(r["tokens"] for r in compiled)
-    report["calls"] = [{**c, "eager_s": e["first_s"], "plain_s": p["first_s"]} for c, e, p in zip(compiled, eager, plain)]
+    report["calls"] = [
+        {**c, "eager_s": e["first_s"], "plain_s": p["first_s"], "eager_plain_s": ep["first_s"]}
+        for c, e, p, ep in zip(compiled, eager, plain, eager_plain)
+    ]
     report["summary"] = {
         "calls": len(compiled),
         "graphs_after_warm_up": report["graphs_after_warm_up"],
@@ -200,7 +204,10 @@ def mixed_main(args) -> dict:
         "compiled_tokens_per_s": round(tokens / sum(r["first_s"] for r in compiled), 2),
         "compiled_plain_tokens_per_s": round(tokens / sum(r["first_s"] for r in plain), 2),
         "eager_tokens_per_s": round(tokens / sum(r["first_s"] for r in eager), 2),
+        "eager_plain_tokens_per_s": round(tokens / sum(r["first_s"] for r in eager_plain), 2),
         "all_equal": all(r["equal_to_compiled_plain"] for r in compiled),
+        "eager_all_equal": all(r["equal_to_eager_plain"] for r in eager),
+        "drafter": quasar_hf.QuasarGenerationConfig().drafter,
     }
     gbps = measure_read_bandwidth(torch.device("cpu"))
     report["floor"] = {"bytes": floor_bytes(model), "read_gbps": round(gbps, 2), "ms": round(floor_bytes(model) / gbps / 1e6, 3)}
@@ -243,7 +250,8 @@ def mixed_markdown(report: dict, command: str) -> str:
         f"a second start (bundle and Inductor cache) {w['restart'].get('seconds')} s; from the bundle alone (empty Inductor "
         f"cache) {w['from_cache'].get('seconds')} s (each a fresh process); in this process "
         f"{w['this_process']['seconds']} s. Graphs traced after warm-up: {s['graphs_after_warm_up']}. Worst call against its "
-        f"repeat: {s['worst_first_over_repeat']}x. Compiled `quasar=True` equals compiled plain on every call: {s['all_equal']}.",
+        f"repeat: {s['worst_first_over_repeat']}x. Compiled `quasar=True` equals compiled plain on every call: {s['all_equal']}; "
+        f"eager `quasar=True` equals eager plain on every call: {s.get('eager_all_equal')}. Drafter: {s.get('drafter', 'ngram')}.",
         "",
         f"Decode step (compiled, 1 row): {report['decode_step_ms']} ms against a {report['floor']['ms']} ms bytes floor "
         f"({report['floor']['bytes'] / 1e6:.1f} MB at {report['floor']['read_gbps']} GB/s), "
@@ -254,14 +262,18 @@ def mixed_markdown(report: dict, command: str) -> str:
         f"| compiled `quasar=True` | {s['compiled_tokens_per_s']} |",
         f"| compiled plain | {s['compiled_plain_tokens_per_s']} |",
         f"| eager `quasar=True` | {s['eager_tokens_per_s']} |",
+        f"| eager plain | {s.get('eager_plain_tokens_per_s', '-')} |",
     ]
     for mode, row in (report.get("llamacpp") or {}).items():
         lines.append(f"| llama-server {mode} | {row['tokens_per_s']} |")
-    lines += ["", "| batch | prompt tokens | compiled first s | repeat s | first / repeat | compiled plain s | eager s | equal |"]
-    lines.append("|---|---|---|---|---|---|---|---|")
+    lines += [
+        "",
+        "| batch | prompt tokens | compiled first s | repeat s | first / repeat | compiled plain s | eager s | eager plain s | equal |",
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|---|")
     for r in report["calls"]:
         lines.append(
             f"| {r['batch']} | {max(r['prompt_tokens'])} | {r['first_s']} | {r['repeat_s']} | {r['first_s'] / r['repeat_s']:.2f} | "
-            f"{r['plain_s']} | {r['eager_s']} | {'yes' if r['equal_to_compiled_plain'] else 'NO'} |"
+            f"{r['plain_s']} | {r['eager_s']} | {r.get('eager_plain_s', '-')} | {'yes' if r['equal_to_compiled_plain'] else 'NO'} |"
         )
     return "\n".join(lines) + "\n"
