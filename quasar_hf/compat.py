@@ -8,6 +8,7 @@ private Transformers name. Supported: Transformers 5.17 - 5.24.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import functools
@@ -174,6 +175,26 @@ def set_generation_field(config: Any, name: str, value: Any) -> None:
     marked as a generation config of its own."""
     setattr(config, name, value)
     config._from_model_config = False
+
+
+def static_cache_filled(cache: Any) -> bool:
+    """Whether every layer of a StaticCache has allocated its tensors (they are allocated at the first write)."""
+    return all(getattr(layer, "is_initialized", False) for layer in cache.layers)
+
+
+@contextlib.contextmanager
+def static_cache_first_rows(cache: Any, rows: int) -> Iterator[None]:
+    """Within the block the StaticCache's filled layers hold only their first `rows` rows: views of the same
+    storage (the batch is the outermost dimension), so a forward of `rows` rows writes those rows in place."""
+    layers = [layer for layer in cache.layers if getattr(layer, "is_initialized", False)]
+    kept = [(layer.keys, layer.values) for layer in layers]
+    for layer, (keys, values) in zip(layers, kept):
+        layer.keys, layer.values = keys[:rows], values[:rows]
+    try:
+        yield
+    finally:
+        for layer, (keys, values) in zip(layers, kept):
+            layer.keys, layer.values = keys, values
 
 
 def clear_static_cache(cache: Any, written: int) -> None:

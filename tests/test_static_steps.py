@@ -407,3 +407,35 @@ def test_a_compiled_step_never_changes_the_callers_dynamo_settings(tmp_path):
     torch._dynamo.reset()
     assert seen_inside == [True] and seen_outside == [False]
     assert not torch._dynamo.config.use_recursive_dict_tags_for_guards
+
+
+@needs_kernels
+def test_rows_that_pad_a_batch_take_no_prefill_and_rows_keep_their_bits(tmp_path):
+    """3 prompts in a 4-row static cache (a compiled step's bucket): the prefill runs the 3 real rows only,
+    and every step's logits equal those of the same cache prefilled over all 4 rows (a fresh cache does
+    that: its first write allocates the rows)."""
+    model = quasar_model(tmp_path, "llama", torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (1, n), generator=generator) for n in (30, 22, 30)]
+    ids, mask = left_padded(prompts)
+    slots = static_cache_slots(60)
+    steps = [torch.randint(0, 96, (3, w), generator=generator) for w in (1, 4, 1)]
+    seen = []
+    original = model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["input_ids"].shape[0])
+        return original(*args, **kwargs)
+
+    with torch.no_grad():
+        kv = KVCacheSlot.fresh(model, slots)
+        runs = []
+        for _ in range(2):  # first: a fresh cache (all 4 rows prefill); then the same cache reused
+            cache = StaticVerifierCache(model, 4, torch.device("cpu"), slots, batch_size=3, kv=kv)
+            model.forward = spy
+            outs = [cache.forward(ids, mask, last_only=True)] + [cache.forward(t) for t in steps]
+            model.forward = original
+            runs.append(outs)
+    assert seen[0] == 4 and seen[len(steps) + 1] == 3, "the reused cache prefilled the real rows only"
+    for fresh, reused in zip(*runs):
+        assert fresh.shape[0] == 3 and torch.equal(fresh, reused)
