@@ -56,7 +56,7 @@ def test_unmeasured_widths_are_tried_once_and_the_plain_cost_is_probed():
 def test_auto_withholds_whole_drafts_and_scores_them_against_what_was_emitted():
     gate = gate_with({(2, 0): 0.01, (2, 3): 0.05}, accepted=0.0)
     drafter = AutoDrafter(NgramDrafter(3), None, 3, policy={"min_gain": 0.0}, gate=gate)
-    drafter.start([torch.tensor([1, 2])], GREEDY)
+    drafter.start([torch.tensor([1, 2]), torch.tensor([7, 8])], GREEDY)
     rows = [torch.tensor([1, 2, 3, 1, 2]), torch.tensor([7, 8, 9, 7, 8])]
     draft = drafter.propose(rows, [3, 3])  # both rows find [3, 1, 2] / [9, 7, 8], not worth 5x a plain step
     assert draft.tokens.shape[1] == 0 and drafter.steps_by_source == {"ngram": 0, "model": 0, "none": 2}
@@ -90,6 +90,15 @@ def test_a_gated_batch_equals_plain_greedy(tiny):
         )
         assert torch.equal(out, plain)
         assert (drafter.gate.withheld_steps > 0) == (gate is not False)
+
+
+def test_one_prompt_is_left_to_its_policy(tiny):
+    """A single prompt's draft widens only its own step: the gate never withholds it, whatever min_gain."""
+    drafter = auto_factory(tiny, QuasarGenerationConfig(drafter="auto", drafter_kwargs={"gate": {"min_gain": 100.0}}))
+    ids = ids_of("abcabcabcabcabc")
+    out = speculative_generate(tiny, ids, max_new_tokens=20, do_sample=False, quasar_config={"drafter": drafter})
+    assert torch.equal(out, tiny.generate(ids, max_new_tokens=20, do_sample=False))
+    assert drafter.gate.withheld_steps == 0 and drafter.steps_by_source["ngram"] > 0
 
 
 def test_seeded_sampling_with_the_default_drafter_repeats(tiny):

@@ -10,10 +10,12 @@ is preferred, the n-gram drafts it displaced are scored against the tokens the v
 (free, and exact for greedy), so the n-gram estimate stays current. Tokens are still decided by
 the verifier alone.
 
-Then the step gate (step_gate.py) prices the batch: one row's draft widens every row's step, so it
-verifies the drafts at the width with the most expected tokens per measured second, truncating
-longer drafts, or none (a plain step) when no width beats plain decoding; drafts it withholds are
-scored like displaced ones.
+Then, in a call of several prompts, the step gate (step_gate.py) prices the batch: one row's draft
+widens every row's step, so it verifies the drafts at the width with the most expected tokens per
+measured second, truncating longer drafts, or none (a plain step) when no width beats plain
+decoding; drafts it withholds are scored like displaced ones. A single prompt's draft widens only
+its own step, which its source's policy already prices (it sees a plain step whenever the row has
+no draft), so there the gate stays out: it would only add its probe steps.
 
 Sampling draws random numbers per drafted token, so there no decision depends on a clock (no
 pauses, no gate, heuristic lengths): a seeded call then draws the same tokens on every run.
@@ -80,12 +82,14 @@ class AutoDrafter:
         self.setup: DraftSetup | None = None
         self.device = torch.device("cpu")
         self._step: dict | None = None
+        self.batched = True  # set by start: whether this call has several prompts (the step gate's case)
         self._shadows: dict[int, tuple[int, torch.Tensor, str]] = {}  # row -> (its length, draft not sent, source)
         self.steps_by_source = {"ngram": 0, "model": 0, "none": 0}  # row-steps, for stats and benchmarks
         self.tokens_by_source = {"ngram": 0, "model": 0}  # drafted tokens
 
     def start(self, prompts: list[torch.Tensor], setup: DraftSetup) -> None:
         self.setup, self.device = setup, setup.device
+        self.batched = len(prompts) > 1  # one prompt's draft widens only its own step: its policy prices that
         if setup.do_sample:  # no decision from a clock: a seeded call draws the same tokens every run
             self.gate.min_gain = 0.0
             for policy in (self.ngram_policy, self.model_policy):
@@ -147,6 +151,8 @@ class AutoDrafter:
     def _gate(self, sequences: list[torch.Tensor], rows: list[torch.Tensor | None], source: list[str]) -> None:
         """Cut every draft to the width the step gate picks (step_gate.py); drafts withheld whole are scored
         against the tokens the verifier emits instead, so their source's acceptance stays current."""
+        if not self.batched:
+            return
         lengths = [0 if r is None else r.numel() for r in rows]
         width = self.gate.width(lengths, source)
         for b, n in enumerate(lengths):
