@@ -382,3 +382,21 @@ def test_a_group_whose_norm_output_feeds_something_else_stays_unfused_and_says_s
     assert "also passes post_attention_layernorm's output to mean" in caplog.text
     assert isinstance(model.model.layers[0].input_layernorm, NormFoldedW8A8Linear)
     assert not isinstance(model.model.layers[0].post_attention_layernorm, NormFoldedW8A8Linear)
+
+
+def test_unpickling_prepares_real_tensors_and_keeps_placeholders_as_pickled():
+    """A pickle's twin packs its own layout from its tensors; a state whose tensors are placeholders (Dynamo's
+    guard-state pickle of a traced step) is kept as pickled, layout included, and nothing is prepared."""
+    linear = W8A8Linear.from_linear(torch.nn.Linear(64, 32, bias=True))
+    x = torch.randn(3, 64)
+    twin = pickle.loads(pickle.dumps(linear))
+    assert torch.equal(twin(x), linear(x))
+    assert twin._op_layout[0] == linear._op_layout[0] and twin._prepared is not None
+    assert all(not (isinstance(a, torch.Tensor) and a is b) for a, b in zip(twin._op_layout[1], linear._op_layout[1]))
+    state = linear.__getstate__()
+    assert state["_prepared"] is None and state["_op_layout"] is linear._op_layout
+    placeholder = object()
+    state = {**state, "_buffers": dict.fromkeys(state["_buffers"], placeholder)}
+    rebuilt = W8A8Linear.__new__(W8A8Linear)
+    rebuilt.__setstate__(state)
+    assert rebuilt._op_layout is linear._op_layout and rebuilt._prepared is None and rebuilt.weight is placeholder

@@ -373,13 +373,14 @@ def test_a_compiled_step_checks_quantized_modules_by_dict_tags_and_still_sees_a_
 
 @needs_kernels
 def test_a_compiled_step_never_changes_the_callers_dynamo_settings(tmp_path):
-    """The dict-tag setting is fixed when the step is made, in a context of the step's own: the step's
-    compile sees it; the caller, before, during (another thread) and after, reads Dynamo's default."""
+    """The dict-tag and precompile settings are fixed when the step is made, in a context of the step's own:
+    the step's compile sees them; the caller, before, during (another thread) and after, reads Dynamo's
+    defaults."""
     import threading
 
     from quasar_hf import compat
 
-    if compat.dict_tag_context() is None:
+    if compat.step_context() is None:
         pytest.skip("this torch keeps Dynamo's settings outside context variables: steps compile with its defaults")
     model = quasar_model(tmp_path, "llama", torch.float32)
     torch._dynamo.reset()
@@ -387,26 +388,28 @@ def test_a_compiled_step_never_changes_the_callers_dynamo_settings(tmp_path):
     compiling, done = threading.Event(), threading.Event()
 
     def spying_backend(graph_module, example_inputs, **options):
-        seen_inside.append(torch._dynamo.config.use_recursive_dict_tags_for_guards)
+        config = torch._dynamo.config
+        seen_inside.append((config.use_recursive_dict_tags_for_guards, config.caching_precompile))
         compiling.set()
         done.wait(timeout=30)  # hold the compile while the other thread looks
         return graph_module.forward
 
     def other_thread():
         compiling.wait(timeout=30)
-        seen_outside.append(torch._dynamo.config.use_recursive_dict_tags_for_guards)
+        seen_outside.append((torch._dynamo.config.use_recursive_dict_tags_for_guards, torch._dynamo.config.caching_precompile))
         done.set()
 
     watcher = threading.Thread(target=other_thread)
     watcher.start()
-    step = compat.compiled_step(model, CompileConfig(fullgraph=True, dynamic=False, backend=spying_backend))
-    assert not torch._dynamo.config.use_recursive_dict_tags_for_guards
+    config = CompileConfig(fullgraph=True, dynamic=False, backend=spying_backend)
+    step = compat.compiled_step(model, config, "quasar_step_settings_test", precompile=compat.precompile_supported())
+    assert not torch._dynamo.config.use_recursive_dict_tags_for_guards and not torch._dynamo.config.caching_precompile
     with torch.no_grad():
         step(input_ids=repeating_prompt(0), use_cache=False)
     watcher.join()
     torch._dynamo.reset()
-    assert seen_inside == [True] and seen_outside == [False]
-    assert not torch._dynamo.config.use_recursive_dict_tags_for_guards
+    assert seen_inside == [(True, compat.precompile_supported())] and seen_outside == [(False, False)]
+    assert not torch._dynamo.config.use_recursive_dict_tags_for_guards and not torch._dynamo.config.caching_precompile
 
 
 @needs_kernels

@@ -1,15 +1,23 @@
 """warm_up (speculative/warm_up.py): after it, compiled generate meets no new graph on any length or batch
-size inside its buckets, stays exact, and a damaged on-disk bundle is rebuilt rather than used."""
+size inside its buckets, stays exact; a second process loads the steps' traced code instead of tracing and
+still recompiles when it must; a damaged on-disk bundle or a failing loaded step is rebuilt rather than used."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
 
+from quasar_hf import compat
 from quasar_hf.speculative import compiled_steps
 from quasar_hf.speculative.warm_up import warm_up
 from tests.test_static_steps import AOT_EAGER, left_padded, needs_kernels, quasar_model, repeating_prompt
@@ -42,14 +50,16 @@ def test_a_warmed_model_compiles_nothing_on_new_lengths_or_batch_sizes_and_stays
 
 
 @needs_kernels
-def test_a_damaged_bundle_on_disk_is_rebuilt_never_used(tmp_path):
-    """The real compile path (Inductor): the bundle is saved with its SHA-256; a flipped byte is reported,
-    deleted and replaced by a good one, and the steps still compile and run."""
+def test_a_damaged_bundle_on_disk_is_rebuilt_never_used(tmp_path, monkeypatch):
+    """The real compile path (Inductor), with torch's caches in a folder of the test's own: the bundle is
+    saved with its SHA-256; a flipped byte is reported, deleted and replaced by a good one; and the
+    bundle alone (torch's caches emptied) brings back the steps' traced code: nothing is traced."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch_caches"))
     model = quasar_model(tmp_path, "llama", torch.float32)
     folder = tmp_path / "compiled"
     torch._dynamo.reset()
     first = warm_up(model, batch_sizes=(1,), max_length=64, cache_folder=folder, progress=False)
-    assert first.cache == "missing" and first.cache_file is not None
+    assert first.cache == "missing" and first.cache_file is not None and first.graphs_compiled == 2
     bundle = folder / first.cache_file.rsplit("/", 1)[-1]
     record = json.loads(bundle.with_suffix(".json").read_text())
     data = bytearray(bundle.read_bytes())
@@ -57,6 +67,7 @@ def test_a_damaged_bundle_on_disk_is_rebuilt_never_used(tmp_path):
     bundle.write_bytes(bytes(data))
     torch._dynamo.reset()
     del model.__dict__[compiled_steps.TABLE_ATTR]
+    shutil.rmtree(tmp_path / "torch_caches" / "dynamo")  # traced code from the damaged bundle only
     second = warm_up(model, batch_sizes=(1,), max_length=64, cache_folder=folder, progress=False)
     assert second.cache.startswith("rebuilt") and "SHA-256" in second.cache and second.graphs_compiled == 2
     rewritten = json.loads(bundle.with_suffix(".json").read_text())
@@ -64,9 +75,86 @@ def test_a_damaged_bundle_on_disk_is_rebuilt_never_used(tmp_path):
     assert record["bytes"] > 0
     torch._dynamo.reset()
     del model.__dict__[compiled_steps.TABLE_ATTR]
+    shutil.rmtree(tmp_path / "torch_caches")
     third = warm_up(model, batch_sizes=(1,), max_length=64, cache_folder=folder, progress=False)
-    assert third.cache == "loaded"
+    assert third.cache == "loaded" and third.graphs_compiled == 0
     ids = repeating_prompt(3, 20)
     out = model.generate(ids, max_new_tokens=8, do_sample=False, quasar={"compile": True})
-    assert out.shape == (1, 28)
+    assert torch.equal(
+        out, model.generate(ids, max_new_tokens=8, do_sample=False, quasar={"compile": True, "num_draft_tokens": 0})
+    )
     torch._dynamo.reset()
+
+
+WARM_PROCESS = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from transformers import AutoModelForCausalLM
+import quasar_hf
+from tests.test_static_steps import repeating_prompt
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+report = quasar_hf.warm_up(model, batch_sizes=(1,), max_length=64, cache_folder=sys.argv[2], progress=False)
+ids = repeating_prompt(5, 24)
+run = lambda **q: model.generate(ids, max_new_tokens=12, do_sample=False, quasar={"compile": True, **q})[0].tolist()
+graphs = int(counters["stats"]["unique_graphs"])
+out = {"cache": report.cache, "graphs": report.graphs_compiled, "quasar": run(), "plain": run(num_draft_tokens=0)}
+out["graphs_after"] = int(counters["stats"]["unique_graphs"]) - graphs
+out["width_2"] = run(num_draft_tokens=2)  # a draft width warm_up did not compile: one more trace, in a loaded step
+out["graphs_width_2"] = int(counters["stats"]["unique_graphs"]) - graphs
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_warm_process(checkpoint: Path, folder: Path, caches: Path) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(caches), "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", WARM_PROCESS, str(checkpoint), str(folder)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.split("RESULT ", 1)[1])
+
+
+@needs_kernels
+@pytest.mark.slow
+@pytest.mark.skipif(not compat.precompile_supported(), reason="this torch cannot keep Dynamo's traced code on disk")
+def test_a_second_process_loads_the_traced_steps_and_still_recompiles_what_is_new(tmp_path):
+    """Two processes, same checkpoint and cache folder: the second traces nothing in warm_up, gives the first's
+    tokens, and a new draft width still compiles in it (a trace inside a step whose code was loaded)."""
+    checkpoint = tmp_path / "w8a8"
+    quasar_model(tmp_path, "llama", torch.float32).save_pretrained(checkpoint)
+    first = run_warm_process(checkpoint, tmp_path / "compiled", tmp_path / "torch_caches")
+    second = run_warm_process(checkpoint, tmp_path / "compiled", tmp_path / "torch_caches")
+    assert (first["cache"], first["graphs"]) == ("missing", 2)
+    assert (second["cache"], second["graphs"], second["graphs_after"]) == ("loaded", 0, 0)
+    for run in (first, second):
+        assert run["quasar"] == run["plain"] == first["plain"] and run["width_2"] == run["plain"]
+        assert run["graphs_width_2"] == 1
+
+
+def test_a_loaded_step_that_fails_is_deleted_and_compiled_afresh(monkeypatch):
+    """Mechanics of CompiledSteps.call: a step loaded from disk that raises is discarded (its entry deleted),
+    compiled again without the disk cache, and the call runs on the fresh one; a fresh step's error is raised."""
+    made, discarded = [], []
+
+    def fake_compiled_step(model, config, name, precompile=False):
+        def step(x):
+            if step.loaded_from_disk:
+                raise NameError("___module_collections_1_c0")
+            return x + 1
+
+        step.loaded_from_disk = precompile
+        made.append((name, precompile))
+        return step
+
+    monkeypatch.setattr(compat, "compiled_step", fake_compiled_step)
+    monkeypatch.setattr(compat, "discard_precompiled", discarded.append)
+    monkeypatch.setattr(compiled_steps, "decide_kernels", lambda device: None)
+    table = compiled_steps.CompiledSteps(torch.nn.Linear(2, 2), AOT_EAGER)
+    table.cache_key = "ab" * 32
+    assert table.step_for(1, 512)(1) == 2
+    assert made == [("quasar_step_abababababababab_b1_s512", True), ("quasar_step_abababababababab_b1_s512_fresh", False)]
+    assert len(discarded) == 1 and table.failed_loads == 1
+    assert table.step_for(1, 512)(2) == 3 and len(made) == 2  # the fresh step stays
+    table.steps[(1, 512)] = lambda x: [][x]  # not loaded from disk: its error is the caller's
+    with pytest.raises(IndexError):
+        table.call((1, 512), 0)

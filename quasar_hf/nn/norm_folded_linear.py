@@ -48,8 +48,6 @@ class NormFoldedW8A8Linear(PreparedModule):
     folded form), the norm runs first as `quasar::rms_norm` and the linear quantizes its output.
     """
 
-    derived = ("_norm_scale",)
-
     def __init__(self, norm: nn.Module, linear: W8A8Linear, members: Sequence[tuple[str, int, int]]) -> None:
         super().__init__()
         formula = rms_norm_formula(norm)

@@ -12,9 +12,11 @@ class PreparedModule(nn.Module, metaclass=abc.ABCMeta):
     """Calls `prepare()` after `_apply` (`.to()`, `.cpu()`, ...), `load_state_dict`, copies and unpickling.
 
     `derived` names the attributes holding bound kernels (closures over raw pointers): copies and
-    pickles drop them and prepare their own. `fp32_buffers` names buffers that stay float32 through a
-    dtype change (`.to(torch.float16)` moves them but keeps their exact values), as quantization
-    scales must.
+    pickles drop them and prepare their own. What a traced forward reads (the op layouts: tuples of
+    tensors and plain values) stays in the pickled state: Dynamo's guard-state pickle rebuilds the
+    module tree from it, with its tensors replaced by placeholders, and then nothing is prepared.
+    `fp32_buffers` names buffers that stay float32 through a dtype change (`.to(torch.float16)` moves
+    them but keeps their exact values), as quantization scales must.
     """
 
     derived: tuple[str, ...] = ()
@@ -45,4 +47,6 @@ class PreparedModule(nn.Module, metaclass=abc.ABCMeta):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.prepare()
+        tensors = [*self._parameters.values(), *self._buffers.values()]
+        if all(isinstance(t, torch.Tensor) and t.device.type != "meta" for t in tensors if t is not None):
+            self.prepare()  # real tensors: pack again (placeholders or meta tensors: keep the state as pickled)

@@ -53,7 +53,7 @@ class W8A8Linear(PreparedModule):
     activation quantization, in one op (what a NormFoldedW8A8Linear calls).
     """
 
-    derived = ("_prepared", "_op_layout", "_fold_layout")
+    derived = ("_prepared",)
     fp32_buffers = ("weight_scale", "act_prescale")
 
     def __init__(
@@ -254,8 +254,6 @@ class RotatedW8A8Linear(W8A8Linear):
         self.rotation = HadamardRotation.for_size(in_features)
         # prepare(): (H_m on the weight's device, blocks, pow2, scale), what `quasar::hadamard_rows` takes
         self._rotation_op_args: tuple[torch.Tensor, int, int, float] | None = None
-
-    derived = (*W8A8Linear.derived, "_rotation_op_args")
 
     def prepare(self) -> None:
         """Prepare the int8 linear (W8A8Linear.prepare) and the rotation op's arguments."""

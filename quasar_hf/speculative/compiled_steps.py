@@ -13,7 +13,11 @@ keys exist:
   one verify graph per batch size serve every length up to 4096 tokens: unused slots cost no
   compute (the row-stable attention kernels skip masked keys without loading them), only memory.
 
-`warm_up.warm_up` compiles the keys a process will meet before its first request.
+`warm_up.warm_up` compiles the keys a process will meet before its first request. It also names the
+table's steps by `compile_cache_key` (torch, quasar_hf, the model config and dtype, the device, the CPU and
+the compile config) and turns on Dynamo's on-disk cache of traced code for them (`compat.compiled_step`
+with precompile), so a later process with the same key loads each step instead of tracing it. A loaded
+step that fails (torch's precompile is young) has its entry deleted and is compiled afresh, once.
 
 A key (rows, slots) holds the decode step [B, 1] and a verify step [B, width + 1] per draft width in
 use (one, unless calls change `num_draft_tokens`; should a key ever reach Dynamo's limit, its function
@@ -27,7 +31,10 @@ depends only on its shapes, so compiled `quasar=True` and compiled plain decodin
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
+import platform
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -79,6 +86,8 @@ class CompiledSteps:
         self.max_shapes = max_shapes
         self.steps: OrderedDict[tuple, Callable] = OrderedDict()
         self.compiled_keys = 0  # keys compiled so far (a dropped key compiled again counts again)
+        self.cache_key: str | None = None  # set (warm_up): steps named by it, their traced code kept on disk
+        self.failed_loads = 0  # steps loaded from disk that failed and were compiled afresh
         self.idle_caches: dict[tuple, list] = {}  # key -> KV caches no call holds now (reused, not reallocated)
         self._lock = threading.Lock()
 
@@ -107,13 +116,29 @@ class CompiledSteps:
         return lambda *args, **kwargs: self.call(key, *args, **kwargs)
 
     def call(self, key: tuple, *args: Any, **kwargs: Any) -> Any:
-        """Run the key's compiled function; should Dynamo refuse it one more graph, run a fresh one."""
+        """Run the key's compiled function; should Dynamo refuse it one more graph, run a fresh one. A step
+        whose code was loaded from disk and fails is compiled afresh, its entry deleted, and run again
+        (a step writes its keys and values at fixed cache positions: running it twice writes them twice)."""
         step = self._ensure(key)
         try:
             return step(*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # Raised while checking guards, before anything ran: a fresh function has an empty budget.
-            self.steps[key] = step = self._compile(key)
+            self.steps[key] = step = self._compile(key, precompile=False)
+            return step(*args, **kwargs)
+        except Exception as error:
+            if not getattr(step, "loaded_from_disk", False):
+                raise
+            logger.warning(
+                "quasar_hf: the compiled step for %d rows x %d cache slots loaded from torch's cache failed "
+                "(%s: %s); deleting that entry and compiling it again",
+                *key,
+                type(error).__name__,
+                error,
+            )
+            compat.discard_precompiled(step)
+            self.failed_loads += 1
+            self.steps[key] = step = self._compile(key, precompile=False)
             return step(*args, **kwargs)
 
     def _ensure(self, key: tuple) -> Callable:
@@ -127,7 +152,7 @@ class CompiledSteps:
         self.steps[key] = step = self._compile(key)
         return step
 
-    def _compile(self, key: tuple) -> Callable:
+    def _compile(self, key: tuple, precompile: bool = True) -> Callable:
         for device in {p.device for p in self.model.parameters()}:
             decide_kernels(device)  # first-use checks run here, eagerly: the traced step reads their answers
         self.compiled_keys += 1
@@ -136,8 +161,10 @@ class CompiledSteps:
             "before the first request)",
             *key,
         )
-        name = "quasar_step_b{}_s{}".format(*key)
-        return compat.compiled_step(self.model, self.compile_config, name)
+        tag = "" if self.cache_key is None else f"{self.cache_key[:16]}_"
+        name = "quasar_step_{}b{}_s{}".format(tag, *key) + ("" if precompile else "_fresh")
+        persistent = precompile and self.cache_key is not None
+        return compat.compiled_step(self.model, self.compile_config, name, precompile=persistent)
 
 
 def compiled_steps_for(model: torch.nn.Module, compile_config: Any) -> CompiledSteps:
@@ -147,3 +174,32 @@ def compiled_steps_for(model: torch.nn.Module, compile_config: Any) -> CompiledS
         table = CompiledSteps(model, compile_config)
         model.__dict__[TABLE_ATTR] = table
     return table
+
+
+def compile_cache_key(model: torch.nn.Module, compile_config: Any) -> str:
+    """SHA-256 of what a compiled step depends on beyond its shapes: torch's and quasar_hf's versions, the
+    model config and dtype, the device, the CPU and the compile config."""
+    from quasar_hf.detect import package_version
+
+    parameter = next(model.parameters())
+    key = {
+        "torch": torch.__version__,
+        "quasar_hf": package_version(),
+        "model": model.config.to_json_string(use_diff=False),
+        "dtype": str(parameter.dtype),
+        "device": str(parameter.device),
+        "cpu": cpu_description(),
+        "compile": json.dumps(compile_config.to_dict(), sort_keys=True, default=repr),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def cpu_description() -> str:
+    """The CPU a compiled kernel was built for: its model name and instruction-set flags."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            lines = info.read().splitlines()
+        fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in lines if ":" in line}
+        return f"{fields.get('model name', '')}|{fields.get('flags', fields.get('Features', ''))}"
+    except OSError:
+        return f"{platform.machine()}|{platform.processor()}"

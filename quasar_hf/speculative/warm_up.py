@@ -7,12 +7,14 @@ Inductor compiles now instead of inside a request; a progress bar shows the shap
 returned and logged.
 
 Inductor and AOTAutograd cache what they compile on disk (torch's FX-graph and autograd caches, keyed by
-the graph, the inputs and torch's version), so a second process only traces. Those caches live
-under /tmp; warm_up also keeps torch's portable bundle of them (`torch.compiler.save_cache_artifacts`)
-per user and machine in cache_root()/compiled, under a key of torch's and quasar_hf's versions, the
-model config and dtype, the CPU, the compile config and the shapes, and loads it before compiling. A
-bundle whose bytes do not match the SHA-256 recorded beside it, or that torch cannot load, is deleted
-and rebuilt, never used. Entries torch's caches hold for other graphs are ignored by torch itself.
+the graph, the inputs and torch's version), and with a cache folder Dynamo keeps the steps' traced code
+and guards there too (torch's caching precompile, per step name: compiled_steps.compile_cache_key), so a
+second process neither traces nor compiles. Those caches live under /tmp; warm_up also keeps torch's
+portable bundle of them (`torch.compiler.save_cache_artifacts`) per user and machine in
+cache_root()/compiled, under a key of torch's and quasar_hf's versions, the model config and dtype, the
+CPU, the compile config and the shapes, and loads it before compiling. A bundle whose bytes do not
+match the SHA-256 recorded beside it, or that torch cannot load, or whose traced code fails when run,
+is deleted and rebuilt, never used. Entries torch's caches hold for other graphs are ignored by torch.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import platform
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from quasar_hf.atomic_folder import write_bytes_atomically
 from quasar_hf.locking import cache_root
 
 from .attention import verification_attention
-from .compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for, model_context
+from .compiled_steps import batch_bucket, compile_cache_key, compiled_cache_slots, compiled_steps_for, model_context
 from .config import DEFAULT_NUM_DRAFT_TOKENS
 from .static_cache import KVCacheSlot, StaticVerifierCache
 
@@ -79,6 +80,9 @@ def warm_up(
         report.cache_file, report.cache = str(bundle), load_bundle(bundle)
     graphs_before = _graphs_built()
     table = compiled_steps_for(model, config)
+    if bundle is not None:
+        table.cache_key = table.cache_key or compile_cache_key(model, config)  # steps' traced code kept on disk
+    failed_loads = table.failed_loads
     width = max(num_draft_tokens, 1)
     with torch.no_grad(), verification_attention(model, True) as verify_kwargs:
         for rows, cache_slots in tqdm(shapes, desc="Quasar compiling steps", unit="shape", disable=not progress):
@@ -89,6 +93,9 @@ def warm_up(
                 cache.forward(torch.ones(rows, 1, dtype=torch.long, device=device))  # decode graph [rows, 1]
                 cache.forward(torch.ones(rows, width + 1, dtype=torch.long, device=device))  # verify graph
     report.graphs_compiled = _graphs_built() - graphs_before
+    if bundle is not None and table.failed_loads > failed_loads:  # its traced code failed: never loaded again
+        report.cache = "rebuilt: a step loaded from it failed"
+        bundle.unlink(missing_ok=True)
     if bundle is not None and (report.cache != "loaded" or report.graphs_compiled):
         save_bundle(bundle)
     report.seconds = time.perf_counter() - started
@@ -110,33 +117,9 @@ def _bundle_path(model: torch.nn.Module, config: Any, shapes: list, width: int, 
         return None
     if folder == "default":
         folder = cache_root() / "compiled"
-    from quasar_hf.detect import package_version
-
-    parameter = next(model.parameters())
-    key = {
-        "torch": torch.__version__,
-        "quasar_hf": package_version(),
-        "model": model.config.to_json_string(use_diff=False),
-        "dtype": str(parameter.dtype),
-        "device": str(parameter.device),
-        "cpu": cpu_description(),
-        "compile": json.dumps(config.to_dict(), sort_keys=True, default=repr),
-        "shapes": shapes,
-        "draft_width": width,
-    }
+    key = {"steps": compile_cache_key(model, config), "shapes": shapes, "draft_width": width}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return Path(folder) / f"{type(model).__name__}-{digest}.bin"
-
-
-def cpu_description() -> str:
-    """The CPU a compiled kernel was built for: its model name and instruction-set flags."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            lines = info.read().splitlines()
-        fields = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in lines if ":" in line}
-        return f"{fields.get('model name', '')}|{fields.get('flags', fields.get('Features', ''))}"
-    except OSError:
-        return f"{platform.machine()}|{platform.processor()}"
 
 
 def load_bundle(path: Path) -> str:
@@ -161,10 +144,9 @@ def load_bundle(path: Path) -> str:
 
 def save_bundle(path: Path) -> None:
     """Write torch's bundle of this process's compile artifacts, and its SHA-256 beside it (atomically)."""
-    saved = torch.compiler.save_cache_artifacts()
-    if saved is None:
+    data = compat.save_compile_artifacts()
+    if data is None:
         return
-    data = saved[0]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes_atomically(path, data)
