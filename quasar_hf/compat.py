@@ -260,8 +260,11 @@ def compiled_step(model: torch.nn.Module, compile_config: Any, name: str = "quas
     settings = step_context(precompile)
     if settings is None:
         return torch.compile(call, **compile_config.to_dict())
+    options = compile_config.to_dict()
+    if precompile and precompile_supported() and options.get("mode") is None:  # torch takes a mode or options
+        options["options"] = {**(options.get("options") or {}), "guard_filter_fn": _guards_a_later_process_can_check}
     hits = torch._dynamo.utils.counters["dynamo_cache"]["dynamo_cache_hit"]
-    compiled = settings.run(torch.compile, call, **compile_config.to_dict())  # loads a cached entry, if any
+    compiled = settings.run(torch.compile, call, **options)  # loads a cached entry, if any
     loaded = torch._dynamo.utils.counters["dynamo_cache"]["dynamo_cache_hit"] > hits
     if loaded:
         _skip_dynamo_names_taken_by_loaded_code()
@@ -272,6 +275,18 @@ def compiled_step(model: torch.nn.Module, compile_config: Any, name: str = "quas
     step.__wrapped__ = call  # the compiled function (Dynamo's cache entries hang on its __code__)
     step.loaded_from_disk = loaded
     return step
+
+
+_PROCESS_BOUND_GUARDS = ("ID_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE", "DICT_VERSION")
+
+
+def _guards_a_later_process_can_check(entries: Any) -> list[bool]:
+    """Dynamo's guard filter for a precompiled step: False for guards on object identity, which torch's
+    caching precompile drops anyway (with a warning per guard, hundreds a step); the rest are kept."""
+    return [
+        entry.guard_type not in _PROCESS_BOUND_GUARDS and not {"ID_MATCH", "DICT_VERSION"} & set(entry.derived_guard_types)
+        for entry in entries
+    ]
 
 
 def step_context(precompile: bool = False) -> contextvars.Context | None:
@@ -324,7 +339,8 @@ def _skip_dynamo_names_taken_by_loaded_code() -> None:
     this process's counter and refuses a name already taken. Move that counter past the loaded names."""
     from torch._dynamo.bytecode_transformation import unique_id
 
-    taken = [int(match.group(1)) for key in globals() if (match := re.fullmatch(r"__\w+?_(\d+)", key))]
+    counted = r"__(?:builtins_dict__|warnings_warn_wrapper|gen_rand_values)_(\d+)"  # Dynamo's install_global names
+    taken = [int(match.group(1)) for key in globals() if (match := re.fullmatch(counted, key))]
     while taken and int(unique_id("quasar").rsplit("_", 1)[1]) < max(taken):
         pass
 
