@@ -7,7 +7,7 @@ Steps, each measured in this run:
   1. warm-up, each in a fresh process: cold (empty Inductor cache, no bundle), a second start (the
      bundle and Inductor cache the first left), and from the bundle alone (empty Inductor cache):
      `quasar_hf.warm_up(model, batch_sizes=1..4)`;
-  2. in this process, warm-up from the cache, then the sequence (--calls calls: batch 1-4, prompt
+  2. in this process, warm-up from the caches the restart used (the steps' traced code loaded), then the sequence (--calls calls: batch 1-4, prompt
      lengths 5-2000 tokens, shuffled with --seed), each call twice (the first against its repeat), and
      Dynamo's graph count before and after (0 new graphs is the target);
   3. the same sequence with compiled plain decoding (`num_draft_tokens=0`): equal tokens per row;
@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,12 +41,13 @@ print("WARMUP " + json.dumps({"seconds": round(report.seconds, 1), "cache": repo
 """
 
 
-def warm_up_in_fresh_processes(checkpoint: str, max_length: int) -> dict:
+def warm_up_in_fresh_processes(checkpoint: str, max_length: int, bundles: str, kept: str) -> dict:
     """Warm-up seconds, each in a fresh process: cold (empty Inductor cache, no bundle); restart (the bundle
     and the Inductor cache the cold run left: a second start on this machine); from_cache (the bundle with an
-    empty Inductor cache: after the temporary folder was cleaned)."""
+    empty Inductor cache: after the temporary folder was cleaned). `bundles` and `kept` are left as the
+    restart found them, for this process's own warm-up."""
     results = {}
-    with tempfile.TemporaryDirectory() as bundles, tempfile.TemporaryDirectory() as kept, tempfile.TemporaryDirectory() as empty:
+    with tempfile.TemporaryDirectory() as empty:
         for label, inductor in (("cold", kept), ("restart", kept), ("from_cache", empty)):
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor, "QUASAR_HF_CACHE": bundles}
             out = subprocess.run(
@@ -175,11 +177,13 @@ def mixed_main(args) -> dict:
     from benchmarks.kernels.kernels import measure_read_bandwidth
     from benchmarks.speed.compiled_steps import floor_bytes
 
-    report = {"checkpoint": args.quantized, "warm_up": warm_up_in_fresh_processes(args.quantized, args.max_length)}
+    bundles, kept = tempfile.mkdtemp(), tempfile.mkdtemp()
+    report = {"checkpoint": args.quantized, "warm_up": warm_up_in_fresh_processes(args.quantized, args.max_length, bundles, kept)}
     tokenizer = AutoTokenizer.from_pretrained(args.quantized)
     model = AutoModelForCausalLM.from_pretrained(args.quantized)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     batches = sequence(tokenizer, args.mixed_calls, args.seed, max_prompt=min(2000, args.max_length - args.new_tokens))
+    os.environ.update({"TORCHINDUCTOR_CACHE_DIR": kept, "QUASAR_HF_CACHE": bundles})  # the steps the restart loaded
     warm = quasar_hf.warm_up(model, batch_sizes=[1, 2, 3, 4], max_length=args.max_length, progress=False)
     report["warm_up"]["this_process"] = {"seconds": round(warm.seconds, 1), "cache": warm.cache, "graphs": warm.graphs_compiled}
     before = int(counters["stats"]["unique_graphs"])
@@ -214,6 +218,8 @@ def mixed_main(args) -> dict:
     report["decode_step_ms"] = round(decode_step_ms(model), 3)
     if args.llama_server and args.gguf:
         report["llamacpp"] = llamacpp_sequence(args.llama_server, args.gguf, batches, args.new_tokens, args.llama_modes)
+    for folder in (bundles, kept):
+        shutil.rmtree(folder, ignore_errors=True)
     return report
 
 
