@@ -8,15 +8,12 @@ private Transformers name. Supported: Transformers 5.17 - 5.24.
 
 from __future__ import annotations
 
-import collections  # noqa: F401  (read by compiled steps' code: _call_with_own_code)
 import contextlib
 import contextvars
 import copy
 import functools
 import inspect
 import logging
-import re
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -230,65 +227,6 @@ def default_compile_config(device: torch.device) -> Any:
     return config
 
 
-def compiled_step(model: torch.nn.Module, compile_config: Any, name: str = "quasar_step", precompile: bool = False) -> Callable:
-    """`torch.compile` of a call of `model` with `compile_config` (what `model.get_compiled_call` compiles),
-    as a function with a code object of its own, and Dynamo's guards built on recursive dict tags.
-
-    Dynamo keeps its compiled graphs, and counts them against `recompile_limit`, per code object: each
-    compiled step made here has its own budget and frees its graphs with itself, so a caller keeping
-    one step per input shape (speculative/compiled_steps.py) never meets the limit that `generate`'s
-    single compiled call hits after a few batch or cache sizes. `name` names the code object (it shows
-    in Dynamo's logs, and keys the on-disk entry below).
-
-    A compiled call first checks its guards: about five per tensor the step reads, some 1,000 tensors
-    (weights, packed layouts) in a SmolLM2 step, ~3 ms of it. With recursive dict tags a module whose
-    traced forward reads only tensors, tuples and plain values from its own dicts (W8A8Linear, the
-    norms) is checked by comparing its dicts' version tags, and its full guards run only when one of
-    those dicts changed (an attribute or buffer assigned). Dynamo reads its settings when it builds
-    guards, so they are fixed once, when the step is made: Dynamo keeps them in context variables, the
-    step holds a copy of the context of its making with them set (`step_context`), and each call runs
-    in a fresh copy of that one. Neither the caller nor another thread sees them.
-
-    `precompile=True` also turns on torch's caching precompile for this step: Dynamo loads the step's
-    traced code and guards from its on-disk cache (cache_dir()/dynamo, an entry per `name`) when one is
-    there, so the step runs without tracing, and `save_compile_artifacts` writes them. Guards on object
-    identity (ID_MATCH, closure and dict-version guards) cannot outlive a process and are dropped from
-    such a step; tensor, type and value guards stay. The returned step's `loaded_from_disk` says
-    whether its code came from the cache. Where this torch keeps neither setting in a context variable,
-    the step compiles with Dynamo's defaults."""
-    call = _call_with_own_code(model, name)
-    settings = step_context(precompile)
-    if settings is None:
-        return torch.compile(call, **compile_config.to_dict())
-    options = compile_config.to_dict()
-    if precompile and precompile_supported() and options.get("mode") is None:  # torch takes a mode or options
-        options["options"] = {**(options.get("options") or {}), "guard_filter_fn": _guards_a_later_process_can_check}
-    hits = torch._dynamo.utils.counters["dynamo_cache"]["dynamo_cache_hit"]
-    compiled = settings.run(torch.compile, call, **options)  # loads a cached entry, if any
-    loaded = torch._dynamo.utils.counters["dynamo_cache"]["dynamo_cache_hit"] > hits
-    if loaded:
-        _skip_dynamo_names_taken_by_loaded_code()
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        return settings.copy().run(compiled, *args, **kwargs)
-
-    step.__wrapped__ = call  # the compiled function (Dynamo's cache entries hang on its __code__)
-    step.loaded_from_disk = loaded
-    return step
-
-
-_PROCESS_BOUND_GUARDS = ("ID_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE", "DICT_VERSION")
-
-
-def _guards_a_later_process_can_check(entries: Any) -> list[bool]:
-    """Dynamo's guard filter for a precompiled step: False for guards on object identity, which torch's
-    caching precompile drops anyway (with a warning per guard, hundreds a step); the rest are kept."""
-    return [
-        entry.guard_type not in _PROCESS_BOUND_GUARDS and not {"ID_MATCH", "DICT_VERSION"} & set(entry.derived_guard_types)
-        for entry in entries
-    ]
-
-
 def step_context(precompile: bool = False) -> contextvars.Context | None:
     """A copy of the current context in which Dynamo builds guards on recursive dict tags (and, with
     `precompile` where this torch has it, caches traced code on disk), or None where Dynamo does not
@@ -313,51 +251,6 @@ def precompile_supported() -> bool:
     """Whether this torch can keep Dynamo's traced code on disk (torch._dynamo.config.caching_precompile)."""
     entry = getattr(torch._dynamo.config, "_config", {}).get("caching_precompile")
     return isinstance(getattr(entry, "user_override", None), contextvars.ContextVar)
-
-
-def save_compile_artifacts() -> bytes | None:
-    """torch's portable bundle of this process's compile caches (`torch.compiler.save_cache_artifacts`),
-    with the traced code of the steps compiled with `precompile=True` (written to Dynamo's disk cache too)."""
-    settings = step_context(precompile=True)
-    saved = torch.compiler.save_cache_artifacts() if settings is None else settings.run(torch.compiler.save_cache_artifacts)
-    return None if saved is None else saved[0]
-
-
-def discard_precompiled(step: Callable) -> None:
-    """Delete the on-disk traced code of a compiled step (a later step of the same name traces afresh)."""
-    import shutil
-
-    from torch._dynamo.package import CompilePackage, DynamoCache
-
-    call = getattr(step, "__wrapped__", step)
-    shutil.rmtree(f"{DynamoCache.path_prefix()}/{CompilePackage.source_id_from_fn(call)}", ignore_errors=True)
-
-
-def _skip_dynamo_names_taken_by_loaded_code() -> None:
-    """Loaded traced code installs the globals it reads in this module, some named by a counter of the
-    process that traced it (`__builtins_dict___0`); Dynamo names the globals of a later trace here by
-    this process's counter and refuses a name already taken. Move that counter past the loaded names."""
-    from torch._dynamo.bytecode_transformation import unique_id
-
-    counted = r"__(?:builtins_dict__|warnings_warn_wrapper|gen_rand_values)_(\d+)"  # Dynamo's install_global names
-    taken = [int(match.group(1)) for key in globals() if (match := re.fullmatch(counted, key))]
-    while taken and int(unique_id("quasar").rsplit("_", 1)[1]) < max(taken):
-        pass
-
-
-def _call_with_own_code(module: torch.nn.Module, name: str) -> Callable:
-    """`module(*args, **kwargs)` as a new function whose code object is its own (named `name`), in this
-    module's globals. Dynamo's code loads a module it needs (collections, for the returned ModelOutput,
-    an OrderedDict) by that module's name when this module binds it, else under a name made of its id,
-    which code loaded by a later process would not find: hence the imports of collections here."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return module(*args, **kwargs)
-
-    code = call.__code__.replace(co_name=name)
-    if hasattr(code, "co_qualname"):  # Python >= 3.11
-        code = code.replace(co_qualname=name)
-    return types.FunctionType(code, call.__globals__, name, None, call.__closure__)
 
 
 # ---------------------------------------------------------------- serving (transformers.cli.serving)

@@ -91,15 +91,15 @@ def test_doctor_prints_versions_and_every_backend(monkeypatch, capsys):
 
 
 def test_doctor_checks_that_compiled_steps_work_and_says_why_not(monkeypatch, capsys):
-    from quasar_hf import compat
     from quasar_hf.commands import doctor
+    from quasar_hf.speculative import step_compiler
 
     assert doctor.compiled_steps_check().startswith("works (")
 
     def broken(*args, **kwargs):
         raise RuntimeError("InductorError: no C++ compiler found")
 
-    monkeypatch.setattr(compat, "compiled_step", broken)
+    monkeypatch.setattr(step_compiler, "compiled_step", broken)
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "Compiled steps" in out and "unavailable: RuntimeError: InductorError: no C++ compiler found" in out

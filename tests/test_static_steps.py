@@ -339,18 +339,18 @@ def _module_source(name: str) -> str:
 
 @needs_kernels
 def test_a_compiled_step_checks_quantized_modules_by_dict_tags_and_still_sees_a_change(tmp_path):
-    """compat.compiled_step: every W8A8Linear lies under a tag-safe root (its ~5 guards per tensor are
+    """step_compiler.compiled_step: every W8A8Linear lies under a tag-safe root (its ~5 guards per tensor are
     skipped while its dicts are unchanged), and a module changed after compiling is still seen: a bias
     added to one linear recompiles the step, whose logits then follow the new bias."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from quasar_hf import compat
     from quasar_hf.nn import W8A8Linear
+    from quasar_hf.speculative import step_compiler
 
     model = quasar_model(tmp_path, "llama", torch.float32)
     torch._dynamo.reset()
     callers_setting = torch._dynamo.config.use_recursive_dict_tags_for_guards  # False on 2.13, True on 2.11
-    step = compat.compiled_step(model, AOT_EAGER)
+    step = step_compiler.compiled_step(model, AOT_EAGER)
     ids = repeating_prompt(0)
     with torch.no_grad():
         before = step(input_ids=ids, use_cache=False).logits
@@ -379,6 +379,7 @@ def test_a_compiled_step_never_changes_the_callers_dynamo_settings(tmp_path):
     import threading
 
     from quasar_hf import compat
+    from quasar_hf.speculative import step_compiler
 
     if compat.step_context() is None:
         pytest.skip("this torch keeps Dynamo's settings outside context variables: steps compile with its defaults")
@@ -402,7 +403,7 @@ def test_a_compiled_step_never_changes_the_callers_dynamo_settings(tmp_path):
     watcher = threading.Thread(target=other_thread)
     watcher.start()
     config = CompileConfig(fullgraph=True, dynamic=False, backend=spying_backend)
-    step = compat.compiled_step(model, config, "quasar_step_settings_test", precompile=compat.precompile_supported())
+    step = step_compiler.compiled_step(model, config, "quasar_step_settings_test", precompile=compat.precompile_supported())
     assert not torch._dynamo.config.use_recursive_dict_tags_for_guards and not torch._dynamo.config.caching_precompile
     with torch.no_grad():
         step(input_ids=repeating_prompt(0), use_cache=False)

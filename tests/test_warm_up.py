@@ -18,7 +18,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from quasar_hf import compat
-from quasar_hf.speculative import compiled_steps
+from quasar_hf.speculative import compiled_steps, step_compiler
 from quasar_hf.speculative.warm_up import warm_up
 from tests.test_static_steps import AOT_EAGER, left_padded, needs_kernels, quasar_model, repeating_prompt
 
@@ -146,8 +146,8 @@ def test_a_loaded_step_that_fails_is_deleted_and_compiled_afresh(monkeypatch):
         made.append((name, precompile))
         return step
 
-    monkeypatch.setattr(compat, "compiled_step", fake_compiled_step)
-    monkeypatch.setattr(compat, "discard_precompiled", discarded.append)
+    monkeypatch.setattr(step_compiler, "compiled_step", fake_compiled_step)
+    monkeypatch.setattr(step_compiler, "discard_precompiled", discarded.append)
     monkeypatch.setattr(compiled_steps, "decide_kernels", lambda device: None)
     table = compiled_steps.CompiledSteps(torch.nn.Linear(2, 2), AOT_EAGER)
     table.cache_key = "ab" * 32

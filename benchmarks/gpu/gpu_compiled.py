@@ -13,11 +13,10 @@ import time
 
 import torch
 
-from quasar_hf import compat
 from quasar_hf.bench.timing import median_time, sync, timed
 from quasar_hf.compat import default_compile_config as compile_config
 from quasar_hf.ops.rowstable_attention import ROWSTABLE_KWARG
-from quasar_hf.speculative import speculative_generate
+from quasar_hf.speculative import speculative_generate, step_compiler
 from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
 
 NUM_DRAFT_TOKENS = 5
@@ -45,7 +44,7 @@ def compiled_steps(model: torch.nn.Module, device: str, tiny: bool, weight_bytes
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (1, size["context"]), generator=generator).to(device)
-    step = compat.compiled_step(model, compile_config(torch.device(device)))
+    step = step_compiler.compiled_step(model, compile_config(torch.device(device)))
     verify_kwargs = {ROWSTABLE_KWARG: True}  # what the loop passes: the end-to-end run reuses these graphs
     states = {
         "eager": StaticVerifierCache(model, 1, torch.device(device), size["slots"], None, verify_kwargs),

@@ -42,7 +42,10 @@ if compiled:
         from quasar_hf.compat import default_compile_config as compile_config
     from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
     from quasar_hf import compat
-    make_step = getattr(compat, "compiled_step", None)  # a tree that has it compiles steps through it
+    try:  # a tree that has it compiles steps through it
+        from quasar_hf.speculative.step_compiler import compiled_step as make_step
+    except ImportError:
+        make_step = getattr(compat, "compiled_step", None)
     step = make_step(model, compile_config(cpu)) if make_step else model.get_compiled_call(compile_config(cpu))
     state = StaticVerifierCache(model, 1, cpu, static_cache_slots(307), step=step)
 else:

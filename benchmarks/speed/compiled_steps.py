@@ -39,6 +39,7 @@ from quasar_hf import compat
 from quasar_hf.bench.report import write_json_and_markdown
 from quasar_hf.detect import plain_decoding
 from quasar_hf.nn import W8A8Linear
+from quasar_hf.speculative import step_compiler
 from quasar_hf.speculative.config import DEFAULT_NUM_DRAFT_TOKENS
 from quasar_hf.speculative.kv_state import RowAlignedCache
 from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         "--gguf", default=None, help="a Q8_0 GGUF of the same checkpoint: time llama.cpp's steps in the same rounds"
     )
     parser.add_argument(
-        "--plain-guards", action="store_true", help="compile without compat.compiled_step's dict-tag guards (to compare)"
+        "--plain-guards", action="store_true", help="compile without step_compiler.compiled_step's dict-tag guards (to compare)"
     )
     parser.add_argument("--out", default=reports_dir("compiled-steps"))
     parser.add_argument("--name", required=True)
@@ -354,7 +355,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     if args.backend != "inductor":
         compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=args.backend)
     # --plain-guards: Dynamo's default guards (every tensor checked at every call), to compare the guard check
-    compiled_step = model.get_compiled_call(compile_config) if args.plain_guards else compat.compiled_step(model, compile_config)
+    compiled_step = (
+        model.get_compiled_call(compile_config) if args.plain_guards else step_compiler.compiled_step(model, compile_config)
+    )
     variants: dict = {}  # more compiled steps to time beside the default one (none at present)
     with torch.no_grad():
         steps, compile_s = time_steps(model, compiled_step, args.steps, args.rounds, floors, variants, args.gguf)
@@ -377,7 +380,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         "compile": json.loads(json.dumps(compile_config.to_dict(), default=repr)),
         "variants": list(variants),
         "compile_s": compile_s,
-        "guards": "dynamo default" if args.plain_guards else "recursive dict tags (compat.compiled_step)",
+        "guards": "dynamo default" if args.plain_guards else "recursive dict tags (step_compiler.compiled_step)",
         "guard_check_ms": guards,
         "steps": steps,
         "op_overhead": overhead,

@@ -70,13 +70,14 @@ def compiled_steps_check() -> str:
 
     from quasar_hf import compat
     from quasar_hf.nn import W8A8Linear
+    from quasar_hf.speculative import step_compiler
 
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
     probe = torch.nn.Sequential(W8A8Linear.from_weight(torch.randn(64, 64, generator=generator)), torch.nn.SiLU())
     x = torch.randn(1, 4, 64, generator=generator)
     try:
-        step = compat.compiled_step(probe, compat.default_compile_config(torch.device("cpu")), "quasar_doctor_step")
+        step = step_compiler.compiled_step(probe, compat.default_compile_config(torch.device("cpu")), "quasar_doctor_step")
         with torch.no_grad():
             compiled, eager = step(x), probe(x)
     except Exception as error:  # the toolchain's own failure: say what it was and what to do

@@ -217,7 +217,7 @@ class W8A8Linear(PreparedModule):
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         """One call of the prepared `quasar::` op, eager and compiled alike. It reads only tensors,
         tuples and plain values of this module (the `_op_layout` tuple, not the PreparedW8A8 object),
-        so Dynamo can skip this module's guards while its dicts are unchanged (compat.compiled_step:
+        so Dynamo can skip this module's guards while its dicts are unchanged (speculative/step_compiler.compiled_step:
         recursive dict tags)."""
         layout = self._op_layout
         if layout is None:  # weights offloaded by accelerate (loaded around this call): unprepared

@@ -3,7 +3,7 @@
 A compiled step is specialized to its shapes (batch rows, cache slots, step width). Dynamo counts
 the graphs of one compiled function against `recompile_limit` (8) and, with fullgraph=True, raises
 once a function has seen that many shapes. Here each shape key gets a compiled function of its own
-(`compat.compiled_step`: its own code object, so its own budget), and shapes are bucketed so that few
+(`step_compiler.compiled_step`: its own code object, so its own budget), and shapes are bucketed so that few
 keys exist:
 
 - batch sizes round up to a power of two (1, 2, 4, 8, 16, ...); the extra rows idle in the static
@@ -15,7 +15,7 @@ keys exist:
 
 `warm_up.warm_up` compiles the keys a process will meet before its first request. It also names the
 table's steps by `compile_cache_key` (torch, quasar_hf, the model config and dtype, the device, the CPU and
-the compile config) and turns on Dynamo's on-disk cache of traced code for them (`compat.compiled_step`
+the compile config) and turns on Dynamo's on-disk cache of traced code for them (`step_compiler.compiled_step`
 with precompile), so a later process with the same key loads each step instead of tracing it. A loaded
 step that fails (torch's precompile is young) has its entry deleted and is compiled afresh, once.
 
@@ -42,8 +42,9 @@ from typing import Any
 
 import torch
 
-from quasar_hf import compat
 from quasar_hf.ops.rowstable_attention import decide_kernels
+
+from . import step_compiler
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class CompiledSteps:
                 type(error).__name__,
                 error,
             )
-            compat.discard_precompiled(step)
+            step_compiler.discard_precompiled(step)
             self.failed_loads += 1
             self.steps[key] = step = self._compile(key, precompile=False)
             return step(*args, **kwargs)
@@ -164,7 +165,7 @@ class CompiledSteps:
         tag = "" if self.cache_key is None else f"{self.cache_key[:16]}_"
         name = "quasar_step_{}b{}_s{}".format(tag, *key) + ("" if precompile else "_fresh")
         persistent = precompile and self.cache_key is not None
-        return compat.compiled_step(self.model, self.compile_config, name, precompile=persistent)
+        return step_compiler.compiled_step(self.model, self.compile_config, name, precompile=persistent)
 
 
 def compiled_steps_for(model: torch.nn.Module, compile_config: Any) -> CompiledSteps:

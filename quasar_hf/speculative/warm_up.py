@@ -34,6 +34,7 @@ from quasar_hf import compat
 from quasar_hf.atomic_folder import write_bytes_atomically
 from quasar_hf.locking import cache_root
 
+from . import step_compiler
 from .attention import verification_attention
 from .compiled_steps import batch_bucket, compile_cache_key, compiled_cache_slots, compiled_steps_for, model_context
 from .config import DEFAULT_NUM_DRAFT_TOKENS
@@ -144,7 +145,7 @@ def load_bundle(path: Path) -> str:
 
 def save_bundle(path: Path) -> None:
     """Write torch's bundle of this process's compile artifacts, and its SHA-256 beside it (atomically)."""
-    data = compat.save_compile_artifacts()
+    data = step_compiler.save_compile_artifacts()
     if data is None:
         return
     try:
