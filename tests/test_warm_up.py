@@ -158,3 +158,18 @@ def test_a_loaded_step_that_fails_is_deleted_and_compiled_afresh(monkeypatch):
     table.steps[(1, 512)] = lambda x: [][x]  # not loaded from disk: its error is the caller's
     with pytest.raises(IndexError):
         table.call((1, 512), 0)
+
+
+def test_a_bundle_torch_cannot_save_is_a_warning_not_an_error(tmp_path, monkeypatch, caplog):
+    """Saving writes the steps' traced code to torch's own cache first; when that fails (a read-only /tmp),
+    warm_up's steps are still compiled: the save is skipped with a warning naming torch's error."""
+    from quasar_hf.speculative import warm_up as warm_up_module
+
+    def unwritable():
+        raise RuntimeError("Failed to save package to /tmp/torchinductor_x/dynamo/ab: [Errno 30] Read-only file system")
+
+    monkeypatch.setattr(step_compiler, "save_compile_artifacts", unwritable)
+    bundle = tmp_path / "compiled" / "model.bin"
+    with caplog.at_level("WARNING"):
+        warm_up_module.save_bundle(bundle)
+    assert not bundle.exists() and "Read-only file system" in caplog.text

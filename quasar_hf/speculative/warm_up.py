@@ -145,7 +145,11 @@ def load_bundle(path: Path) -> str:
 
 def save_bundle(path: Path) -> None:
     """Write torch's bundle of this process's compile artifacts, and its SHA-256 beside it (atomically)."""
-    data = step_compiler.save_compile_artifacts()
+    try:
+        data = step_compiler.save_compile_artifacts()  # also writes the steps' traced code to torch's cache
+    except Exception as error:  # torch could not gather or write them: the steps are compiled, the next process compiles again
+        logger.warning("quasar_hf: torch could not save the compiled steps (%s: %s)", type(error).__name__, error)
+        return
     if data is None:
         return
     try:
