@@ -23,8 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from quasar_hf import compat
+from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION, QUASAR_SDPA
 
 CACHE_SLOTS_STEP = 256  # cache sizes are rounded up to this: calls of similar lengths share compiled graphs
+BOOL_MASK_ATTENTION = ("sdpa", QUASAR_ATTENTION, QUASAR_SDPA)  # read a 4D bool mask (True: attend) as SDPA does
 
 
 def static_cache_slots(tokens: int) -> int:
@@ -86,6 +88,8 @@ class StaticVerifierCache:
         self._counter = 0  # where the cache layers will write next
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_kwarg = compat.cache_argument_name(model)
+        self._slot_index = torch.arange(max_cache_len, device=device)  # [slots]
+        self._step_mask = not self.has_sliding_layers and compat.attn_implementation(model) in BOOL_MASK_ATTENTION
 
     @property
     def batch_size(self) -> int:
@@ -117,11 +121,12 @@ class StaticVerifierCache:
         if n > 1 and not prefill:  # several tokens over a cache: verification
             kwargs.update(self.verify_kwargs)
         forward = self.model if prefill else self.step
+        mask = self._visible_slots(n) if self._step_mask and not prefill else self.slot_mask
         self.kv.written = max(self.kv.written, self.length + n)  # before the write: a failed step's slots count
         tokens, positions = tokens.contiguous(), positions.contiguous()  # one stride per shape: one graph
         outputs = forward(
             input_ids=tokens,
-            attention_mask=self.slot_mask,  # [B_all, slots]: explicit, or unwritten slots would count as keys
+            attention_mask=mask,  # [B_all, slots] or [B_all, 1, n, slots]: explicit, or unwritten slots would count
             position_ids=positions,
             cache_position=torch.arange(self.length, self.length + n, device=tokens.device),
             use_cache=True,
@@ -136,6 +141,14 @@ class StaticVerifierCache:
             self.valid_len.index_fill_(0, self.idle_rows, 0)
         logits = outputs.logits if self.batch_size == everyone else outputs.logits.index_select(0, self.rows)
         return (logits[:, -1:] if last_only else logits).float()
+
+    def _visible_slots(self, n: int) -> torch.Tensor:
+        """bool [B_all, 1, n, slots]: slot j is visible to the step's token i when its row keeps j and j <= length + i,
+        the mask Transformers builds from the 2D slot mask (causal and padding), built here once per step and
+        passed as a prepared 4D mask (used as given): inside a compiled step Inductor would recompute a mask
+        built in the graph for every layer that reads it (at 4 rows x 6 tokens x 4096 slots, a quarter of the step)."""
+        causal = self._slot_index[None, :] <= self._slot_index[self.length : self.length + n, None]  # [n, slots]
+        return (self.slot_mask[:, None, :].bool() & causal[None])[:, None]
 
     def _prefill_real_rows(self, tokens: torch.Tensor, token_mask: torch.Tensor | None, last_only: bool) -> torch.Tensor:
         """The prompt of a batch padded up to a compiled step's rows, over its real rows only: the rows that pad
