@@ -173,3 +173,28 @@ def test_a_bundle_torch_cannot_save_is_a_warning_not_an_error(tmp_path, monkeypa
     with caplog.at_level("WARNING"):
         warm_up_module.save_bundle(bundle)
     assert not bundle.exists() and "Read-only file system" in caplog.text
+
+
+def test_the_cache_key_changes_with_the_source_and_transformers(tmp_path, monkeypatch):
+    """Traced steps run quasar_hf's and Transformers' code: an edited tree under the same version number, or
+    another Transformers, must not load the steps another one traced."""
+    package = Path(compiled_steps.__file__).resolve().parents[1]
+    copy = tmp_path / "quasar_hf"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    assert compiled_steps.source_digest(copy) == compiled_steps.source_digest()
+    loop = copy / "speculative" / "loop.py"
+    loop.write_text(loop.read_text() + "\n# an edit\n")
+    assert compiled_steps.source_digest(copy) != compiled_steps.source_digest()
+
+    from transformers import CompileConfig
+
+    from tests.tiny_models import tiny_model
+
+    model, config = tiny_model(), CompileConfig(fullgraph=True)
+    key = compiled_steps.compile_cache_key(model, config)
+    assert compiled_steps.compile_cache_key(model, config) == key
+    transformers = sys.modules["transformers"]  # the module `import transformers` finds now (it may replace itself)
+    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".other")
+    assert compiled_steps.compile_cache_key(model, config) != key
+    monkeypatch.setattr(compiled_steps, "source_digest", lambda root=None: "edited")
+    assert compiled_steps.compile_cache_key(model, config) != key

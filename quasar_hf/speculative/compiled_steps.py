@@ -14,8 +14,8 @@ keys exist:
   compute (the row-stable attention kernels skip masked keys without loading them), only memory.
 
 `warm_up.warm_up` compiles the keys a process will meet before its first request. It also names the
-table's steps by `compile_cache_key` (torch, quasar_hf, the model config and dtype, the device, the CPU and
-the compile config) and turns on Dynamo's on-disk cache of traced code for them (`step_compiler.compiled_step`
+table's steps by `compile_cache_key` (torch, Transformers, quasar_hf and its source, the model config and dtype,
+the device, the CPU and the compile config) and turns on Dynamo's on-disk cache of traced code for them (`step_compiler.compiled_step`
 with precompile), so a later process with the same key loads each step instead of tracing it. A loaded
 step that fails (torch's precompile is young) has its entry deleted and is compiled afresh, once.
 
@@ -38,6 +38,7 @@ import platform
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -178,14 +179,19 @@ def compiled_steps_for(model: torch.nn.Module, compile_config: Any) -> CompiledS
 
 
 def compile_cache_key(model: torch.nn.Module, compile_config: Any) -> str:
-    """SHA-256 of what a compiled step depends on beyond its shapes: torch's and quasar_hf's versions, the
+    """SHA-256 of what a compiled step depends on beyond its shapes: torch's, Transformers' and quasar_hf's
+    versions and quasar_hf's source (an edited or upgraded tree under the same version traces other code), the
     model config and dtype, the device, the CPU and the compile config."""
+    import transformers
+
     from quasar_hf.detect import package_version
 
     parameter = next(model.parameters())
     key = {
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "quasar_hf": package_version(),
+        "quasar_hf_source": source_digest(),
         "model": model.config.to_json_string(use_diff=False),
         "dtype": str(parameter.dtype),
         "device": str(parameter.device),
@@ -193,6 +199,16 @@ def compile_cache_key(model: torch.nn.Module, compile_config: Any) -> str:
         "compile": json.dumps(compile_config.to_dict(), sort_keys=True, default=repr),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def source_digest(root: Path | None = None) -> str:
+    """SHA-256 of quasar_hf's Python and C sources (relative paths and contents; `root`: the package folder,
+    default this one): the code its traced steps run."""
+    root = Path(__file__).resolve().parents[1] if root is None else Path(root)
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".cpp", ".h", ".def") and p.is_file()):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def cpu_description() -> str:
