@@ -53,6 +53,29 @@ def test_unmeasured_widths_are_tried_once_and_the_plain_cost_is_probed():
     assert gate.to_dict()["step_ms"] == {"2x0": 10.0, "2x3": 20.0}
 
 
+def test_padded_steps_share_one_cost_so_one_measurement_prices_every_width():
+    """A static cache pads every verify step to its draft width: a 2-token draft costs what a 5-token one does, so
+    the gate never probes other widths and never truncates (fewer tokens at the same cost); plain or whole."""
+    gate = StepGate(decay=0.5, padded_width=5)
+    gate.record(4, 0, 0.011)
+    gate.record(4, 2, 0.031)  # a step whose longest draft was 2 tokens ran the padded 5-token step
+    assert gate.to_dict()["step_ms"] == {"4x0": 11.0, "4x5": 31.0}
+    gate.accepted_mass["ngram"], gate.drafted_mass["ngram"] = 9.0, 10.0
+    assert gate.width([3, 5, 5, 5], ["ngram"] * 4) == 5 and gate.truncated_steps == 0  # measured: no probe at 3
+    gate.accepted_mass["ngram"] = 1.0
+    assert gate.width([5, 5, 5, 5], ["ngram"] * 4) == 0  # 4 x 1.5 tokens in 31 ms < 4 in 11 ms
+    unpadded = gate_with({(4, 0): 0.011, (4, 2): 0.031}, accepted=9.0)
+    assert unpadded.width([5, 5, 5, 5], ["ngram"] * 4) == 5 and (4, 5) not in unpadded.seconds  # a new width: tried
+
+
+def test_auto_gives_the_gate_the_padded_width_of_the_call():
+    drafter = AutoDrafter(NgramDrafter(3), None, 3)
+    drafter.start([torch.tensor([1, 2]), torch.tensor([7, 8])], DraftSetup(False, None, None, torch.device("cpu"), 3))
+    assert drafter.gate.padded_width == 3
+    drafter.start([torch.tensor([1, 2]), torch.tensor([7, 8])], GREEDY)
+    assert drafter.gate.padded_width is None
+
+
 def test_auto_withholds_whole_drafts_and_scores_them_against_what_was_emitted():
     gate = gate_with({(2, 0): 0.01, (2, 3): 0.05}, accepted=0.0)
     drafter = AutoDrafter(NgramDrafter(3), None, 3, policy={"min_gain": 0.0}, gate=gate)

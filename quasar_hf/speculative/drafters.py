@@ -35,6 +35,7 @@ class DraftSetup:
     score_fn: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]  # (row prefixes, logits [B, V]) -> scores
     generator: torch.Generator | None
     device: torch.device
+    verify_width: int | None = None  # every verify step runs this many draft tokens (a static cache pads to it), else None
 
 
 class Drafter(Protocol):

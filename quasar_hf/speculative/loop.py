@@ -204,7 +204,13 @@ class SpeculativeRun:
         return pending[keep_index]
 
     def _draft_setup(self) -> DraftSetup:
-        return DraftSetup(do_sample=self.do_sample, score_fn=self._draft_scores, generator=self.generator, device=self.device)
+        return DraftSetup(
+            do_sample=self.do_sample,
+            score_fn=self._draft_scores,
+            generator=self.generator,
+            device=self.device,
+            verify_width=self.draft_width,
+        )
 
     def _padded_sequences(self) -> torch.Tensor:
         """[B, longest] like plain generate: rows that stopped early are right-padded with pad_token_id."""

@@ -19,7 +19,9 @@ a source got accepted (exponentially averaged over tokens). A per-token geometri
 (AdaptivePolicy.expected_tokens) overestimates here: n-gram drafts are right in bursts, all or
 nothing, and a geometric fit to bursts predicts more tokens than they give. A width whose cost is
 unknown is tried once (so is a plain step, once some width was measured), and `min_gain` <= 0 turns
-the gate off. Pure bookkeeping: the caller measures the seconds and withholds the tokens; the
+the gate off. Where every verify step runs one padded width (`padded_width`: a static cache's steps,
+compiled or not), all widths share that cost: the choice is the whole draft or a plain step, and one
+measurement prices every width. Pure bookkeeping: the caller measures the seconds and withholds the tokens; the
 verifier alone decides tokens, so the output is the same whatever the gate picks.
 """
 
@@ -42,10 +44,11 @@ class StepGate:
     drafted_mass: dict[str, float] = field(default_factory=dict)  # per source, decayed drafted tokens
     withheld_steps: int = 0  # steps verified plain although some row had a draft
     truncated_steps: int = 0  # steps verified at a width below the longest draft
+    padded_width: int | None = None  # every verify step runs this width (drafts padded to it), else None
 
     def record(self, rows: int, width: int, seconds: float) -> None:
         """One verify step of `rows` rows at draft width `width` (0: plain) took `seconds`."""
-        key = (rows, width)
+        key = self._cost_key(rows, width)
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else self.decay * old + (1.0 - self.decay) * seconds
 
@@ -64,19 +67,23 @@ class StepGate:
             return longest
         rows = len(lengths)
         plain = self.seconds.get((rows, 0))
-        if (rows, longest) not in self.seconds:
+        if self._cost_key(rows, longest) not in self.seconds:
             return longest if plain is not None or not self._measured(rows) else self._withhold(0, longest)
         if plain is None:
             return self._withhold(0, longest)  # the baseline is unknown: one plain step measures it
         best, best_rate = 0, rows / plain * self.min_gain
         for w in range(1, longest + 1):
-            cost = self.seconds.get((rows, w))
+            cost = self.seconds.get(self._cost_key(rows, w))
             if cost is None:
                 continue
             rate = sum(1.0 + self.accepted_fraction(s) * min(n, w) for n, s in zip(lengths, sources)) / cost
             if rate > best_rate:
                 best, best_rate = w, rate
         return self._withhold(best, longest)
+
+    def _cost_key(self, rows: int, width: int) -> tuple[int, int]:
+        """Where a step's seconds are kept: a padded step costs its padded width whatever the draft's."""
+        return (rows, self.padded_width if width and self.padded_width else width)
 
     def _measured(self, rows: int) -> bool:
         return any(r == rows and w > 0 for r, w in self.seconds)
