@@ -11,8 +11,8 @@ the graph, the inputs and torch's version), and with a cache folder Dynamo keeps
 and guards there too (torch's caching precompile, per step name: compiled_steps.compile_cache_key), so a
 second process neither traces nor compiles. Those caches live under /tmp; warm_up also keeps torch's
 portable bundle of them (`torch.compiler.save_cache_artifacts`) per user and machine in
-cache_root()/compiled, under a key of torch's and quasar_hf's versions, the model config and dtype, the
-CPU, the compile config and the shapes, and loads it before compiling. A bundle whose bytes do not
+cache_root()/compiled, under a key of torch's, Transformers' and quasar_hf's versions, quasar_hf's source
+digest, the model config and dtype, the CPU, the compile config and the shapes, and loads it before compiling. A bundle whose bytes do not
 match the SHA-256 recorded beside it, or that torch cannot load, or whose traced code fails when run,
 is deleted and rebuilt, never used. Entries torch's caches hold for other graphs are ignored by torch.
 """
