@@ -9,7 +9,7 @@ from quasar_hf import QuasarGenerationConfig
 from quasar_hf.speculative import NgramDrafter, speculative_generate
 from quasar_hf.speculative.auto_drafter import AutoDrafter, auto_factory
 from quasar_hf.speculative.drafters import DraftSetup
-from quasar_hf.speculative.step_gate import StepGate
+from quasar_hf.speculative.step_gate import StepGate, frontier_progress
 from tests.test_spec_loop import left_padded_batch
 from tests.tiny_models import char_tokenizer, tiny_model
 
@@ -66,6 +66,28 @@ def test_padded_steps_share_one_cost_so_one_measurement_prices_every_width():
     assert gate.width([5, 5, 5, 5], ["ngram"] * 4) == 0  # 4 x 1.5 tokens in 31 ms < 4 in 11 ms
     unpadded = gate_with({(4, 0): 0.011, (4, 2): 0.031}, accepted=9.0)
     assert unpadded.width([5, 5, 5, 5], ["ngram"] * 4) == 5 and (4, 5) not in unpadded.seconds  # a new width: tried
+
+
+def test_the_frontier_moves_as_the_slowest_row_does():
+    """A batched call lasts until its last row is done: the expected drop of the most tokens any row still owes,
+    each draft right whole or not at all (rows independent), not the sum of the rows' tokens."""
+    assert frontier_progress([10] * 4, [5] * 4, [0.5] * 4) == pytest.approx(1 + 5 / 16)  # all four right: 1 / 16
+    assert frontier_progress([10] * 4, [0] * 4, [0.0] * 4) == 1.0  # a plain step
+    assert frontier_progress([10, 10, 10, 10], [5, 5, 5, 0], [1.0, 1.0, 1.0, 0.0]) == 1.0  # the draft-less row lags
+    assert frontier_progress([10, 10, 10, 4], [5, 5, 5, 0], [1.0, 1.0, 1.0, 0.0]) == 6.0  # ... unless it is ahead
+
+
+def test_with_budgets_the_gate_verifies_only_what_moves_the_frontier():
+    costs = {(4, 0): 0.0116, (4, 5): 0.0292}  # SmolLM2 compiled, 4 rows: plain against a padded 5-draft verify step
+    ngram = ["ngram"] * 4
+    gate = gate_with(costs, accepted=5.0)  # f = 0.5: summed, 4 x 3.5 tokens in 29 ms beat 4 in 11.6 ms
+    gate.padded_width = 5
+    assert gate.width([5, 5, 5, 5], ngram) == 5
+    assert gate.width([5, 5, 5, 5], ngram, budgets=[60] * 4) == 0  # the frontier: 1 + 5/16 tokens in 29 ms
+    gate.accepted_mass["ngram"] = 9.8  # f = 0.98: all four right 92 % of the time
+    assert gate.width([5, 5, 5, 5], ngram, budgets=[60] * 4) == 5
+    assert gate.width([5, 5, 5, 0], ngram, budgets=[60] * 4) == 0  # the row without a draft sets the pace
+    assert gate.width([5, 5, 5, 0], ngram, budgets=[60, 60, 60, 40]) == 5  # it is 20 tokens ahead
 
 
 def test_auto_gives_the_gate_the_padded_width_of_the_call():

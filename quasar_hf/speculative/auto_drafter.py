@@ -132,7 +132,7 @@ class AutoDrafter:
                 self._shadows.setdefault(b, (sequences[b].shape[0], found[b], "ngram"))
             elif found[b] is not None and source[b] == "none":
                 rows[b], source[b] = found[b], "ngram"
-        self._gate(sequences, rows, source)
+        self._gate(sequences, rows, source, max_tokens)
         ended = self.clock()
         for s, r in zip(source, rows):
             self.steps_by_source[s] += 1
@@ -149,13 +149,15 @@ class AutoDrafter:
         }
         return draft
 
-    def _gate(self, sequences: list[torch.Tensor], rows: list[torch.Tensor | None], source: list[str]) -> None:
+    def _gate(
+        self, sequences: list[torch.Tensor], rows: list[torch.Tensor | None], source: list[str], budgets: list[int]
+    ) -> None:
         """Cut every draft to the width the step gate picks (step_gate.py); drafts withheld whole are scored
         against the tokens the verifier emits instead, so their source's acceptance stays current."""
         if not self.batched:
             return
         lengths = [0 if r is None else r.numel() for r in rows]
-        width = self.gate.width(lengths, source)
+        width = self.gate.width(lengths, source, budgets)
         for b, n in enumerate(lengths):
             if n > width and width > 0:
                 rows[b] = rows[b][:width]
