@@ -196,6 +196,20 @@ def static_cache_first_rows(cache: Any, rows: int) -> Iterator[None]:
             layer.keys, layer.values = keys, values
 
 
+def copy_static_cache_rows(source: Any, target: Any, target_rows: int, rows: torch.Tensor, length: int) -> None:
+    """Slots [0, length) of source's rows `rows` into the first len(rows) of target's `target_rows` rows, every
+    layer (a target layer not allocated yet is allocated first), and target's write position to `length`."""
+    for old, new in zip(source.layers, target.layers):
+        if not getattr(old, "is_initialized", False):
+            continue
+        if not getattr(new, "is_initialized", False):
+            shape = (target_rows, -1, -1, -1)
+            new.lazy_initialization(old.keys[:1].expand(*shape), old.values[:1].expand(*shape))
+        new.keys[: len(rows), :, :length] = old.keys[rows, :, :length]
+        new.values[: len(rows), :, :length] = old.values[rows, :, :length]
+    set_static_cache_length(target, length)
+
+
 def clear_static_cache(cache: Any, written: int) -> None:
     """Zero the first `written` slots of every filled layer of a StaticCache and move its write position to 0:
     the cache a fresh one is, without a new allocation (its tensors keep their addresses)."""

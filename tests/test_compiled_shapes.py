@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch._dynamo
 
+import quasar_hf
 from quasar_hf.speculative import compiled_steps
 from quasar_hf.speculative.compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for
 from tests.test_static_steps import AOT_EAGER, left_padded, needs_kernels, quasar_model, repeating_prompt
@@ -121,3 +122,36 @@ def test_the_mixed_sequence_covers_batch_sizes_1_to_4_and_prompts_of_5_to_2000_t
     lengths = {len(row) for b in batches for row in b}
     assert min(lengths) == 5 and max(lengths) == 2000
     assert sequence(char_tokenizer(), 20, seed=0) == batches != sequence(char_tokenizer(), 20, seed=1)
+
+
+@needs_kernels
+def test_rows_left_after_others_finish_move_to_a_smaller_warm_batch_with_the_same_tokens(tmp_path):
+    """A 2-row compiled call whose row 1 stops at EOS: with the 1-row steps compiled, row 0 finishes in them
+    (one shrink, no graph traced, the 2-row cache released with it), token for token what it gets without them."""
+    model = quasar_model(tmp_path, "llama", torch.bfloat16)
+    ids, mask = left_padded([repeating_prompt(3, 26), repeating_prompt(4, 14)])
+    options = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    free = compiled_greedy(model, ids, mask, 20, num_draft_tokens=0)
+    eos = int(free[1, ids.shape[1] + 3])
+    torch._dynamo.reset()
+    with torch.no_grad():
+        table = compiled_steps_for(model, AOT_EAGER)
+        before = {
+            name: model.generate(ids, quasar={**COMPILED, "num_draft_tokens": n}, eos_token_id=eos, **options)
+            for name, n in (("plain", 0), ("spec", 4))
+        }
+        assert table.shrinks == 0 and set(table.steps) == {(2, 512)}, "no 1-row steps yet: the call keeps its batch"
+        quasar_hf.warm_up(model, [1], num_draft_tokens=4, compile_config=AOT_EAGER, cache_folder=None, progress=False)
+        assert table.ready(1, 512, {1, 5})
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            after = {
+                name: model.generate(ids, quasar={**COMPILED, "num_draft_tokens": n}, eos_token_id=eos, **options)
+                for name, n in (("plain", 0), ("spec", 4))
+            }
+    assert table.shrinks == 2, "each call moved its last row to the 1-row steps"
+    assert torch.equal(after["plain"], before["plain"]) and torch.equal(after["spec"], before["spec"])
+    assert torch.equal(after["spec"], after["plain"])
+    new_tokens = after["spec"][:, ids.shape[1] :]
+    assert bool((new_tokens[1] == eos).any()) and not bool((new_tokens[0] == eos).any()), "row 1 stopped, row 0 went on"
+    assert len(table.idle_caches[(2, 512)]) == 1 and len(table.idle_caches[(1, 512)]) == 1, "both caches given back"
+    torch._dynamo.reset()

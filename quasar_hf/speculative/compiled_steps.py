@@ -23,9 +23,12 @@ A key (rows, slots) holds the decode step [B, 1] and a verify step [B, width + 1
 use (one, unless calls change `num_draft_tokens`; should a key ever reach Dynamo's limit, its function
 is replaced by a fresh one, which compiles the shapes it meets again, the same bits). The table
 keeps the `max_shapes` most recently used keys per model and drops the oldest (its graphs are freed
-with it; coming back to that shape compiles it again, with the same bits). Which key a call uses
-depends only on its shapes, so compiled `quasar=True` and compiled plain decoding
-(`num_draft_tokens=0`) of the same prompts run the same graphs, whatever ran before.
+with it; coming back to that shape compiles it again, with the same bits). Which key a call starts in
+depends only on its shapes. When rows finish, the rows left move to a smaller batch's key if its
+function has run the widths the call uses (`ready`: no compile inside a call; `shrinks` counts the
+moves). A row's bits do not depend on the batch it runs in (row-stable kernels, elementwise ops), so
+compiled `quasar=True` and compiled plain decoding (`num_draft_tokens=0`) of the same prompts give the
+same tokens whichever keys they pass through.
 """
 
 from __future__ import annotations
@@ -91,6 +94,8 @@ class CompiledSteps:
         self.cache_key: str | None = None  # set (warm_up): steps named by it, their traced code kept on disk
         self.failed_loads = 0  # steps loaded from disk that failed and were compiled afresh
         self.idle_caches: dict[tuple, list] = {}  # key -> KV caches no call holds now (reused, not reallocated)
+        self.widths_run: dict[tuple, set[int]] = {}  # key -> step widths (tokens per row) its function has run
+        self.shrinks = 0  # calls moved to a smaller batch's steps when rows finished (StaticVerifierCache.select_rows)
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -123,11 +128,10 @@ class CompiledSteps:
         (a step writes its keys and values at fixed cache positions: running it twice writes them twice)."""
         step = self._ensure(key)
         try:
-            return step(*args, **kwargs)
+            outputs = step(*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # Raised while checking guards, before anything ran: a fresh function has an empty budget.
-            self.steps[key] = step = self._compile(key, precompile=False)
-            return step(*args, **kwargs)
+            outputs = self._replace(key)(*args, **kwargs)
         except Exception as error:
             if not getattr(step, "loaded_from_disk", False):
                 raise
@@ -140,8 +144,22 @@ class CompiledSteps:
             )
             step_compiler.discard_precompiled(step)
             self.failed_loads += 1
-            self.steps[key] = step = self._compile(key, precompile=False)
-            return step(*args, **kwargs)
+            outputs = self._replace(key)(*args, **kwargs)
+        if "input_ids" in kwargs:
+            self.widths_run.setdefault(key, set()).add(kwargs["input_ids"].shape[1])
+        return outputs
+
+    def _replace(self, key: tuple) -> Callable:
+        """A fresh function for `key` (it has run no width yet)."""
+        self.widths_run.pop(key, None)
+        self.steps[key] = step = self._compile(key, precompile=False)
+        return step
+
+    def ready(self, batch_rows: int, cache_slots: int, widths: set[int]) -> bool:
+        """Whether this shape's function is kept and has run steps of every width in `widths` (compiled: calling it
+        with them traces nothing)."""
+        key = (batch_rows, cache_slots)
+        return key in self.steps and widths <= self.widths_run.get(key, set())
 
     def _ensure(self, key: tuple) -> Callable:
         step = self.steps.get(key)
@@ -151,6 +169,7 @@ class CompiledSteps:
         while len(self.steps) >= self.max_shapes:
             dropped, _ = self.steps.popitem(last=False)
             self.idle_caches.pop(dropped, None)
+            self.widths_run.pop(dropped, None)
         self.steps[key] = step = self._compile(key)
         return step
 

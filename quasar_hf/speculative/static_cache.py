@@ -10,8 +10,11 @@ would see alone (masked keys do not change a row-stable step's bits).
 After the eager prefill every step has one of two shapes, [B, 1] (decode) or [B, k + 1] (verify,
 drafts padded to k), so a compiled step runs two graphs and never recompiles once warm. Finished
 rows stay in the batch as idle rows (each sees only its own new token, and its outputs are
-dropped), so the batch size, and with it the graphs, never changes. Rows that pad a batch up to a
-compiled step's size (compiled_steps.batch_bucket) idle from the start.
+dropped), and rows that pad a batch up to a compiled step's size (compiled_steps.batch_bucket) idle
+from the start. Once few enough rows are left for a smaller compiled batch whose steps have run
+(`shrink`), they move to its cache and steps: speculative rows finish at different steps, and a
+4-row step for the one row left costs about twice a 1-row step (SmolLM2, 2 Zen 4 cores). Every op of
+a compiled step is row-stable (our kernels) or elementwise, so a row's bits do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION, QUASAR_SDPA
 
 CACHE_SLOTS_STEP = 256  # cache sizes are rounded up to this: calls of similar lengths share compiled graphs
 BOOL_MASK_ATTENTION = ("sdpa", QUASAR_ATTENTION, QUASAR_SDPA)  # read a 4D bool mask (True: attend) as SDPA does
+
+
+# (unfinished rows, rows allocated) -> (rows, step, KV cache) of a smaller batch to continue in, or None
+Shrink = Callable[[int, int], "tuple[int, Callable, KVCacheSlot] | None"]
 
 
 def static_cache_slots(tokens: int) -> int:
@@ -66,13 +73,15 @@ class StaticVerifierCache:
         verify_kwargs: dict | None = None,
         batch_size: int | None = None,
         kv: KVCacheSlot | None = None,
+        shrink: Shrink | None = None,
     ) -> None:
         """`rows` rows are allocated; the first `batch_size` (default: all) are the prompts' and the
         others idle from the start (padding to a compiled step's batch). `kv`: a cache to reuse (cleared
-        here), else a new one."""
+        here), else a new one. `shrink`: see `select_rows`."""
         self.model = model
         self.max_cache_len = max_cache_len
         self.step = step if step is not None else model
+        self.shrink = shrink
         self.verify_kwargs = verify_kwargs or {}
         self.kv = kv if kv is not None else KVCacheSlot.fresh(model, max_cache_len)
         self.kv.reset()
@@ -199,7 +208,8 @@ class StaticVerifierCache:
         self._move_back_to(int(used.max()) + 1 if used.numel() else 0)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` of the unfinished rows; the others stay allocated, idle, with no keys."""
+        """Keep only `rows` of the unfinished rows; the others stay allocated, idle, with no keys. With `shrink`
+        (compiled steps) the rows left move to a smaller batch's cache and steps where it offers one."""
         self.rows = self.rows[rows]
         idle = torch.ones(self.slot_mask.shape[0], dtype=torch.bool, device=self.rows.device)
         self.idle_rows = idle.index_fill_(0, self.rows, False).nonzero()[:, 0]
@@ -207,6 +217,26 @@ class StaticVerifierCache:
         self.valid_len.index_fill_(0, self.idle_rows, 0)
         used = self.slot_mask.any(dim=0).nonzero()
         self._move_back_to(int(used.max()) + 1 if used.numel() else 0)
+        if self.shrink is not None and 0 < self.batch_size and not self.has_sliding_layers:
+            smaller = self.shrink(self.batch_size, self.slot_mask.shape[0])
+            if smaller is not None:
+                self._move_rows_to(*smaller)
+
+    def _move_rows_to(self, rows: int, step: Callable, kv: KVCacheSlot) -> None:
+        """Continue in `kv`, a cache of `rows` rows run by `step`: the unfinished rows' keys, values and slot
+        masks move to its first rows (in order), so a step stops computing the finished rows. Each row's
+        tokens, positions and visible keys stay what they were: row-stable steps give it the same bits."""
+        kv.reset()
+        compat.copy_static_cache_rows(self.cache, kv.cache, rows, self.rows, self.length)
+        kv.written = self.length
+        slot_mask = torch.zeros(rows, self.max_cache_len, dtype=self.slot_mask.dtype, device=self.slot_mask.device)
+        slot_mask[: self.batch_size] = self.slot_mask[self.rows]
+        valid_len = torch.zeros(rows, dtype=self.valid_len.dtype, device=self.valid_len.device)
+        valid_len[: self.batch_size] = self.valid_len[self.rows]
+        self.slot_mask, self.valid_len, self.kv, self.cache, self.step = slot_mask, valid_len, kv, kv.cache, step
+        self.rows = torch.arange(self.batch_size, device=self.rows.device)
+        self.idle_rows = torch.arange(self.batch_size, rows, device=self.rows.device)
+        self._counter = self.length  # copy_static_cache_rows set the new cache's write position
 
     def check_holes_supported(self) -> None:
         """Masked slots among kept ones need full attention: a sliding window counts slots, not tokens."""

@@ -149,8 +149,20 @@ def verifier_cache(
     rows, slots = batch_bucket(batch_size), compiled_cache_slots(tokens, model_context(model))
     table = compiled_steps_for(model, compile_config)
     step = table.step_for(rows, slots)
-    with table.kv_cache(rows, slots, lambda: KVCacheSlot.fresh(model, slots)) as kv:
-        yield StaticVerifierCache(model, rows, device, slots, step, verify_kwargs, batch_size=batch_size, kv=kv), width
+    widths = {1, width + 1} if config.num_draft_tokens else {1}
+    with contextlib.ExitStack() as caches:
+
+        def shrink(unfinished: int, allocated: int) -> tuple[int, Any, KVCacheSlot] | None:
+            """A smaller batch's steps and cache for the unfinished rows, where its steps have run (no compile)."""
+            smaller = batch_bucket(unfinished)
+            if smaller >= allocated or not table.ready(smaller, slots, widths):
+                return None
+            table.shrinks += 1
+            kv = caches.enter_context(table.kv_cache(smaller, slots, lambda: KVCacheSlot.fresh(model, slots)))
+            return smaller, table.step_for(smaller, slots), kv
+
+        kv = caches.enter_context(table.kv_cache(rows, slots, lambda: KVCacheSlot.fresh(model, slots)))
+        yield StaticVerifierCache(model, rows, device, slots, step, verify_kwargs, batch_size, kv, shrink), width
 
 
 def row_processors(processors: LogitsProcessorList, batch_size: int) -> list[LogitsProcessorList]:
