@@ -155,3 +155,29 @@ def test_rows_left_after_others_finish_move_to_a_smaller_warm_batch_with_the_sam
     assert bool((new_tokens[1] == eos).any()) and not bool((new_tokens[0] == eos).any()), "row 1 stopped, row 0 went on"
     assert len(table.idle_caches[(2, 512)]) == 1 and len(table.idle_caches[(1, 512)]) == 1, "both caches given back"
     torch._dynamo.reset()
+
+
+def test_the_mixed_run_times_every_variant_of_a_call_before_the_next_call(monkeypatch):
+    """Variants interleave call by call, so a machine's drift during the run lands on all of them alike."""
+    from benchmarks.speed import compiled_mixed
+
+    order = []
+
+    class Stats:
+        prefill_time_s = 0.0
+
+    class Out:
+        def __init__(self, ids):
+            self.sequences, self.quasar_stats = torch.cat([ids, ids[:, :2]], 1), Stats()
+
+    class Model:
+        def generate(self, ids, quasar, **options):
+            order.append((ids.shape[0], str(quasar)))
+            return Out(ids)
+
+    variants = {"a": ({"compile": True}, True), "b": (True, False)}
+    monkeypatch.setattr(compiled_mixed, "VARIANTS", variants)
+    runs = compiled_mixed.run_interleaved(Model(), [[[5, 6]], [[1, 2, 3], [4]]], new_tokens=2, pad=0)
+    assert order == [(1, "{'compile': True}")] * 2 + [(1, "True")] + [(2, "{'compile': True}")] * 2 + [(2, "True")]
+    assert [len(runs[name]) for name in variants] == [2, 2]
+    assert runs["a"][1]["tokens"] == 4 and "repeat_s" in runs["a"][0] and "repeat_s" not in runs["b"][0]

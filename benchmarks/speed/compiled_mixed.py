@@ -8,11 +8,12 @@ Steps, each measured in this run:
      bundle and Inductor cache the first left), and from the bundle alone (empty Inductor cache):
      `quasar_hf.warm_up(model, batch_sizes=1..4)`;
   2. in this process, warm-up from the caches the restart used (the steps' traced code loaded), then the sequence (--calls calls: batch 1-4, prompt
-     lengths 5-2000 tokens, shuffled with --seed), each call twice (the first against its repeat), and
-     Dynamo's graph count before and after (0 new graphs is the target);
-  3. the same sequence with compiled plain decoding (`num_draft_tokens=0`): equal tokens per row;
-  4. the same sequence with eager `quasar=True` and eager plain decoding: tokens/s against compiled;
-  5. with --llama-server, each of its n-gram modes on the same prompt ids (a call's rows sent together).
+     lengths 5-2000 tokens, shuffled with --seed), each call run by every variant back to back (VARIANTS:
+     compiled `quasar=True` twice, the first against its repeat; compiled plain decoding, equal tokens
+     per row; eager `quasar=True` and eager plain, tokens/s against compiled), so a machine that slows
+     down during the run slows all variants alike; Dynamo's graph count before and after (0 new graphs
+     is the target);
+  3. with --llama-server, each of its n-gram modes on the same prompt ids (a call's rows sent together).
 The compiled decode step's time is reported against its bytes floor (int8 weights + lm_head bytes
 over the read bandwidth measured here).
 """
@@ -97,31 +98,46 @@ def left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def run_sequence(model, batches, new_tokens: int, quasar, pad: int, repeat: bool) -> list[dict]:
-    """Each call once (and again with `repeat`): seconds, of which the prompt's prefill (the same eager code in
-    every variant), new tokens, the output rows."""
-    rows = []
+VARIANTS = {  # name: (quasar option, timed twice); run in this order for each call
+    "compiled": ({"compile": True}, True),
+    "compiled_plain": ({"compile": True, "num_draft_tokens": 0}, False),
+    "eager": (True, False),
+    "eager_plain": ({"num_draft_tokens": 0}, False),
+}
+
+
+def run_call(model, batch: list[list[int]], new_tokens: int, quasar, pad: int, repeat: bool) -> dict:
+    """One call (again with `repeat`): seconds, of which the prompt's prefill (the same eager code in every
+    variant), new tokens, the output rows."""
+    ids, mask = left_padded(batch, pad)
+    record = {"batch": len(batch), "prompt_tokens": [len(r) for r in batch]}
+    for label in ("first", "repeat") if repeat else ("first",):
+        started = time.perf_counter()
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=None,
+            quasar=quasar,
+            return_dict_in_generate=True,
+        )
+        record[f"{label}_s"] = round(time.perf_counter() - started, 3)
+        record.setdefault("prefill_s", round(out.quasar_stats.prefill_time_s, 3))
+    record["outputs"] = out.sequences[:, ids.shape[1] :].tolist()
+    record["tokens"] = len(batch) * new_tokens
+    return record
+
+
+def run_interleaved(model, batches, new_tokens: int, pad: int) -> dict[str, list[dict]]:
+    """Every variant of each call back to back, call after call: a machine that slows down during the run
+    slows every variant alike (run one variant after the other, a drift lands on one variant's figures)."""
+    rows = {name: [] for name in VARIANTS}
     for batch in batches:
-        ids, mask = left_padded(batch, pad)
-        record = {"batch": len(batch), "prompt_tokens": [len(r) for r in batch]}
-        for label in ("first", "repeat") if repeat else ("first",):
-            started = time.perf_counter()
-            out = model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=pad,
-                eos_token_id=None,
-                quasar=quasar,
-                return_dict_in_generate=True,
-            )
-            record[f"{label}_s"] = round(time.perf_counter() - started, 3)
-            record.setdefault("prefill_s", round(out.quasar_stats.prefill_time_s, 3))
-        record["outputs"] = out.sequences[:, ids.shape[1] :].tolist()
-        record["tokens"] = len(batch) * new_tokens
-        rows.append(record)
-        print({k: v for k, v in record.items() if k != "outputs"}, flush=True)
+        for name, (quasar, repeat) in VARIANTS.items():
+            rows[name].append(run_call(model, batch, new_tokens, quasar, pad, repeat))
+        print({name: {k: v for k, v in r[-1].items() if k.endswith("_s")} for name, r in rows.items()}, flush=True)
     return rows
 
 
@@ -190,11 +206,10 @@ def mixed_main(args) -> dict:
     warm = quasar_hf.warm_up(model, batch_sizes=[1, 2, 3, 4], max_length=args.max_length, progress=False)
     report["warm_up"]["this_process"] = {"seconds": round(warm.seconds, 1), "cache": warm.cache, "graphs": warm.graphs_compiled}
     before = int(counters["stats"]["unique_graphs"])
-    compiled = run_sequence(model, batches, args.new_tokens, {"compile": True}, pad, repeat=True)
-    report["graphs_after_warm_up"] = int(counters["stats"]["unique_graphs"]) - before
-    plain = run_sequence(model, batches, args.new_tokens, {"compile": True, "num_draft_tokens": 0}, pad, repeat=False)
-    eager = run_sequence(model, batches, args.new_tokens, True, pad, repeat=False)
-    eager_plain = run_sequence(model, batches, args.new_tokens, {"num_draft_tokens": 0}, pad, repeat=False)
+    runs = run_interleaved(model, batches, args.new_tokens, pad)
+    report["interleaved"] = True
+    report["graphs_after_warm_up"] = int(counters["stats"]["unique_graphs"]) - before  # eager calls trace nothing
+    compiled, plain, eager, eager_plain = (runs[name] for name in VARIANTS)
     for row, other in zip(compiled, plain):
         row["equal_to_compiled_plain"] = row.pop("outputs") == other.pop("outputs")
     for row, other in zip(eager, eager_plain):
@@ -273,7 +288,10 @@ def mixed_markdown(report: dict, command: str) -> str:
         f"{report['decode_step_ms'] / report['floor']['ms']:.2f}x.",
         "",
         "Each call's time splits into its prompt's prefill (the same eager forward in every variant; compiled steps start "
-        "after it) and the decode after it (the steps): the decode column is where compiling can pay.",
+        "after it) and the decode after it (the steps): the decode column is where compiling can pay. "
+        + (
+            "The variants ran call by call, back to back." if report.get("interleaved") else "The variants ran one after another."
+        ),
         "",
         "| variant | tokens/s over the sequence | prefill s | decode s |",
         "|---|---|---|---|",
