@@ -181,3 +181,19 @@ def test_the_mixed_run_times_every_variant_of_a_call_before_the_next_call(monkey
     assert order == [(1, "{'compile': True}")] * 2 + [(1, "True")] + [(2, "{'compile': True}")] * 2 + [(2, "True")]
     assert [len(runs[name]) for name in variants] == [2, 2]
     assert runs["a"][1]["tokens"] == 4 and "repeat_s" in runs["a"][0] and "repeat_s" not in runs["b"][0]
+
+
+def test_rows_about_to_finish_are_not_moved(tmp_path):
+    """A move copies every kept slot of the rows left: it is offered only when they owe enough tokens."""
+    from quasar_hf.speculative.static_cache import MOVE_SLOTS_PER_STEP, StaticVerifierCache
+
+    model = quasar_model(tmp_path, "llama", torch.bfloat16)
+    asked = []
+    cache = StaticVerifierCache(model, 4, torch.device("cpu"), 512, shrink=lambda left, allocated: asked.append(left))
+    with torch.no_grad():
+        cache.forward(torch.ones(4, 2 * MOVE_SLOTS_PER_STEP, dtype=torch.long), last_only=True)
+    cache.select_rows(torch.tensor([0, 1, 2]), tokens_left=1)  # 512 slots for 1 token: not offered
+    assert asked == []
+    cache.select_rows(torch.tensor([0, 1]), tokens_left=2)  # 512 slots for 2 tokens: worth a move
+    cache.select_rows(torch.tensor([0]))  # no budget known: offered
+    assert asked == [2, 1] and cache.batch_size == 1

@@ -85,8 +85,8 @@ class RowAlignedCache:
         self.valid_len = self.valid_len - counts.clamp(max=self.valid_len)
         self._crop_empty_tail()
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` (finished rows leave the batch and stop costing compute)."""
+    def select_rows(self, rows: torch.Tensor, tokens_left: int | None = None) -> None:
+        """Keep only `rows` (finished rows leave the batch and stop costing compute; `tokens_left` is not needed)."""
         self.cache.batch_select_indices(rows)
         self.slot_mask = self.slot_mask[rows]
         self.valid_len = self.valid_len[rows]

@@ -199,7 +199,7 @@ class SpeculativeRun:
         if not keep:
             return pending[:0]
         keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.verifier.select_rows(keep_index)
+        self.verifier.select_rows(keep_index, max(self.prepared.max_length - len(self.rows[b]) for b in self.active))
         self.drafter.select_rows(keep_index)
         return pending[keep_index]
 
