@@ -13,7 +13,7 @@ rows stay in the batch as idle rows (each sees only its own new token, and its o
 dropped), and rows that pad a batch up to a compiled step's size (compiled_steps.batch_bucket) idle
 from the start. Once few enough rows are left for a smaller compiled batch whose steps have run
 (`shrink`), they move to its cache and steps: speculative rows finish at different steps, and a
-4-row step for the one row left costs about twice a 1-row step (SmolLM2, 2 Zen 4 cores). Every op of
+4-row verify step for the one row left costs 2.5 times a 1-row one (SmolLM2, 2 Zen 4 cores). Every op of
 a compiled step is row-stable (our kernels) or elementwise, so a row's bits do not depend on the batch.
 """
 
