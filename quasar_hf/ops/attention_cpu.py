@@ -12,6 +12,15 @@ Public API:
     is_available() -> bool / unavailable_reason() -> str | None     never raise
     supports(query, key, value) -> bool                             dtype/device/layout check
     rowstable_attention(query, key, value, visible=None, scale=None) -> [B, Q, H, D]
+    prefill_supports(query, key, value) -> bool                     the prompt kernel (below) applies
+    prefill_attention(query, key, value, scale=None) -> [B, L, H, D]
+
+A prompt's causal self-attention (a long prefill: as many keys as queries, no mask) has its own
+kernel, `quasar::prefill_attention` (csrc/prefill_attention_bf16.c): blocked, on the AVX512-BF16
+dot-product instruction, 2.3-3.7x torch's CPU flash attention here (benchmarks `attention-kernel
+--prefill`). It is no row-stable kernel (nor needs one: plain and speculative generation run the same
+prefill). Where the CPU lacks AVX512-BF16, or the tensors are not bfloat16 with a head size that is a
+multiple of 32 up to 256, callers run SDPA (doctor lists which kernels run here).
 `rowstable_attention` calls the op `quasar::rowstable_attention` (ops/torch_ops.py), eager and
 compiled alike: on CPU its C++ implementation (ops/native.py) calls this kernel. When the kernel
 cannot be built, `supports` says False and logs the reason once at warning level (callers then run
@@ -58,6 +67,39 @@ def supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> boo
 
 def _fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     return query.device.type == "cpu" and query.dtype in _DTYPES and attention_layout_ok(query, key, value)
+
+
+@torch.compiler.assume_constant_result
+def prefill_unavailable_reason() -> str | None:
+    """None when the prompt kernel runs here, else why not (decided once; never raises)."""
+    return native.unavailable_reason("prefill_attention")
+
+
+def prefill_supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """True if `prefill_attention` takes these tensors: CPU bfloat16, query [B, H, L, D] and key/value
+    [B, KVH, L, D] (as many keys as queries), H divisible by KVH, D a multiple of 32 up to 256, and the
+    kernel built for this CPU."""
+    if query.device.type != "cpu" or query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
+        return False
+    if any(t.dtype != torch.bfloat16 for t in (query, key, value)):
+        return False
+    batch, heads, length, head_dim = query.shape
+    if key.shape[0] != batch or key.shape[2] != length or key.shape[3] != head_dim or heads % key.shape[1]:
+        return False
+    return head_dim % 32 == 0 and head_dim <= 256 and prefill_unavailable_reason() is None
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal softmax(scale * q k^T) v of a prompt over its own keys (row i sees keys 0 .. i); returns
+    [B, L, H, D] bfloat16. Raises ValueError unless `prefill_supports(query, key, value)`."""
+    if not prefill_supports(query, key, value):
+        reason = prefill_unavailable_reason() or "it needs CPU bfloat16 query [B, H, L, D] and key/value [B, KVH, L, D]"
+        raise ValueError(
+            f"the prefill attention kernel does not take q {tuple(query.shape)} {query.dtype}, k {tuple(key.shape)} "
+            f"{key.dtype}, v {tuple(value.shape)} {value.dtype}: {reason} (head size a multiple of 32 up to 256); "
+            "use torch.nn.functional.scaled_dot_product_attention(is_causal=True) instead"
+        )
+    return torch.ops.quasar.prefill_attention(query, key, value, None if scale is None else float(scale))
 
 
 def rowstable_attention(

@@ -12,6 +12,8 @@ of all of them.
   quasar::w8a8_accumulators_cpu_packed(x, w_packed, wsum128, act_prescale?, out_features) -> int32 [M, N]
       (the packed GEMM's exact accumulators, apart from the float epilogue: tests and debugging)
   quasar::rowstable_attention(query, key, value, visible?, scale?) -> [B, Q, H, D]   (CPU: C; CUDA: Triton)
+  quasar::prefill_attention(query, key, value, scale?) -> [B, L, H, D]   (a prompt's causal self-attention,
+      bfloat16, on CPUs with AVX512-BF16: what a long prefill runs, csrc/prefill_attention_bf16.c)
   quasar::rowstable_linear(x, weight, bias?) -> [..., N]   (the float lm_head, RowStableLinear)
   quasar::hadamard_rows(x, signs, blocks, pow2, scale) -> fp32 [..., K]   (RotatedW8A8Linear's input)
   quasar::rms_norm(x, weight, eps, offset, scale_in_float) -> [..., K]   (every RMSNorm not folded, when
@@ -79,6 +81,19 @@ def _attention_cuda_impl(query, key, value, visible, scale) -> torch.Tensor:
     from quasar_hf.ops import triton_attention
 
     return triton_attention.rowstable_attention_triton(query, key, value, visible, scale)
+
+
+def _prefill_attention_fake(query, key, value, scale) -> torch.Tensor:
+    batch, heads, length, head_dim = query.shape
+    return query.new_empty(batch, length, heads, head_dim)
+
+
+def _prefill_attention_fallback(query, key, value, scale) -> torch.Tensor:
+    """Without the kernel: the fp64 oracle (causal), rounded. Slow and O(L^2) memory: callers ask
+    `attention_cpu.prefill_supports` first and run SDPA where the kernel does not serve."""
+    from quasar_hf.ops.reference import attention_reference
+
+    return attention_reference(query, key, value, None, scale).to(query.dtype).contiguous()
 
 
 # ---- row-stable float linear (the lm_head) -------------------------------------------------
@@ -221,6 +236,11 @@ def _sample_attention(gen: torch.Generator) -> Args:
     return q, k, v, visible, 0.3
 
 
+def _sample_prefill_attention(gen: torch.Generator) -> Args:
+    q, k, v = (torch.randn(1, h, 5, 32, generator=gen).bfloat16() for h in (4, 2, 2))  # GQA, 5 rows: ragged blocks
+    return q, k, v, 0.3
+
+
 def _sample_rowstable_linear(gen: torch.Generator) -> Args:
     return sample_rows(gen), torch.randn(9, 40, generator=gen).bfloat16(), None
 
@@ -288,6 +308,11 @@ KERNEL_OPS: tuple[OpSpec, ...] = (
         "rowstable_attention(Tensor query, Tensor key, Tensor value, Tensor? visible, float? scale) -> Tensor",
         _attention_fake, _attention_fallback_impl, "reference.attention_reference", _sample_attention,
         cuda=_attention_cuda_impl, kernel="attention", tolerance=2.0**-7,
+    ),
+    OpSpec(
+        "prefill_attention(Tensor query, Tensor key, Tensor value, float? scale) -> Tensor",
+        _prefill_attention_fake, _prefill_attention_fallback, "reference.attention_reference", _sample_prefill_attention,
+        kernel="prefill_attention", tolerance=2.0**-6,
     ),
     OpSpec(
         "rowstable_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",

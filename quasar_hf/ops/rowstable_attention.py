@@ -11,9 +11,10 @@ Two registered attention implementations:
   switches any SDPA model): every decode and verify call runs a kernel that computes each query
   row alone (`attention_cpu` on CPU in float32/bfloat16, `triton_attention` on CUDA), so a
   verified row equals its decode step by construction, in one batched call. Where no kernel
-  applies (CPU float16, a device where the Triton kernel fails its first-use check) and for long
-  prefills it is SDPA; a left-padded batch's long prefill runs SDPA per row on that row's own tokens,
-  the call a request alone makes, so a served batch gives each request its own bits.
+  applies (CPU float16, a device where the Triton kernel fails its first-use check) it is SDPA. A long
+  prefill runs the prompt kernel (`attention_cpu.prefill_attention`, CPU bfloat16 with AVX512-BF16)
+  or SDPA; a left-padded batch's long prefill runs it per row on that row's own tokens, the call a
+  request alone makes, so a served batch gives each request its own bits.
 * `QUASAR_SDPA` ("quasar_sdpa"): plain SDPA, for SDPA models during one speculative call.
 Both take the forward keyword `quasar_rowstable=True` (Transformers passes a forward's extra keyword
 arguments through to the attention function): a multi-token call over a cache that no kernel
@@ -160,13 +161,24 @@ def _fresh_static_prefill(attention_mask, q_len: int, kv_len: int, sliding_windo
     return attention_mask.shape[-1] >= kv_len and not bool(attention_mask[..., q_len:kv_len].any())
 
 
+def _prompt_attention(module, query, key, value, dropout=0.0, scaling=None, **kwargs):
+    """A long prompt's causal self-attention (Q == N, no mask): `attention_cpu.prefill_attention` (the
+    AVX512-BF16 kernel) where it applies, else SDPA. Returns ([B, L, H, D], None)."""
+    window = kwargs.get("sliding_window")
+    plain = not dropout and getattr(module, "is_causal", True) and kwargs.get("is_causal", True) is not False
+    plain = plain and all(kwargs.get(k) is None for k in _UNSUPPORTED_KWARGS) and (not window or query.shape[2] <= window)
+    if plain and attention_cpu.prefill_supports(query, key, value):
+        return attention_cpu.prefill_attention(query, key, value, scaling), None
+    return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
+
+
 def _sdpa_prefill_by_row(module, query, key, value, pads, **kwargs):
-    """A left-padded batch's long prefill as each row's own SDPA call on its unpadded tokens: the call a
+    """A left-padded batch's long prefill as each row's own call on its unpadded tokens: the call a
     request alone makes (mask None, causal), so a batched row gets that request's bits. Padding rows out: 0."""
     outputs = []
     for row, pad in enumerate(pads):
         rows = [t[row : row + 1, :, pad:].contiguous() for t in (query, key, value)]
-        out, _ = sdpa_attention_forward(module, *rows, None, **kwargs)  # [1, N - pad, H, D]
+        out, _ = _prompt_attention(module, *rows, **kwargs)  # [1, N - pad, H, D]
         outputs.append(torch.nn.functional.pad(out, (0, 0, 0, 0, pad, 0)))
     return torch.cat(outputs), None
 
@@ -194,6 +206,8 @@ def rowstable_attention_forward(
             return kernel(query, key, value, visible, scaling), None
     if _verifying_over_cache(query, key, quasar_rowstable):
         return _sdpa_row_by_row(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if attention_mask is None and q_len == kv_len > LONG_PREFILL_ROWS and not torch.compiler.is_compiling():
+        return _prompt_attention(module, query, key, value, dropout=dropout, scaling=scaling, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

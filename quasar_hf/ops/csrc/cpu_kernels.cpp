@@ -46,6 +46,7 @@ bool cpu_reports(const std::string &flag) {
     if (flag == "avx512vl") return __builtin_cpu_supports("avx512vl");
     if (flag == "avx512dq") return __builtin_cpu_supports("avx512dq");
     if (flag == "avx512_vnni") return __builtin_cpu_supports("avx512vnni");
+    if (flag == "avx512_bf16") return __builtin_cpu_supports("avx512bf16");
 #endif
     return false;  // an unknown name is never assumed present
 }

@@ -156,6 +156,32 @@ at::Tensor rowstable_attention_cpu(const at::Tensor &query, const at::Tensor &ke
     return out;
 }
 
+// quasar::prefill_attention on CPU: a prompt's causal self-attention (query [B, H, L, D], key/value
+// [B, KVH, L, D], bfloat16, D % 32 == 0, D <= 256) -> [B, L, H, D].
+at::Tensor prefill_attention_cpu(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
+                                 std::optional<double> scale) {
+    TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.sizes() == key.sizes() && query.scalar_type() == at::kBFloat16 &&
+                    key.scalar_type() == at::kBFloat16 && value.scalar_type() == at::kBFloat16,
+                "prefill_attention: query [B, H, L, D], key and value [B, KVH, L, D], all bfloat16");
+    const int64_t batch = query.size(0), heads = query.size(1), length = query.size(2), head_dim = query.size(3);
+    const int64_t kv_heads = key.size(1);
+    TORCH_CHECK(key.size(0) == batch && key.size(2) == length && key.size(3) == head_dim && kv_heads > 0 &&
+                    heads % kv_heads == 0 && head_dim % 32 == 0 && head_dim <= 256,
+                "prefill_attention rejected shapes q ", query.sizes(), ", k ", key.sizes(),
+                " (needs as many keys as queries, head dim a multiple of 32 up to 256)");
+    at::Tensor out = at::empty({batch, length, heads, head_dim}, query.options());
+    if (out.numel() == 0) return out;
+    const at::Tensor q = inner_contiguous(query), k = inner_contiguous(key), v = inner_contiguous(value);
+    const float s = static_cast<float>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim)));
+    const int status = require(quasar::cpu_kernels().qhf_prefill_attention, "prefill attention")(
+        q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.data_ptr(),
+        v.stride(0), v.stride(1), v.stride(2), out.data_ptr(), batch, heads, kv_heads, length, head_dim, s,
+        std::max(1, at::get_num_threads()));
+    TORCH_CHECK(status != 1, "prefill attention could not allocate scratch for ", length, " keys");
+    TORCH_CHECK(status == 0, "prefill attention rejected shapes q ", query.sizes(), ", k ", key.sizes());
+    return out;
+}
+
 // quasar::rowstable_linear on CPU (x [..., K] @ weight[N, K].T + bias, one dtype,
 // float32 or bfloat16; each element independent of the row count).
 at::Tensor rowstable_linear_cpu(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
@@ -245,6 +271,7 @@ const std::map<std::string, Registrar> &implementations() {
         {"w8a8_folded_norm_linear_cpu_packed", [](torch::Library &l, const char *op) { l.impl(op, &native_folded_norm_linear); }},
         {"w8a8_accumulators_cpu_packed", [](torch::Library &l, const char *op) { l.impl(op, &native_w8a8_accumulators); }},
         {"rowstable_attention", [](torch::Library &l, const char *op) { l.impl(op, &rowstable_attention_cpu); }},
+        {"prefill_attention", [](torch::Library &l, const char *op) { l.impl(op, &prefill_attention_cpu); }},
         {"rowstable_linear", [](torch::Library &l, const char *op) { l.impl(op, &rowstable_linear_cpu); }},
         {"rms_norm", [](torch::Library &l, const char *op) { l.impl(op, &rms_norm_cpu); }},
         {"hadamard_rows", [](torch::Library &l, const char *op) { l.impl(op, &hadamard_rows_cpu); }},
