@@ -53,6 +53,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "benchmarks.kernels.attention_kernel:main",
         "the row-stable attention kernel's builds at real models' attention shapes",
     ),
+    "prefill-attention": (
+        "benchmarks.kernels.prefill_attention:main",
+        "a prompt's causal attention: the AVX512-BF16 kernel vs SDPA, alone and in a whole prefill",
+    ),
     "hadamard-kernel": (
         "benchmarks.kernels.hadamard_kernel:main",
         "the Hadamard rotation kernel's builds at real models' rotated widths",

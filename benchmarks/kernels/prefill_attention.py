@@ -1,0 +1,161 @@
+"""A prompt's causal attention: the AVX512-BF16 kernel against torch's SDPA, side by side, with accuracy.
+
+Part 1, the attention alone, at the attention shapes of real models and prompt lengths: median ms per
+call of SDPA (bf16, causal, GQA; what Quasar models ran before the kernel and run where it does not)
+and of `quasar::prefill_attention`, interleaved, on inputs laid out as Transformers passes them; beside
+each, its error against the fp64 oracle (max abs and RMS).
+Part 2 (`--checkpoint`), a whole prefill: one forward of a prompt through a Quasar checkpoint, with the
+attention Quasar models load with (the kernel) and with `set_attn_implementation("sdpa")`, interleaved;
+beside it, the largest logit difference of the last token and whether the two agree on its argmax.
+
+    python -m benchmarks prefill-attention --checkpoint CK --name prefill_attention_smollm2_zen4
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import reports_dir
+from benchmarks.kernels.attention_kernel import SHAPES
+from benchmarks.kernels.build_reports import selected_shapes, write_build_reports
+from benchmarks.kernels.kernels import interleaved_medians
+from quasar_hf.bench.report import markdown_table
+from quasar_hf.ops import attention_cpu
+from quasar_hf.ops.reference import attention_reference
+
+CPU = torch.device("cpu")
+
+
+def prompt_inputs(heads: int, kv_heads: int, dim: int, length: int, seed: int = 0):
+    """q [1, H, L, D], k/v [1, KVH, L, D] bf16, transposed out of [1, L, heads, D] as Transformers lays them out."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, length, h, dim, generator=gen).bfloat16().transpose(1, 2) for h in (heads, kv_heads, kv_heads))
+
+
+def _sdpa(q, k, v, scale):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
+
+
+def _errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    diff = out.double() - ref
+    return {"max_abs": diff.abs().max().item(), "rms": diff.pow(2).mean().sqrt().item()}
+
+
+def measure_kernel(shapes, lengths: tuple[int, ...], samples: int, oracle_max: int) -> list[dict]:
+    """Per shape and length: ms per call and GFLOP/s of both, errors against the oracle (up to `oracle_max`)."""
+    rows = []
+    for label, heads, kv_heads, dim in shapes:
+        for length in lengths:
+            q, k, v = prompt_inputs(heads, kv_heads, dim, length)
+            scale = dim**-0.5
+            variants = {
+                "sdpa": lambda _i: _sdpa(q, k, v, scale),
+                "kernel": lambda _i: attention_cpu.prefill_attention(q, k, v, scale),
+            }
+            medians = interleaved_medians(variants, CPU, samples, batch=1)
+            flops = 2 * 2 * heads * dim * length * (length + 1) / 2  # q.k and p.v over the causal triangle
+            row = {"shape": label, "length": length, "flops": flops}
+            for name, seconds in medians.items():
+                row[f"{name}_ms"] = seconds * 1e3
+                row[f"{name}_gflops"] = flops / seconds / 1e9
+            row["speedup"] = medians["sdpa"] / medians["kernel"]
+            if length <= oracle_max:
+                ref = attention_reference(q, k, v, None, scale)
+                row["sdpa_error"] = _errors(_sdpa(q, k, v, scale), ref)
+                row["kernel_error"] = _errors(attention_cpu.prefill_attention(q, k, v, scale), ref)
+            rows.append(row)
+    return rows
+
+
+def measure_prefill(checkpoint: str, lengths: tuple[int, ...], samples: int) -> list[dict]:
+    """Per prompt length: one forward of the checkpoint with its own attention and with SDPA, interleaved."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    quasar_attention = model.config._attn_implementation
+    vocab = model.config.vocab_size
+    rows = []
+    for length in lengths:
+        ids = torch.randint(vocab // 8, vocab - vocab // 8, (1, length), generator=torch.Generator().manual_seed(length))
+
+        def forward(implementation):
+            model.set_attn_implementation(implementation)
+            with torch.inference_mode():
+                return model(ids, logits_to_keep=1).logits[0, -1].float()
+
+        medians = interleaved_medians(
+            {"sdpa": lambda _i: forward("sdpa"), "kernel": lambda _i: forward(quasar_attention)}, CPU, samples, batch=1
+        )
+        with_kernel, with_sdpa = forward(quasar_attention), forward("sdpa")
+        rows.append(
+            {
+                "length": length,
+                "sdpa_s": medians["sdpa"],
+                "kernel_s": medians["kernel"],
+                "speedup": medians["sdpa"] / medians["kernel"],
+                "max_logit_diff": (with_kernel - with_sdpa).abs().max().item(),
+                "same_argmax": bool(with_kernel.argmax() == with_sdpa.argmax()),
+            }
+        )
+    model.set_attn_implementation(quasar_attention)
+    return rows
+
+
+def _error_cell(row: dict, name: str) -> str:
+    error = row.get(f"{name}_error")
+    return "-" if error is None else f"{error['max_abs']:.4f} / {error['rms']:.2e}"
+
+
+def to_markdown(result: dict, command: str) -> str:
+    lines = ["# Prefill attention: the AVX512-BF16 kernel against SDPA", "", f"Command: `{command}`", ""]
+    lines += [
+        f"{result['torch_threads']} threads, bf16, causal, one prompt; median of {result['samples']} interleaved "
+        "calls. Error: max abs / RMS against the fp64 oracle.",
+        "",
+    ]
+    table = [
+        [
+            r["shape"], r["length"], f"{r['sdpa_ms']:.2f}", f"{r['kernel_ms']:.2f}", f"{r['speedup']:.2f}x",
+            f"{r['sdpa_gflops']:.0f} / {r['kernel_gflops']:.0f}", _error_cell(r, "sdpa"), _error_cell(r, "kernel"),
+        ]
+        for r in result["kernel"]
+    ]  # fmt: skip
+    headers = ["shape", "prompt", "SDPA ms", "kernel ms", "speed-up", "GFLOP/s SDPA / kernel", "SDPA error", "kernel error"]
+    lines += markdown_table(headers, table)
+    if result.get("prefill"):
+        lines += ["", f"## Whole prefill: `{result['checkpoint']}`", ""]
+        lines += ["One forward of the prompt (logits of its last token), Quasar's attention against SDPA.", ""]
+        table = [
+            [r["length"], f"{r['sdpa_s']:.3f}", f"{r['kernel_s']:.3f}", f"{r['speedup']:.2f}x", f"{r['max_logit_diff']:.4f}",
+             "yes" if r["same_argmax"] else "no"]
+            for r in result["prefill"]
+        ]  # fmt: skip
+        lines += markdown_table(["prompt", "SDPA s", "kernel s", "speed-up", "max logit diff", "same argmax"], table)
+    lines += ["", f"Environment: {result['environment']}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks prefill-attention", description=__doc__.split("\n")[0])
+    parser.add_argument("--name", default="prefill_attention_cpu", help="report name (OUT/NAME.md/.json)")
+    parser.add_argument("--out", default=reports_dir("prefill-attention"), help="folder for the reports")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1000, 2000], help="prompt lengths")
+    parser.add_argument("--samples", type=int, default=5, help="interleaved samples per variant")
+    parser.add_argument("--shapes", nargs="+", default=None, help="labels of SHAPES to run (default all)")
+    parser.add_argument("--oracle-max", type=int, default=2000, help="longest prompt checked against the fp64 oracle")
+    parser.add_argument("--checkpoint", default=None, help="a Quasar checkpoint: also time its whole prefill")
+    args = parser.parse_args(argv)
+    shapes = selected_shapes(parser, SHAPES, args.shapes)
+    if min(args.lengths) < 1 or args.samples < 1:
+        parser.error("--lengths and --samples must be at least 1")
+    reason = attention_cpu.prefill_unavailable_reason()
+    if reason is not None:
+        parser.error(f"the prefill attention kernel does not run here: {reason}")
+    result = {"torch_threads": torch.get_num_threads(), "samples": args.samples, "checkpoint": args.checkpoint}
+    result["kernel"] = measure_kernel(shapes, tuple(args.lengths), args.samples, args.oracle_max)
+    if args.checkpoint:
+        result["prefill"] = measure_prefill(args.checkpoint, tuple(args.lengths), args.samples)
+    return write_build_reports(result, args.out, args.name, "python -m benchmarks prefill-attention", argv, to_markdown)
