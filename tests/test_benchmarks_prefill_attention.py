@@ -31,7 +31,7 @@ def test_report_times_both_and_checks_them_against_the_oracle(tmp_path):
         assert r["sdpa_ms"] > 0 and r["kernel_ms"] > 0
     assert result["kernel"][0]["kernel_error"]["max_abs"] < 0.05 and "kernel_error" not in result["kernel"][1]
     for r in result["prefill"]:
-        assert r["kernel_s"] > 0 and r["max_logit_diff"] < 1.0
+        assert r["kernel_s"] > 0 and r["kernel_max_logit_diff"] < 1.0 and r["sdpa_max_logit_diff"] < 1.0
     assert "prefill-attention" in open(md_path).read()
 
 
