@@ -23,7 +23,7 @@ def test_report_times_both_and_checks_them_against_the_oracle(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=config, dtype=torch.bfloat16)
     model.save_pretrained(tmp_path / "quasar")
     argv = ["--out", str(tmp_path), "--name", "pa", "--shapes", "SmolLM2-135M", "--lengths", "70", "130"]
-    argv += ["--samples", "1", "--oracle-max", "100", "--checkpoint", str(tmp_path / "quasar")]
+    argv += ["--samples", "1", "--oracle-max", "100", "--checkpoint", str(tmp_path / "quasar"), "--accuracy-prompts", "2"]
     json_path, md_path = prefill_attention.main(argv)
     result = json.loads(open(json_path).read())
     assert [r["length"] for r in result["kernel"]] == [70, 130]
@@ -32,6 +32,7 @@ def test_report_times_both_and_checks_them_against_the_oracle(tmp_path):
     assert result["kernel"][0]["kernel_error"]["max_abs"] < 0.05 and "kernel_error" not in result["kernel"][1]
     for r in result["prefill"]:
         assert r["kernel_s"] > 0 and r["kernel_max_logit_diff"] < 1.0 and r["sdpa_max_logit_diff"] < 1.0
+        assert 0 <= r["kernel_same_argmax"] <= 2 and r["kernel_mean_logit_diff"] <= r["kernel_max_logit_diff"]
     assert "prefill-attention" in open(md_path).read()
 
 
