@@ -151,3 +151,19 @@ def test_prefills_the_kernel_cannot_express_run_sdpa(qwen3_w8a8, monkeypatch):
     monkeypatch.setattr(module, "is_causal", False)
     rowstable_attention.rowstable_attention_forward(module, q, k, v, None, scaling=0.1)
     assert calls == [100]
+
+
+def test_a_short_row_of_a_long_padded_batch_gets_the_bits_it_gets_alone(qwen3_w8a8):
+    """A left-padded batch's long prefill runs each row as that request alone runs: a row of 30 tokens beside
+    one of 100 takes the row-stable kernel (a short prompt's path alone), not the long-prompt attention."""
+    model = qwen3_w8a8
+    gen = torch.Generator().manual_seed(3)
+    long_prompt, short_prompt = torch.randint(0, 96, (1, 100), generator=gen), torch.randint(0, 96, (1, 30), generator=gen)
+    ids = torch.cat([long_prompt, torch.cat([torch.full((1, 70), 96), short_prompt], dim=1)])
+    mask = torch.ones_like(ids)
+    mask[1, :70] = 0
+    with torch.inference_mode():
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate numbers a left-padded row
+        batched = model(ids, attention_mask=mask, position_ids=positions).logits[1, -1]
+        alone = model(short_prompt).logits[0, -1]
+    assert torch.equal(batched, alone)

@@ -174,11 +174,12 @@ def _prompt_attention(module, query, key, value, dropout=0.0, scaling=None, **kw
 
 def _sdpa_prefill_by_row(module, query, key, value, pads, **kwargs):
     """A left-padded batch's long prefill as each row's own call on its unpadded tokens: the call a
-    request alone makes (mask None, causal), so a batched row gets that request's bits. Padding rows out: 0."""
+    request alone makes (mask None, causal: the prompt attention, or the row-stable kernel for a row of
+    at most LONG_PREFILL_ROWS tokens), so a batched row gets that request's bits. Padding rows out: 0."""
     outputs = []
     for row, pad in enumerate(pads):
         rows = [t[row : row + 1, :, pad:].contiguous() for t in (query, key, value)]
-        out, _ = _prompt_attention(module, *rows, **kwargs)  # [1, N - pad, H, D]
+        out, _ = rowstable_attention_forward(module, *rows, None, **kwargs)  # [1, N - pad, H, D]
         outputs.append(torch.nn.functional.pad(out, (0, 0, 0, 0, pad, 0)))
     return torch.cat(outputs), None
 
