@@ -4,13 +4,14 @@ cancellation; plain (Quasar off) and options the loop declines run too."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import GenerationConfig
 
-from quasar_hf.speculative.batcher import BatchRequest, RequestBatcher, batch_key
+from quasar_hf.speculative.batcher import SHUTTING_DOWN, BatchRequest, RequestBatcher, batch_key
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [40, 41, 42, 40, 41], [70, 71, 72, 73, 74, 75, 70, 71, 72, 73]]
 
@@ -122,6 +123,75 @@ def test_a_failing_request_fails_alone_and_the_batcher_keeps_serving(model):
         assert good.error is None and good.tokens == alone(model, PROMPTS[1], quasar=False)
     finally:
         batcher.stop()
+
+
+def test_a_bad_row_fails_only_its_own_request_and_the_others_equal_alone(model):
+    """A token id past the vocabulary fails the batch's prefill; the batch is rerun one request at a time."""
+    batcher = RequestBatcher(model, gather_seconds=0.2)
+    try:
+        collectors = [Collector() for _ in range(3)]
+        prompts = [PROMPTS[0], [5, 6, model.config.vocab_size + 50], PROMPTS[2]]
+        run_together(batcher, [(c.request(p), c) for c, p in zip(collectors, prompts)])
+        assert collectors[1].error is not None and collectors[1].tokens == []
+        for index in (0, 2):
+            assert collectors[index].error is None
+            assert collectors[index].tokens == alone(model, prompts[index], quasar=False)
+    finally:
+        batcher.stop()
+
+
+def test_a_short_request_completes_while_a_long_one_in_its_batch_still_decodes(model):
+    batcher = RequestBatcher(model, gather_seconds=0.2)
+    try:
+        short, long = Collector(), Collector()
+        tokens_of_long_when_short_ended: list[int] = []
+        original_finish = short.finish
+
+        def short_done(error) -> None:
+            tokens_of_long_when_short_ended.append(len(long.tokens))
+            original_finish(error)
+
+        short_request = short.request(PROMPTS[1], max_new_tokens=3)
+        short_request.on_done = short_done
+        run_together(batcher, [(short_request, short), (long.request(PROMPTS[0], max_new_tokens=60), long)])
+        assert batcher.batches_run == 1 and short.tokens == alone(model, PROMPTS[1], 3, quasar=False)
+        assert tokens_of_long_when_short_ended[0] < 60 and long.tokens == alone(model, PROMPTS[0], 60, quasar=False)
+    finally:
+        batcher.stop()
+
+
+def test_a_row_past_its_deadline_ends_with_its_tokens_so_far(model):
+    batcher = RequestBatcher(model, gather_seconds=0.01)
+    try:
+        collector = Collector()
+        request = collector.request(PROMPTS[0], max_new_tokens=1500)
+        request.deadline = time.monotonic() + 0.3
+        run_together(batcher, [(request, collector)])
+        assert collector.error is None and request.finish_reason == "timeout"
+        assert 0 < len(collector.tokens) < 1500
+        expired = Collector()
+        late = expired.request(PROMPTS[1])
+        late.deadline = time.monotonic() - 1  # already past when the worker takes it
+        run_together(batcher, [(late, expired)])
+        assert expired.error is None and expired.tokens == [] and late.finish_reason == "timeout"
+    finally:
+        batcher.stop()
+
+
+def test_stop_ends_the_running_rows_and_fails_the_waiting_requests(model):
+    batcher = RequestBatcher(model, max_batch_size=1, gather_seconds=0.01)
+    running, waiting = Collector(), Collector()
+    started = threading.Event()
+    first = running.request(PROMPTS[0], max_new_tokens=1500)
+    first.on_tokens = lambda tokens: (running.tokens.extend(tokens), started.set())
+    batcher.submit(first)
+    batcher.submit(waiting.request(PROMPTS[1], max_new_tokens=1500))
+    assert started.wait(60)
+    began = time.monotonic()
+    batcher.stop(timeout=30)
+    assert time.monotonic() - began < 10 and not batcher.is_alive
+    assert running.error is None and first.finish_reason == "shutdown" and 0 < len(running.tokens) < 1500
+    assert waiting.error == SHUTTING_DOWN and waiting.tokens == []
 
 
 def test_sampled_requests_never_share_a_batch():

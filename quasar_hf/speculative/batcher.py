@@ -36,6 +36,7 @@ from quasar_hf import compat
 
 from .config import QuasarGenerationConfig
 from .defaults import FIELD, declined_reason
+from .stats import QuasarStats
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,10 @@ GATHER_SECONDS = 0.01  # how long a free worker waits for requests sent together
 class BatchRequest:
     """One request: its prompt, its settings, and where its tokens go (callbacks run on the worker thread).
 
-    on_tokens(token_ids) receives each batch of new tokens; on_done(error) ends it (None: success)."""
+    on_tokens(token_ids) receives each batch of new tokens; on_done(error) ends it once (None: success),
+    as soon as its own row ends. `finish_reason` says why it ended: "stop" (EOS, a stop string, its
+    budget), "cancelled" (the client went away), "timeout" (past `deadline`, a time.monotonic()
+    value), "shutdown" (the server stopping), "error"."""
 
     input_ids: list[int]
     generation_config: GenerationConfig
@@ -58,13 +62,37 @@ class BatchRequest:
     generator: torch.Generator | None = None  # a sampled request's randomness (seeded by the caller)
     emitted: int = 0
     key: str | None = None  # batch_key, computed once
+    deadline: float | None = None
+    on_start: Callable[[], None] | None = None  # called once when its batch starts decoding
+    finish_reason: str | None = None
+    arrived: float = field(default_factory=time.monotonic)
+    _finished: bool = field(default=False, init=False, repr=False)
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str = "cancelled") -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
         self.cancelled.set()
 
     @property
     def budget(self) -> int:
         return int(self.generation_config.max_new_tokens or 0) - self.emitted
+
+    def finish(self, error: str | None = None) -> None:
+        """End the request once: its callback hears the error (None: success)."""
+        if self._finished:
+            return
+        self._finished = True
+        if self.finish_reason is None:
+            self.finish_reason = "error" if error is not None else "stop"
+        self.on_done(error)
+
+    def past_deadline(self) -> bool:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self.cancel("timeout")
+        return self.cancelled.is_set()
+
+
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class RequestBatcher:
@@ -76,19 +104,23 @@ class RequestBatcher:
         max_batch_size: int = MAX_BATCH_SIZE,
         gather_seconds: float = GATHER_SECONDS,
         quasar: dict | None = None,
+        on_call: Callable[[QuasarStats], None] | None = None,
     ) -> None:
-        """`quasar`: Quasar options the server sets for every request (compiled steps), under each request's own."""
+        """`quasar`: Quasar options the server sets for every request (compiled steps), under each request's own;
+        `on_call`: receives each batched call's speculative counters (metrics)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
         self.max_batch_size = max_batch_size
         self.gather_seconds = gather_seconds
         self.quasar = quasar
+        self.on_call = on_call
         self.fatal_error: BaseException | None = None
         self.batches_run = 0
         self.rows_run = 0
         self._waiting: queue.Queue[BatchRequest | None] = queue.Queue()
         self._held: list[BatchRequest] = []
+        self._running: list[BatchRequest] = []
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._work, name="quasar-batcher", daemon=True)
         self._thread.start()
@@ -100,9 +132,16 @@ class RequestBatcher:
         self._waiting.put(request)
         return request
 
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet decoding (approximate while the worker moves them)."""
+        return self._waiting.qsize() + len(self._held)
+
     def stop(self, timeout: float | None = 5.0) -> None:
-        """Finish the batch running now, fail the requests still waiting, and end the worker."""
+        """End the rows decoding now (each with its tokens so far), fail the requests still waiting, end the worker."""
         self._stopping.set()
+        for request in list(self._running):
+            request.cancel("shutdown")
         self._waiting.put(None)
         self._thread.join(timeout)
 
@@ -117,7 +156,8 @@ class RequestBatcher:
             if batch:
                 self._run(batch)
         for request in [*self._held, *self._drain()]:
-            request.on_done("the server is shutting down")
+            request.finish_reason = "shutdown"
+            request.finish(SHUTTING_DOWN)
 
     def _next_batch(self) -> list[BatchRequest]:
         """The requests to run next: the oldest waiting one and those that batch with it."""
@@ -129,7 +169,7 @@ class RequestBatcher:
             time.sleep(self.gather_seconds)
         self._held.extend(r for r in self._drain() if r is not None)
         self._held = [r for r in self._held if not self._finish_if_cancelled(r)]
-        if not self._held:
+        if not self._held or self._stopping.is_set():
             return []
         key = batch_key(self._held[0])
         batch = [r for r in self._held if batch_key(r) == key][: self.max_batch_size]
@@ -150,27 +190,39 @@ class RequestBatcher:
 
     @staticmethod
     def _finish_if_cancelled(request: BatchRequest) -> bool:
-        if request.cancelled.is_set():
-            request.on_done(None)
+        if request.past_deadline():
+            request.finish(None)
             return True
         return False
 
     def _run(self, batch: list[BatchRequest]) -> None:
-        try:
-            decode_batch(self.model, batch, self.quasar)
-            errors = [None] * len(batch)
-        except Exception as error:  # a request's own fault (bad settings) fails its batch, not the server
-            logger.exception("quasar_hf: a batch of %d request(s) failed", len(batch))
-            errors = [f"{type(error).__name__}: {error}"] * len(batch)
-        except BaseException as error:  # noqa: B036 - the worker is gone: say so to every caller
-            self.fatal_error = error
-            for request in batch:
-                request.on_done(f"the decoding worker died: {error!r}")
-            raise
+        self._running = batch
         self.batches_run += 1
         self.rows_run += len(batch)
-        for request, error in zip(batch, errors):
-            request.on_done(error)
+        for request in batch:
+            if request.on_start is not None:
+                request.on_start()
+        try:
+            stats = decode_batch(self.model, batch, self.quasar)
+            error = None
+        except Exception as failure:  # a request's own fault (bad settings, a bad row) fails its batch, not the server
+            logger.exception("quasar_hf: a batch of %d request(s) failed", len(batch))
+            stats, error = None, f"{type(failure).__name__}: {failure}"
+        except BaseException as failure:  # noqa: B036 - the worker is gone: say so to every caller
+            self.fatal_error = failure
+            for request in batch:
+                request.finish(f"the decoding worker died: {failure!r}")
+            raise
+        finally:
+            self._running = []
+        if error is not None and len(batch) > 1 and not any(r.emitted for r in batch):
+            for request in batch:  # nothing was sent yet: each request alone, so only the faulty one fails
+                self._run([request])
+            return
+        if stats is not None and self.on_call is not None:
+            self.on_call(stats)
+        for request in batch:
+            request.finish(error)
 
 
 def batch_key(request: BatchRequest) -> str:
@@ -185,7 +237,8 @@ def batch_key(request: BatchRequest) -> str:
 
 
 class _RowStreamer:
-    """The loop's RowStreamer for one batch: row i's tokens go to batch[i], capped at its own budget."""
+    """The loop's RowStreamer for one batch: row i's tokens go to batch[i], capped at its own budget and deadline;
+    a row that ends completes its request at once, whatever the other rows still decode."""
 
     def __init__(self, batch: list[BatchRequest]) -> None:
         self.batch = batch
@@ -201,14 +254,18 @@ class _RowStreamer:
         if token_ids:
             request.emitted += len(token_ids)
             request.on_tokens(token_ids)
-        return request.budget <= 0 or request.cancelled.is_set()
+        return request.budget <= 0 or request.past_deadline()
+
+    def end_row(self, row: int) -> None:
+        """Row `row` decodes no more: its request is complete."""
+        self.batch[row].finish(None)
 
     def end(self) -> None:
         pass
 
 
-def decode_batch(model: torch.nn.Module, batch: list[BatchRequest], quasar: dict | None = None) -> None:
-    """One batched speculative call for `batch` (requests of one batch key), streaming every row."""
+def decode_batch(model: torch.nn.Module, batch: list[BatchRequest], quasar: dict | None = None) -> QuasarStats | None:
+    """One batched speculative call for `batch` (requests of one batch key), streaming every row; its counters."""
     from .strategy import generate_with_quasar
 
     config = _runnable(batch[0].generation_config)
@@ -217,10 +274,11 @@ def decode_batch(model: torch.nn.Module, batch: list[BatchRequest], quasar: dict
     if quasar_config is None:  # options the loop does not implement: plain generate, one request at a time
         for request in batch:
             _decode_plainly(model, request)
-        return
+        return None
+    config.return_dict_in_generate = True
     input_ids, attention_mask = left_padded(batch, pad_token_id(model, config), compat.input_device(model))
     with torch.no_grad():
-        generate_with_quasar(
+        out = generate_with_quasar(
             model,
             input_ids,
             attention_mask=attention_mask,
@@ -230,6 +288,7 @@ def decode_batch(model: torch.nn.Module, batch: list[BatchRequest], quasar: dict
             quasar_generator=batch[0].generator,
             tokenizer=batch[0].tokenizer,
         )
+    return getattr(out, "quasar_stats", None)
 
 
 def _runnable(config: GenerationConfig) -> GenerationConfig:

@@ -34,7 +34,8 @@ class QuasarGenerateOutput(GenerateDecoderOnlyOutput):
 class RowStreamer(Protocol):
     """A streamer for a batch: `put_row(row, token_ids)` gets each row's new tokens as they are accepted
     (`row` indexes the batch as given) and returns True to stop that row there (a cancelled request, a row's
-    own token budget); `end()` when the call is over. `put` receives the prompt once, from generate."""
+    own token budget); `end_row(row)` when that row decodes no more (optional); `end()` when the call is
+    over. `put` receives the prompt once, from generate."""
 
     def put(self, value: torch.Tensor) -> None: ...
 
@@ -194,6 +195,10 @@ class SpeculativeRun:
         """Remove finished rows from the batch, the verifier cache and the drafter."""
         if not any(finished):
             return pending
+        if hasattr(self.streamer, "end_row"):
+            for i, done in enumerate(finished):
+                if done:
+                    self.streamer.end_row(self.active[i])
         keep = [i for i, done in enumerate(finished) if not done]
         self.active = [self.active[i] for i in keep]
         if not keep:
