@@ -62,6 +62,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
 def draft_layers_value(text: str) -> list[int] | str:
     """--draft-layers: 'auto' or comma-separated layer indices."""
     if text == "auto":
@@ -219,8 +229,30 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--max-model-len",
         type=positive_int,
-        default=4096,
-        help="with --compile: prompt plus new tokens per request, the compiled cache size (default 4096)",
+        default=None,
+        help="prompt plus new tokens per request (default: the model's context; with --compile 4096, the compiled cache size)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every request but /health (default: $QUASAR_HF_API_KEY; none)",
+    )
+    serve.add_argument(
+        "--max-queued",
+        type=positive_int,
+        default=None,
+        help="requests waiting past this get 429 with Retry-After (default: no limit)",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=positive_float,
+        default=None,
+        help="seconds a request may take; then it ends with its tokens so far, finish_reason 'length' (default: none)",
+    )
+    serve.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow the checkpoint's own Python code to run (off: only Transformers' and quasar_hf's model classes load)",
     )
     serve.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     serve.add_argument(

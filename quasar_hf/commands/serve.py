@@ -2,16 +2,18 @@
 Quasar, concurrent clients batched (quasar_hf/serving/transformers_server.py).
 
 MODEL_OR_CHECKPOINT is a Quasar checkpoint folder, or a model (folder, Hub id, embedded alias) that is
-quantized with the defaults once and cached. With --compile the steps are compiled and warmed up for
-every batch size the server runs before it listens, so no request pays for a compile.
+quantized with the defaults once and cached. The port is bound first; /health answers 503 until the
+model is loaded and, with --compile, its steps compiled and warmed up for every batch size the server
+runs, so no request pays for a compile.
 """
 
 from __future__ import annotations
 
 import hashlib
-import shutil
+import os
+import socket
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,10 @@ from typing import Any
 from quasar_hf.commands.loading import UsageError
 
 SERVED_CACHE = "served"  # cache_dir()/served/<name>: checkpoints quantized for `serve`
+API_KEY_ENV = "QUASAR_HF_API_KEY"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+COMPILED_MODEL_LEN = 4096  # --compile without --max-model-len: the compiled cache's size (capped by the context)
+GRACEFUL_SECONDS = 5  # after SIGTERM, how long open connections may take to finish
 
 
 def log(message: str) -> None:
@@ -27,7 +33,8 @@ def log(message: str) -> None:
 
 def servable_checkpoint(name: str) -> str:
     """A Quasar checkpoint folder for `name`: itself when it is one, else its quantization with the
-    defaults, made once and cached (cache_dir()/served), atomically (a staging folder, then a rename)."""
+    defaults, made once and cached (cache_dir()/served); a lock lets one process quantize while others
+    wait for its result, and the folder appears whole (atomic_folder)."""
     from quasar_hf.commands.loading import (
         is_quasar_checkpoint,
         load_tokenizer,
@@ -36,6 +43,7 @@ def servable_checkpoint(name: str) -> str:
         save_quantized,
     )
     from quasar_hf.detect import package_version
+    from quasar_hf.locking import exclusive_lock
     from quasar_hf.models import cache_dir
 
     path = resolve_model(name)
@@ -43,18 +51,15 @@ def servable_checkpoint(name: str) -> str:
         return path
     key = hashlib.sha256(f"{Path(path).resolve() if Path(path).is_dir() else path}|{package_version()}".encode()).hexdigest()[:12]
     target = cache_dir() / SERVED_CACHE / f"{Path(path).name}-quasar-w8a8-{key}"
-    if (target / "config.json").is_file():
-        log(f"serving {target} (quantized from {name} earlier)")
-        return str(target)
-    log(f"{name} is not a Quasar checkpoint: quantizing it with the defaults (once; cached in {target}) ...")
-    model = quantize_checkpoint(path, {}, "bfloat16")
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    hub_id = name if "/" in name and not Path(name).exists() else None  # a model card names Hub ids only
-    save_quantized(model, load_tokenizer(path), str(staging), base_model=hub_id)
-    if target.exists():
-        shutil.rmtree(target)
-    staging.rename(target)
+    with exclusive_lock(target.parent / f".{target.name}.lock"):
+        if (target / "config.json").is_file():
+            log(f"serving {target} (quantized from {name} earlier)")
+            return str(target)
+        log(f"{name} is not a Quasar checkpoint: quantizing it with the defaults (once; cached in {target}) ...")
+        model = quantize_checkpoint(path, {}, "bfloat16")
+        hub_id = name if "/" in name and not Path(name).exists() else None  # a model card names Hub ids only
+        save_quantized(model, load_tokenizer(path), str(target), base_model=hub_id)
     return str(target)
 
 
@@ -73,34 +78,105 @@ def kernel_report() -> str | None:
 
 
 def run_serve(args: Any) -> int:
-    """Load (or quantize) the model, warm up compiled steps with --compile, then serve until stopped."""
+    """Bind the port, answer /health with 503 while the model loads (or is quantized) and warms up, then serve."""
     try:
         import uvicorn  # noqa: F401
         from fastapi import FastAPI  # noqa: F401
+        from prometheus_client import CollectorRegistry  # noqa: F401
     except ImportError:
-        raise UsageError("serving needs Transformers' serving extra: pip install 'transformers[serving]'") from None
-    from quasar_hf.serving.transformers_server import build_app, served_model
+        raise UsageError("serving needs its extra: pip install 'quasar-hf[serve]'") from None
+    from quasar_hf.serving.gate import ServingGate
+    from quasar_hf.serving.metrics import CONTENT_TYPE, ServingMetrics
 
-    checkpoint = servable_checkpoint(args.model)
-    problem = kernel_report()
-    if problem is not None:
-        log(problem)
-    quasar = {"drafter": args.drafter, **({"compile": True} if args.compile else {})}
-    started = time.perf_counter()
-    app, model_manager, state = build_app(
-        checkpoint,
-        device=args.device,
-        max_batch_size=args.max_batch_size,
-        quasar=quasar,
-        max_tokens=args.max_model_len if args.compile else None,
-    )
-    model = served_model(model_manager, checkpoint)
-    log(f"loaded {checkpoint} in {time.perf_counter() - started:.1f} s")
-    if args.compile:
-        from quasar_hf.speculative.warm_up import warm_up
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.host not in LOOPBACK_HOSTS and api_key is None:
+        log(
+            f"WARNING: listening on {args.host} with no API key: anyone who reaches this address can use the server. "
+            f"Set --api-key or ${API_KEY_ENV}."
+        )
+    sock = bound_socket(args.host, args.port)
+    metrics = ServingMetrics()
+    holder: dict[str, Any] = {}
 
-        warm_up(model, batch_sizes=serving_batch_sizes(args.max_batch_size), max_length=args.max_model_len, log=log)
-    return _listen(app, args.host, args.port, state)
+    def shut_down() -> None:
+        gate.close()
+        if "state" in holder:
+            holder["state"].shutdown()
+
+    gate = ServingGate(lambda: (metrics.exposition(), CONTENT_TYPE), api_key=api_key, on_shutdown=shut_down)
+    server = _uvicorn_server(gate, shut_down)
+    loader = threading.Thread(target=_load, args=(args, gate, metrics, holder, server), name="quasar-load", daemon=True)
+    loader.start()
+    log(f"listening on http://{args.host}:{args.port}/v1 (/health answers 503 until the model is ready)")
+    server.run(sockets=[sock])
+    return 1 if "error" in holder else 0
+
+
+def _load(args: Any, gate: Any, metrics: Any, holder: dict, server: Any) -> None:
+    """Quantize or load the checkpoint and warm up compiled steps, then open the gate (on a thread)."""
+    from quasar_hf.serving.transformers_server import build_app
+
+    try:
+        checkpoint = servable_checkpoint(args.model)
+        problem = kernel_report()
+        if problem is not None:
+            log(problem)
+        quasar = {"drafter": args.drafter, **({"compile": True} if args.compile else {})}
+        started = time.perf_counter()
+        app, model, state = build_app(
+            checkpoint,
+            device=args.device,
+            max_batch_size=args.max_batch_size,
+            quasar=quasar,
+            max_model_len=args.max_model_len,
+            default_model_len=COMPILED_MODEL_LEN if args.compile else None,
+            metrics=metrics,
+            max_queued=args.max_queued,
+            request_timeout=args.request_timeout,
+            trust_remote_code=args.trust_remote_code,
+        )
+        holder["state"] = state
+        log(f"loaded {checkpoint} in {time.perf_counter() - started:.1f} s")
+        if args.compile:
+            from quasar_hf.speculative.warm_up import warm_up
+
+            batch_sizes = serving_batch_sizes(args.max_batch_size)
+            warm_up(model, batch_sizes=batch_sizes, max_length=state.manager.context_tokens, log=log)
+        gate.open(app, alive=lambda: state.manager.batcher.is_alive)
+        log("ready")
+    except BaseException as error:  # noqa: B036 - the server cannot serve: say why and stop listening
+        holder["error"] = error
+        log(f"cannot serve {args.model}: {type(error).__name__}: {error}")
+        server.should_exit = True
+
+
+def _uvicorn_server(app: Any, on_exit: Any) -> Any:
+    """uvicorn's server for `app`: SIGTERM first calls `on_exit` (running rows end, waiting requests get 503),
+    then uvicorn closes the open connections within GRACEFUL_SECONDS."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            on_exit()
+            super().handle_exit(sig, frame)
+
+    return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SECONDS, lifespan="on"))
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready socket on host:port, bound now so a port in use fails before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise UsageError(
+            f"cannot listen on {host}:{port} ({error.strerror}); choose another --port or stop what uses it"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def serving_batch_sizes(max_batch_size: int) -> list[int]:
@@ -110,14 +186,3 @@ def serving_batch_sizes(max_batch_size: int) -> list[int]:
         sizes.append(size)
         size *= 2
     return [*sizes, size]
-
-
-def _listen(app: Any, host: str, port: int, state: Any) -> int:
-    import uvicorn
-
-    log(f"listening on http://{host}:{port}/v1 (OpenAI API: /v1/chat/completions, /v1/completions, /v1/responses)")
-    try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
-    finally:
-        state.shutdown()
-    return 0

@@ -1,17 +1,23 @@
-"""`transformers serve`'s own server, with every request of a Quasar model decoded by a RequestBatcher.
+"""`transformers serve`'s own OpenAI app, with every request of a Quasar model decoded by a RequestBatcher.
 
 This is the one module that touches `transformers.cli.serving` (its handlers, model manager and app
 factory change between releases; tested with Transformers 5.24). The OpenAI-compatible endpoints,
-request parsing, chat templates, streaming and tool-call parsing are Transformers' own. What changes
-is the generation manager behind them: `QuasarGenerateManager` receives each request with its own
-generation config (temperature, stop strings, max tokens, a `quasar` field) and queues it to one
-RequestBatcher, so requests from concurrent clients decode together as one batched Quasar call,
-each streamed as its tokens are accepted. A client that goes away cancels its row only.
+chat templates, streaming and tool-call parsing are Transformers' own. What changes:
+- each handler first checks the request body (`request_checks`: 400 naming the field, never a 500)
+  and applies OpenAI's sampling rule (a positive temperature samples);
+- the generation manager behind them, `QuasarGenerateManager`, gives each request a token budget
+  within the context, a seeded generator when it samples, a deadline, and a place in the queue (429
+  past `max_queued`), and queues it to one RequestBatcher, so concurrent clients decode together, each
+  streamed as its tokens are accepted and completed as soon as its own row ends;
+- stop strings are cut from the text, as OpenAI's API does;
+- the model manager loads only the served checkpoint, with remote code off unless the operator allows it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
+import time
 from typing import Any
 
 import torch
@@ -26,32 +32,57 @@ from transformers.cli.serving.transcription import TranscriptionHandler
 from transformers.cli.serving.utils import BaseGenerateManager, DirectStreamer, GenerationState
 
 from quasar_hf import compat
-from quasar_hf.speculative.batcher import BatchRequest, RequestBatcher
+from quasar_hf.speculative.batcher import SHUTTING_DOWN, BatchRequest, RequestBatcher
+
+from .metrics import ServingMetrics
+from .request_checks import SEED_FIELD, RequestError, apply_sampling, asks_max_tokens, check_body, token_budget
+from .stop_text import StopTextFilter, cut_at_stop
+
+ENDED_EARLY = ("timeout", "shutdown")  # rows cut short by the server: their responses say finish_reason "length"
 
 
-class RequestError(ValueError):
-    """A request whose settings cannot run (answered with HTTP 400 and the reason)."""
-
-
-def checked_generation_config(config: GenerationConfig, prompt_tokens: int, max_tokens: int | None) -> None:
-    """Refuse settings no decoding can run (a 400 naming the field), before the request is queued."""
-    if config.max_new_tokens is not None and config.max_new_tokens < 1:
-        raise RequestError(f"max_tokens must be at least 1, got {config.max_new_tokens}")
-    try:
-        config.validate(strict=False)
-    except ValueError as error:
-        raise RequestError(f"invalid generation settings: {error}") from None
-    if max_tokens is not None and prompt_tokens + int(config.max_new_tokens or 0) > max_tokens:
-        raise RequestError(
-            f"the prompt ({prompt_tokens} tokens) plus max_tokens ({config.max_new_tokens}) exceeds the "
-            f"{max_tokens} tokens this server holds per request (quasar-hf serve --max-model-len)"
-        )
-
-
-def _http_400(error: RequestError) -> Exception:
+def _http_error(status: int, message: str, headers: dict | None = None) -> Exception:
     from fastapi import HTTPException
 
-    return HTTPException(status_code=400, detail=str(error))
+    return HTTPException(status_code=status, detail=message, headers=headers)
+
+
+class _CheckedRequests:
+    """Put before a Transformers handler class: the body is checked first, and sampling follows OpenAI's rule."""
+
+    endpoint = ""
+    metrics: ServingMetrics
+
+    async def handle_request(self, body: dict, request_id: str) -> Any:
+        try:
+            check_body(body, self.endpoint)
+            return await super().handle_request(body, request_id)
+        except RequestError as error:
+            self.metrics.failed.labels("invalid").inc()
+            raise _http_error(400, str(error)) from None
+        except (ValueError, TypeError, KeyError) as error:  # the chat template or tokenizer refused this input
+            self.metrics.failed.labels("invalid").inc()
+            raise _http_error(400, f"the request could not be prepared: {type(error).__name__}: {error}") from None
+
+    def _build_generation_config(self, body: dict, model_generation_config: GenerationConfig, use_cb: bool = False):
+        choice = check_body(body, self.endpoint)
+        unseeded = {k: v for k, v in body.items() if k != "seed"}  # the seed drives the request's own generator
+        config = super()._build_generation_config(unseeded, model_generation_config, use_cb=use_cb)
+        if not asks_max_tokens(body):
+            config.max_new_tokens = None  # the manager gives it what the context leaves
+        return apply_sampling(config, choice)
+
+
+class QuasarChatHandler(_CheckedRequests, ChatCompletionHandler):
+    endpoint = "chat"
+
+
+class QuasarCompletionHandler(_CheckedRequests, CompletionHandler):
+    endpoint = "completions"
+
+
+class QuasarResponseHandler(_CheckedRequests, ResponseHandler):
+    endpoint = "responses"
 
 
 class _RequestStream:
@@ -70,26 +101,93 @@ class _RequestStream:
         self.request.cancel()
 
 
+class _StopCutQueue:
+    """The queue DirectStreamer fills, with stop strings cut from the text on its way to the handler's queue."""
+
+    def __init__(self, queue: asyncio.Queue, stop_strings: Any) -> None:
+        self.queue = queue
+        self.cut = StopTextFilter(stop_strings)
+
+    def put_nowait(self, item: Any) -> None:
+        if type(item) is str:
+            item = self.cut.feed(item)
+            if item:
+                self.queue.put_nowait(item)
+            return
+        if item is None:
+            rest = self.cut.finish()
+            if rest:
+                self.queue.put_nowait(rest)
+        self.queue.put_nowait(item)
+
+
 class QuasarGenerateManager(BaseGenerateManager):
     """Transformers serving's generation manager for a Quasar model: each request goes to the RequestBatcher."""
 
-    def __init__(self, batcher: RequestBatcher, max_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        batcher: RequestBatcher,
+        context_tokens: int,
+        metrics: ServingMetrics,
+        max_queued: int | None = None,
+        request_timeout: float | None = None,
+    ) -> None:
         self.batcher = batcher
-        self.max_tokens = max_tokens
+        self.context_tokens = context_tokens
+        self.metrics = metrics
+        self.max_queued = max_queued
+        self.request_timeout = request_timeout
+        self.stopping = False
 
     def _request(self, processor: Any, inputs: dict, gen_config: GenerationConfig, on_tokens, on_done) -> BatchRequest:
+        """A checked BatchRequest (4xx/503 when it cannot be queued), its metrics wired in."""
         ids = inputs["input_ids"]
         prompt = ids[0].tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        try:
-            checked_generation_config(gen_config, len(prompt), self.max_tokens)
-        except RequestError as error:
-            raise _http_400(error) from None
-        tokenizer = getattr(processor, "tokenizer", processor)
+        if self.stopping:
+            raise _http_error(503, SHUTTING_DOWN, {"Retry-After": "5"})
+        if self.max_queued is not None and self.batcher.waiting >= self.max_queued:
+            self.metrics.failed.labels("queue_full").inc()
+            retry = 1 + self.batcher.waiting // self.batcher.max_batch_size
+            raise _http_error(
+                429,
+                f"{self.batcher.waiting} requests are waiting (--max-queued {self.max_queued}); retry",
+                {"Retry-After": str(retry)},
+            )
+        gen_config.max_new_tokens = token_budget(len(prompt), gen_config.max_new_tokens, self.context_tokens)
+        seed = getattr(gen_config, SEED_FIELD, None)
+        if hasattr(gen_config, SEED_FIELD):
+            delattr(gen_config, SEED_FIELD)
         generator = None
-        if gen_config.do_sample:  # the request's seed (set just before by the handler) drives its own generator
-            generator = torch.Generator().set_state(torch.get_rng_state())
-            torch.randint(1 << 30, ())  # the next unseeded request gets other randomness
-        request = BatchRequest(prompt, gen_config, on_tokens, on_done, tokenizer=tokenizer, generator=generator)
+        if gen_config.do_sample:  # its own randomness: the text depends on nothing else served
+            generator = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
+        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        metrics, tokenizer = self.metrics, getattr(processor, "tokenizer", processor)
+
+        def started() -> None:
+            metrics.waiting.dec()
+            metrics.running.inc()
+            metrics.queue_wait.observe(time.monotonic() - request.arrived)
+            metrics.prompt_tokens.inc(len(prompt))
+            request.on_start = None
+
+        def counted_tokens(tokens: list[int]) -> None:
+            metrics.generated_tokens.inc(len(tokens))
+            on_tokens(tokens)
+
+        def done(error: str | None) -> None:
+            (metrics.waiting if request.on_start is not None else metrics.running).dec()
+            metrics.latency.observe(time.monotonic() - request.arrived)
+            if error is None:
+                metrics.finished.labels(request.finish_reason or "stop").inc()
+            else:
+                metrics.failed.labels("shutdown" if error == SHUTTING_DOWN else "error").inc()
+            if request.finish_reason in ENDED_EARLY and error is None:
+                gen_config.max_new_tokens = request.emitted  # the handlers then report finish_reason "length"
+            on_done(error)
+
+        request = BatchRequest(prompt, gen_config, counted_tokens, done, tokenizer=tokenizer, generator=generator)
+        request.deadline, request.on_start = deadline, started
+        metrics.waiting.inc()
         return request
 
     def generate_streaming(
@@ -103,7 +201,8 @@ class QuasarGenerateManager(BaseGenerateManager):
     ) -> tuple[asyncio.Queue, _RequestStream]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        direct = DirectStreamer(compat.rust_tokenizer(processor), loop, queue, response_parser)
+        target = _StopCutQueue(queue, gen_config.stop_strings) if gen_config.stop_strings else queue
+        direct = DirectStreamer(compat.rust_tokenizer(processor), loop, target, response_parser)
         direct.put(inputs["input_ids"])  # DirectStreamer skips its first put: the prompt
 
         def on_tokens(tokens: list[int]) -> None:
@@ -119,7 +218,7 @@ class QuasarGenerateManager(BaseGenerateManager):
                 direct.end()
 
         request = self._request(processor, inputs, gen_config, on_tokens, on_done)
-        self.batcher.submit(request)
+        self._submit(request)
         return queue, _RequestStream(direct, request)
 
     async def generate_non_streaming(
@@ -130,21 +229,36 @@ class QuasarGenerateManager(BaseGenerateManager):
         tokens: list[int] = []
 
         def on_done(error: str | None) -> None:
-            outcome = RuntimeError(f"generation failed: {error}") if error is not None else None
+            if error is None:
+                outcome = None
+            elif error == SHUTTING_DOWN:
+                outcome = _http_error(503, SHUTTING_DOWN, {"Retry-After": "5"})
+            else:
+                outcome = RuntimeError(f"generation failed: {error}")
             loop.call_soon_threadsafe(_settle, finished, outcome)
 
         request = self._request(processor, inputs, gen_config, tokens.extend, on_done)
-        self.batcher.submit(request)
+        self._submit(request)
         try:
             await finished
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client went away: its row stops at the next step
             request.cancel()
             raise
-        text = processor.decode(tokens, skip_special_tokens=True)
+        text = cut_at_stop(processor.decode(tokens, skip_special_tokens=True), gen_config.stop_strings)
         return text, len(request.input_ids), tokens
 
+    def _submit(self, request: BatchRequest) -> None:
+        try:
+            self.batcher.submit(request)
+        except RuntimeError as error:
+            request.finish_reason = "shutdown"
+            request.finish(SHUTTING_DOWN)
+            raise _http_error(503, str(error), {"Retry-After": "5"}) from None
+
     def stop(self) -> None:
-        self.batcher.stop()
+        """Refuse new requests, end the running rows with their tokens so far, fail the waiting ones (503)."""
+        self.stopping = True
+        self.batcher.stop(timeout=0.0)
 
 
 def _settle(future: asyncio.Future, error: Exception | None) -> None:
@@ -165,8 +279,25 @@ class QuasarGenerationState(GenerationState):
     def get_manager(self, model_id: str, use_cb: bool = False) -> BaseGenerateManager:
         return self.manager
 
+    def is_cb_alive(self) -> bool:
+        return self.manager.batcher.is_alive
+
     def shutdown(self) -> None:
         self.manager.stop()
+
+
+def context_tokens(model: Any, max_model_len: int | None, default: int | None = None) -> int:
+    """Tokens one request may hold (prompt plus new): `max_model_len`, else the model's context (capped at
+    `default` when given: a compiled cache's size)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    context = getattr(config, "max_position_embeddings", None)
+    if max_model_len is None and default is not None:
+        max_model_len = default if context is None else min(default, int(context))
+    if max_model_len is not None and context is not None and max_model_len > context:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's context of {context} tokens; lower it")
+    if max_model_len is None and context is None:
+        raise ValueError("the model's config has no max_position_embeddings: pass --max-model-len")
+    return int(max_model_len if max_model_len is not None else context)
 
 
 def build_app(
@@ -174,27 +305,42 @@ def build_app(
     device: str = "cpu",
     max_batch_size: int = 8,
     quasar: dict | None = None,
-    max_tokens: int | None = None,
+    max_model_len: int | None = None,
+    default_model_len: int | None = None,
     chat_template_kwargs: dict | None = None,
-) -> tuple[Any, ModelManager, QuasarGenerationState]:
+    metrics: ServingMetrics | None = None,
+    max_queued: int | None = None,
+    request_timeout: float | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[Any, Any, QuasarGenerationState]:
     """Transformers' serving app for the Quasar checkpoint folder `checkpoint` (loaded now), every request
-    decoded by one RequestBatcher (`quasar`: Quasar options for every request, such as compiled steps)."""
-    model_manager = ModelManager(device=device, dtype="auto", trust_remote_code=True, force_model=checkpoint)
+    decoded by one RequestBatcher; returns (app, model, state). `quasar`: Quasar options for every request
+    (compiled steps)."""
+    metrics = metrics or ServingMetrics()
+    model_manager = ModelManager(
+        device=device, dtype="auto", trust_remote_code=trust_remote_code, force_model=checkpoint, model_timeout=-1
+    )
     model, _ = model_manager.load_model_and_processor(model_manager.process_model_name(checkpoint))
-    state = QuasarGenerationState(QuasarGenerateManager(RequestBatcher(model, max_batch_size, quasar=quasar), max_tokens))
+    batcher = RequestBatcher(model, max_batch_size, quasar=quasar, on_call=metrics.record_call)
+    manager = QuasarGenerateManager(
+        batcher, context_tokens(model, max_model_len, default_model_len), metrics, max_queued, request_timeout
+    )
+    state = QuasarGenerationState(manager)
     handlers = dict(model_manager=model_manager, generation_state=state)
+    chat, completion, response = (
+        QuasarChatHandler(**handlers, chat_template_kwargs=chat_template_kwargs),
+        QuasarCompletionHandler(**handlers),
+        QuasarResponseHandler(**handlers, chat_template_kwargs=chat_template_kwargs),
+    )
+    for handler in (chat, completion, response):
+        handler.metrics = metrics
     app = build_server(
         model_manager,
-        ChatCompletionHandler(**handlers, chat_template_kwargs=chat_template_kwargs),
-        completion_handler=CompletionHandler(**handlers),
-        response_handler=ResponseHandler(**handlers, chat_template_kwargs=chat_template_kwargs),
+        chat,
+        completion_handler=completion,
+        response_handler=response,
         transcription_handler=TranscriptionHandler(model_manager, state),
         systemone_handler=SystemOneHandler(**handlers, chat_template_kwargs=chat_template_kwargs),
         generation_state=state,
     )
-    return app, model_manager, state
-
-
-def served_model(model_manager: ModelManager, checkpoint: str) -> Any:
-    """The model the server holds for `checkpoint` (loaded by build_app)."""
-    return model_manager.load_model_and_processor(model_manager.process_model_name(checkpoint))[0]
+    return app, model, state
