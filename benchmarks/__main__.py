@@ -84,6 +84,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "benchmarks.serve.serve_load:main",
         "quasar-hf serve (Quasar on and off), transformers serve (BF16) and llama-server under 1-8 concurrent clients",
     ),
+    "serve-soak": (
+        "benchmarks.serve.soak:main",
+        "quasar-hf serve under thousands of mixed requests, some clients leaving mid-stream: failures and RSS",
+    ),
     "serve-profile": (
         "benchmarks.serve.serve_profile:main",
         "where one client's time goes: the serve-load prompts offline per mode, prefill / draft / forwards / loop",
