@@ -16,6 +16,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,14 +169,9 @@ def _read_event(line: str, kind: str, outcome: Outcome) -> None:
     outcome.text += piece
 
 
-def run_level(base: str, wire: Wire, prompts: list[Prompt], clients: int, requests: int, max_tokens: int, pid: int) -> dict:
-    """`requests` requests from `clients` concurrent clients (each sends its next request when its last one
-    ends), prompts taken in order; the outcomes and the level's wall time."""
-    lock = threading.Lock()
-    order = iter(range(requests))
-    outcomes: list[Outcome | None] = [None] * requests
-
-    host, port = base.removeprefix("http://").split(":")
+def from_clients(count: int, clients: int, work: Callable[[int], None]) -> float:
+    """Call work(0..count-1) from `clients` threads, each taking the next index when its last call ends; the wall time."""
+    lock, order = threading.Lock(), iter(range(count))
 
     def client_loop() -> None:
         while True:
@@ -183,11 +179,7 @@ def run_level(base: str, wire: Wire, prompts: list[Prompt], clients: int, reques
                 index = next(order, None)
             if index is None:
                 return
-            connection = http.client.HTTPConnection(host, int(port), timeout=600)  # one per request: some servers close
-            outcome = request_once(connection, wire, prompts[index % len(prompts)], max_tokens)
-            connection.close()
-            outcome.rss = rss_bytes(pid)
-            outcomes[index] = outcome
+            work(index)
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client_loop) for _ in range(clients)]
@@ -195,4 +187,20 @@ def run_level(base: str, wire: Wire, prompts: list[Prompt], clients: int, reques
         thread.start()
     for thread in threads:
         thread.join()
-    return {"wall_s": time.perf_counter() - started, "outcomes": outcomes}
+    return time.perf_counter() - started
+
+
+def run_level(base: str, wire: Wire, prompts: list[Prompt], clients: int, requests: int, max_tokens: int, pid: int) -> dict:
+    """`requests` requests from `clients` concurrent clients (each sends its next request when its last one
+    ends), prompts taken in order; the outcomes and the level's wall time."""
+    outcomes: list[Outcome | None] = [None] * requests
+    host, port = base.removeprefix("http://").split(":")
+
+    def one(index: int) -> None:
+        connection = http.client.HTTPConnection(host, int(port), timeout=600)  # one per request: some servers close
+        outcome = request_once(connection, wire, prompts[index % len(prompts)], max_tokens)
+        connection.close()
+        outcome.rss = rss_bytes(pid)
+        outcomes[index] = outcome
+
+    return {"wall_s": from_clients(requests, clients, one), "outcomes": outcomes}

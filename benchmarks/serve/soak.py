@@ -17,12 +17,11 @@ import http.client
 import json
 import statistics
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks.serve.serve_clients import Outcome, Prompt, ServerProcess, Wire, free_port, request_once, rss_bytes
+from benchmarks.serve.serve_clients import Outcome, Prompt, ServerProcess, Wire, free_port, from_clients, request_once, rss_bytes
 from benchmarks.serve.serve_load import interleaved_prompts, percentile
 from quasar_hf.bench.report import write_json_and_markdown
 
@@ -53,39 +52,29 @@ def leave_mid_stream(host: str, port: int, model: str, prompt: Prompt, max_token
 
 
 def run_soak(server: ServerProcess, model: str, prompts: list[Prompt], args) -> list[dict]:
-    lock, order = threading.Lock(), iter(range(args.requests))
     rows: list[dict | None] = [None] * args.requests
     wire = Wire("openai", model)
 
-    def client_loop() -> None:
-        while True:
-            with lock:
-                index = next(order, None)
-            if index is None:
-                return
-            prompt, max_tokens = prompts[index % len(prompts)], args.max_tokens[index % len(args.max_tokens)]
-            leaves = args.leave_every > 0 and index % args.leave_every == args.leave_every - 1
-            if leaves:
-                outcome = leave_mid_stream("127.0.0.1", server.port, model, prompt, max_tokens)
-            else:
-                connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
-                outcome = request_once(connection, wire, prompt, max_tokens)
-                connection.close()
-            rows[index] = {
-                "index": index,
-                "left": leaves,
-                "max_tokens": max_tokens,
-                "tokens": outcome.tokens,
-                "error": outcome.error,
-                "latency_s": None if outcome.ended is None else outcome.ended - outcome.started,
-                "rss": rss_bytes(server.process.pid),
-            }
+    def one(index: int) -> None:
+        prompt, max_tokens = prompts[index % len(prompts)], args.max_tokens[index % len(args.max_tokens)]
+        leaves = args.leave_every > 0 and index % args.leave_every == args.leave_every - 1
+        if leaves:
+            outcome = leave_mid_stream("127.0.0.1", server.port, model, prompt, max_tokens)
+        else:
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+            outcome = request_once(connection, wire, prompt, max_tokens)
+            connection.close()
+        rows[index] = {
+            "index": index,
+            "left": leaves,
+            "max_tokens": max_tokens,
+            "tokens": outcome.tokens,
+            "error": outcome.error,
+            "latency_s": None if outcome.ended is None else outcome.ended - outcome.started,
+            "rss": rss_bytes(server.process.pid),
+        }
 
-    threads = [threading.Thread(target=client_loop) for _ in range(args.clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    from_clients(args.requests, args.clients, one)
     return [row for row in rows if row is not None]
 
 
