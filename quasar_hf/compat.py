@@ -60,6 +60,11 @@ def output_cache(outputs: Any) -> Any:
     return outputs["cache"] if "cache" in outputs else outputs["past_key_values"]
 
 
+def cache_key_values(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's keys and values [B, H, S, D] of a filled dynamic KV cache (the tensors it holds, not copies)."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
 def is_full_attention_layer(cache_layer: Any) -> bool:
     """True for a plain full-attention dynamic KV layer (a sliding window counts slots, not tokens)."""
     from transformers.cache_utils import DynamicLayer

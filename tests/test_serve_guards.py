@@ -219,6 +219,19 @@ def test_metrics_count_requests_tokens_and_drafts(server, checkpoint):
     assert samples[("quasar_requests_running", ())] == 0 and samples[("quasar_queue_wait_seconds_count", ())] >= 1
 
 
+def test_a_chats_next_turn_reuses_its_history_from_the_prompt_cache(server, checkpoint):
+    client = server.client()
+    before = server.metrics()
+    history = [{"role": "user", "content": "abcabcabc abcabcabc abc"}]
+    first = client.chat.completions.create(model=str(checkpoint), messages=history, max_tokens=12, temperature=0)
+    history += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "abc again"}]
+    second = client.chat.completions.create(model=str(checkpoint), messages=history, max_tokens=12, temperature=0)
+    after = server.metrics()
+    reused = after[("quasar_prompt_cache_tokens_reused_total", ())] - before.get(("quasar_prompt_cache_tokens_reused_total", ()), 0)
+    assert after[("quasar_prompt_cache_hits_total", ())] >= 1 and reused >= first.usage.prompt_tokens
+    assert reused < second.usage.prompt_tokens and after[("quasar_prompt_cache_bytes", ())] > 0
+
+
 @pytest.fixture(scope="module")
 def limited(checkpoint, tmp_path_factory):
     flags = ("--api-key", KEY, "--max-queued", "1", "--max-batch-size", "1", "--request-timeout", "3")

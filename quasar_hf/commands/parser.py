@@ -72,6 +72,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
 def draft_layers_value(text: str) -> list[int] | str:
     """--draft-layers: 'auto' or comma-separated layer indices."""
     if text == "auto":
@@ -248,6 +258,13 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
         type=positive_float,
         default=None,
         help="seconds a request may take; then it ends with its tokens so far, finish_reason 'length' (default: none)",
+    )
+    serve.add_argument(
+        "--prompt-cache-gb",
+        type=non_negative_float,
+        default=None,
+        help="host memory for the keys and values of finished requests, reused by requests that share their prefix "
+        "(default: a tenth of the machine's memory, at most 8; 0: off)",
     )
     serve.add_argument(
         "--trust-remote-code",

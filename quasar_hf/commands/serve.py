@@ -10,6 +10,7 @@ runs, so no request pays for a compile.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
 import sys
@@ -95,6 +96,12 @@ def run_serve(args: Any) -> int:
             f"Set --api-key or ${API_KEY_ENV}."
         )
     sock = bound_socket(args.host, args.port)
+    request_log = logging.getLogger("quasar_hf.serving")
+    request_log.setLevel(logging.INFO)
+    if not request_log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("quasar-hf serve: %(message)s"))
+        request_log.addHandler(handler)
     metrics = ServingMetrics()
     holder: dict[str, Any] = {}
 
@@ -134,6 +141,7 @@ def _load(args: Any, gate: Any, metrics: Any, holder: dict, server: Any) -> None
             max_queued=args.max_queued,
             request_timeout=args.request_timeout,
             trust_remote_code=args.trust_remote_code,
+            prompt_cache_bytes=int(prompt_cache_gb(args.prompt_cache_gb) * 2**30),
         )
         holder["state"] = state
         log(f"loaded {checkpoint} in {time.perf_counter() - started:.1f} s")
@@ -161,6 +169,17 @@ def _uvicorn_server(app: Any, on_exit: Any) -> Any:
             super().handle_exit(sig, frame)
 
     return Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SECONDS, lifespan="on"))
+
+
+def prompt_cache_gb(asked: float | None) -> float:
+    """The prompt cache's budget in GiB: as asked, else a tenth of this machine's memory, at most 8 GiB."""
+    if asked is not None:
+        return asked
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1.0
+    return min(8.0, memory / 10 / 2**30)
 
 
 def bound_socket(host: str, port: int) -> socket.socket:

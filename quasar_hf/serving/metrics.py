@@ -2,7 +2,7 @@
 
 Requests (waiting, running, finished, failed), prompt and generated tokens, speculative drafts proposed
 and accepted (their ratio per verify step is the paper's acceptance length), verify steps and their
-time, queue wait and request latency. The decoding worker reports through `ServingMetrics`'s methods;
+time, prompt cache hits and the prompt tokens they saved, queue wait and request latency. The decoding worker reports through `ServingMetrics`'s methods;
 the HTTP side only scrapes.
 """
 
@@ -37,6 +37,9 @@ class ServingMetrics:
         self.steps = Counter("quasar_steps", "Verifier forwards after the prefill (one per batch step)", registry=r)
         self.step_seconds = Counter("quasar_step_seconds", "Time in those verifier steps (divide by quasar_steps)", registry=r)
         self.prefill_seconds = Counter("quasar_prefill_seconds", "Time in prompt prefills", registry=r)
+        self.cache_hits = Counter("quasar_prompt_cache_hits", "Requests that reused cached prompt tokens", registry=r)
+        self.cache_tokens = Counter("quasar_prompt_cache_tokens_reused", "Prompt tokens not prefilled again", registry=r)
+        self.cache_bytes = Gauge("quasar_prompt_cache_bytes", "Bytes of keys and values in the prompt cache", registry=r)
         self.queue_wait = Histogram(
             "quasar_queue_wait_seconds", "From arrival to decoding start", buckets=LATENCY_BUCKETS, registry=r
         )

@@ -16,6 +16,7 @@ chat templates, streaming and tool-call parsing are Transformers' own. What chan
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from typing import Any
@@ -33,11 +34,13 @@ from transformers.cli.serving.utils import BaseGenerateManager, DirectStreamer, 
 
 from quasar_hf import compat
 from quasar_hf.speculative.batcher import SHUTTING_DOWN, BatchRequest, RequestBatcher
+from quasar_hf.speculative.prompt_cache import PromptCache
 
 from .metrics import ServingMetrics
 from .request_checks import SEED_FIELD, RequestError, apply_sampling, asks_max_tokens, check_body, token_budget
 from .stop_text import StopTextFilter, cut_at_stop
 
+logger = logging.getLogger(__name__)
 ENDED_EARLY = ("timeout", "shutdown")  # rows cut short by the server: their responses say finish_reason "length"
 
 
@@ -177,6 +180,19 @@ class QuasarGenerateManager(BaseGenerateManager):
         def done(error: str | None) -> None:
             (metrics.waiting if request.on_start is not None else metrics.running).dec()
             metrics.latency.observe(time.monotonic() - request.arrived)
+            if request.reused_tokens:
+                metrics.cache_hits.inc()
+                metrics.cache_tokens.inc(request.reused_tokens)
+            if self.batcher.prompt_cache is not None:
+                metrics.cache_bytes.set(self.batcher.prompt_cache.bytes)
+            logger.info(
+                "%d prompt tokens, %d from the prompt cache (%.0f %%), %d generated, %s",
+                len(prompt),
+                request.reused_tokens,
+                100 * request.reused_tokens / len(prompt),
+                request.emitted,
+                error or request.finish_reason,
+            )
             if error is None:
                 metrics.finished.labels(request.finish_reason or "stop").inc()
             else:
@@ -312,16 +328,18 @@ def build_app(
     max_queued: int | None = None,
     request_timeout: float | None = None,
     trust_remote_code: bool = False,
+    prompt_cache_bytes: int = 0,
 ) -> tuple[Any, Any, QuasarGenerationState]:
     """Transformers' serving app for the Quasar checkpoint folder `checkpoint` (loaded now), every request
     decoded by one RequestBatcher; returns (app, model, state). `quasar`: Quasar options for every request
-    (compiled steps)."""
+    (compiled steps); `prompt_cache_bytes`: the prompt cache's budget (0: none)."""
     metrics = metrics or ServingMetrics()
     model_manager = ModelManager(
         device=device, dtype="auto", trust_remote_code=trust_remote_code, force_model=checkpoint, model_timeout=-1
     )
     model, _ = model_manager.load_model_and_processor(model_manager.process_model_name(checkpoint))
-    batcher = RequestBatcher(model, max_batch_size, quasar=quasar, on_call=metrics.record_call)
+    prompt_cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes > 0 else None
+    batcher = RequestBatcher(model, max_batch_size, quasar=quasar, on_call=metrics.record_call, prompt_cache=prompt_cache)
     manager = QuasarGenerateManager(
         batcher, context_tokens(model, max_model_len, default_model_len), metrics, max_queued, request_timeout
     )

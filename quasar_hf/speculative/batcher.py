@@ -30,18 +30,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
 from quasar_hf import compat
 
 from .config import QuasarGenerationConfig
 from .defaults import FIELD, declined_reason
+from .prompt_cache import PromptCache
 from .stats import QuasarStats
 
 logger = logging.getLogger(__name__)
 
 MAX_BATCH_SIZE = 8  # rows of one batched call (compiled steps round up to a power of two)
 GATHER_SECONDS = 0.01  # how long a free worker waits for requests sent together with the first one
+MIN_REUSED_TOKENS = 16  # a shorter shared prefix is prefilled again (its copy costs about what it saves)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class BatchRequest:
     deadline: float | None = None
     on_start: Callable[[], None] | None = None  # called once when its batch starts decoding
     finish_reason: str | None = None
+    reused_tokens: int = 0  # prompt tokens whose keys and values came from the prompt cache
     arrived: float = field(default_factory=time.monotonic)
     _finished: bool = field(default=False, init=False, repr=False)
 
@@ -105,9 +108,11 @@ class RequestBatcher:
         gather_seconds: float = GATHER_SECONDS,
         quasar: dict | None = None,
         on_call: Callable[[QuasarStats], None] | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         """`quasar`: Quasar options the server sets for every request (compiled steps), under each request's own;
-        `on_call`: receives each batched call's speculative counters (metrics)."""
+        `on_call`: receives each batched call's speculative counters (metrics); `prompt_cache`: keys and values
+        of finished requests that a request decoding alone continues from."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
@@ -115,6 +120,7 @@ class RequestBatcher:
         self.gather_seconds = gather_seconds
         self.quasar = quasar
         self.on_call = on_call
+        self.prompt_cache = prompt_cache
         self.fatal_error: BaseException | None = None
         self.batches_run = 0
         self.rows_run = 0
@@ -203,7 +209,7 @@ class RequestBatcher:
             if request.on_start is not None:
                 request.on_start()
         try:
-            stats = decode_batch(self.model, batch, self.quasar)
+            stats = decode_batch(self.model, batch, self.quasar, self.prompt_cache)
             error = None
         except Exception as failure:  # a request's own fault (bad settings, a bad row) fails its batch, not the server
             logger.exception("quasar_hf: a batch of %d request(s) failed", len(batch))
@@ -264,8 +270,12 @@ class _RowStreamer:
         pass
 
 
-def decode_batch(model: torch.nn.Module, batch: list[BatchRequest], quasar: dict | None = None) -> QuasarStats | None:
-    """One batched speculative call for `batch` (requests of one batch key), streaming every row; its counters."""
+def decode_batch(
+    model: torch.nn.Module, batch: list[BatchRequest], quasar: dict | None = None, prompt_cache: PromptCache | None = None
+) -> QuasarStats | None:
+    """One batched speculative call for `batch` (requests of one batch key), streaming every row; its counters.
+    A request decoding alone on the dynamic cache continues from `prompt_cache`'s longest prefix of its prompt
+    and leaves its own keys and values there."""
     from .strategy import generate_with_quasar
 
     config = _runnable(batch[0].generation_config)
@@ -277,6 +287,12 @@ def decode_batch(model: torch.nn.Module, batch: list[BatchRequest], quasar: dict
         return None
     config.return_dict_in_generate = True
     input_ids, attention_mask = left_padded(batch, pad_token_id(model, config), compat.input_device(model))
+    cached = {}
+    reuses = prompt_cache is not None and len(batch) == 1 and quasar_config.cache_implementation != "static"
+    hit = prompt_cache.longest_prefix(batch[0].input_ids, MIN_REUSED_TOKENS) if reuses else None
+    if hit is not None:
+        cached[compat.cache_argument_name(model)] = _dynamic_cache(hit.layers)
+        batch[0].reused_tokens = hit.tokens
     with torch.no_grad():
         out = generate_with_quasar(
             model,
@@ -287,8 +303,19 @@ def decode_batch(model: torch.nn.Module, batch: list[BatchRequest], quasar: dict
             quasar=quasar_config,
             quasar_generator=batch[0].generator,
             tokenizer=batch[0].tokenizer,
+            **cached,
         )
+    kept = getattr(out, "past_key_values", None)
+    if reuses and kept is not None:  # the cache holds every token of the row but the last
+        prompt_cache.store(out.sequences[0, : kept.get_seq_length()].tolist(), compat.cache_key_values(kept))
     return getattr(out, "quasar_stats", None)
+
+
+def _dynamic_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    cache = DynamicCache()
+    for index, (keys, values) in enumerate(layers):
+        cache.update(keys, values, index)
+    return cache
 
 
 def _runnable(config: GenerationConfig) -> GenerationConfig:

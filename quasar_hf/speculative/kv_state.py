@@ -42,6 +42,16 @@ class RowAlignedCache:
     def batch_size(self) -> int:
         return self.slot_mask.shape[0]
 
+    def seed(self, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Start one row from a prompt prefix already computed: each layer's keys and values [1, H, P, D]."""
+        if self.batch_size != 1 or self.slot_mask.shape[1] != 0 or self.has_sliding_layers:
+            raise ValueError("a cached prefix seeds an empty one-row cache of full-attention layers only")
+        for index, (keys, values) in enumerate(prefix):
+            self.cache.update(keys, values, index)
+        length = prefix[0][0].shape[-2]
+        self.slot_mask = torch.ones(1, length, dtype=torch.long, device=self.slot_mask.device)
+        self.valid_len = torch.full((1,), length, dtype=torch.long, device=self.valid_len.device)
+
     def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
         """Append tokens [B, n] (token_mask [B, n]: 1 = real token) and return fp32 logits [B, n or 1, V]."""
         if token_mask is None:

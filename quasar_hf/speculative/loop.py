@@ -71,9 +71,11 @@ class SpeculativeRun:
         verify_kwargs: dict | None = None,
         verifier: RowAlignedCache | StaticVerifierCache | None = None,
         draft_width: int | None = None,
+        cached_prefix: int = 0,
     ) -> None:
         """`verifier` defaults to a RowAlignedCache; `draft_width` pads non-empty drafts to that many
-        tokens (fixed step shapes for a static cache; the padding's logits are never read)."""
+        tokens (fixed step shapes for a static cache; the padding's logits are never read);
+        `cached_prefix`: the verifier already holds the first that many prompt tokens (one row)."""
         self.model = model
         self.prepared = prepared
         self.drafter = drafter
@@ -84,7 +86,8 @@ class SpeculativeRun:
         self.rows = list(prepared.input_ids)  # per row [T + generated]: the input_ids plain generate would see
         self.pad_lengths = (prepared.attention_mask == 0).sum(-1).tolist()
         self.active = list(range(len(self.rows)))  # original indices of unfinished rows
-        self.stats = QuasarStats(prefill_tokens=int(prepared.attention_mask.sum()))
+        self.cached_prefix = cached_prefix
+        self.stats = QuasarStats(prefill_tokens=int(prepared.attention_mask.sum()) - cached_prefix)
         self.verifier = verifier or RowAlignedCache(model, len(self.rows), self.device, verify_kwargs)
         self.draft_width = draft_width
 
@@ -101,7 +104,9 @@ class SpeculativeRun:
     def _prefill(self) -> torch.Tensor:
         """Verifier forward over the prompts; choose each row's first token like plain generate."""
         started = time.perf_counter()
-        logits = self.verifier.forward(self.prepared.input_ids, self.prepared.attention_mask, last_only=True)[:, -1]
+        start = self.cached_prefix  # the tokens the verifier does not hold yet
+        ids, mask = self.prepared.input_ids[:, start:], self.prepared.attention_mask[:, start:]
+        logits = self.verifier.forward(ids, mask, last_only=True)[:, -1]
         if len(self.rows) > 1:
             self.verifier.check_holes_supported()
         scores = self._scores(self.active, self.rows, logits)  # [B, V]

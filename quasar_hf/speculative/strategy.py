@@ -37,6 +37,7 @@ from .checks import INPUTS_EMBEDS_HELP, _check_inputs, _refuse_unsupported, as_l
 from .compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for, model_context
 from .config import QuasarGenerationConfig
 from .drafters import make_drafter
+from .kv_state import RowAlignedCache
 from .loop import PreparedGeneration, QuasarGenerateOutput, SpeculativeRun
 from .static_cache import KVCacheSlot, StaticVerifierCache, static_cache_slots
 
@@ -92,8 +93,8 @@ def run_prepared(
     if generation_config.cache_implementation == "static":  # generate's own (empty) StaticCache: the loop sizes its own
         quasar_config = dataclasses.replace(quasar_config, cache_implementation="static")
         model_kwargs = {k: v for k, v in model_kwargs.items() if k not in ("cache", "past_key_values")}
-    _refuse_filled_cache(model_kwargs)
     batch_size = input_ids.shape[0]
+    prefix = cached_prefix(model_kwargs, input_ids, attention_mask, quasar_config)
     if streamer is not None and batch_size > 1 and not hasattr(streamer, "put_row"):
         raise ValueError(
             "streamer= supports batch size 1 only (as in plain generate), or a streamer with put_row for a batch "
@@ -116,10 +117,16 @@ def run_prepared(
         verification_attention(model, quasar_config.rowstable_attention) as verify_kwargs,
         verifier_cache(model, prepared, quasar_config, verify_kwargs) as (verifier, draft_width),
     ):
-        run = SpeculativeRun(model, prepared, drafter, streamer, generator, verify_kwargs, verifier, draft_width)
+        if prefix is not None:  # one row that continues from a cache it was given
+            verifier = RowAlignedCache(model, 1, input_ids.device, verify_kwargs)
+            verifier.seed(prefix)
+        prefix_length = 0 if prefix is None else prefix[0][0].shape[-2]
+        run = SpeculativeRun(model, prepared, drafter, streamer, generator, verify_kwargs, verifier, draft_width, prefix_length)
         sequences, stats = run.run()
     if generation_config.return_dict_in_generate:
-        return QuasarGenerateOutput(sequences=sequences, quasar_stats=stats)
+        # one row on a dynamic cache: the cache holds exactly its tokens but the last, as plain generate's does
+        cache = run.verifier.cache if batch_size == 1 and isinstance(run.verifier, RowAlignedCache) else None
+        return QuasarGenerateOutput(sequences=sequences, quasar_stats=stats, past_key_values=cache)
     return sequences
 
 
@@ -186,8 +193,12 @@ def _row_view(processor: Any, row: int, batch_size: int) -> Any:
     return processor
 
 
-def _refuse_filled_cache(model_kwargs: dict) -> None:
-    """A cache passed in would be ignored (the loop keeps its own): refuse it rather than drop it silently."""
+def cached_prefix(
+    model_kwargs: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, config: QuasarGenerationConfig
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The keys and values of a filled DynamicCache passed in (`past_key_values` of an earlier turn, one row):
+    the loop continues from it as plain generate does, prefilling only the tokens past it. None when none is
+    passed; a cache the loop cannot continue from is refused rather than dropped silently."""
     from transformers import DynamicCache
 
     for name in ("cache", "past_key_values"):
@@ -198,11 +209,22 @@ def _refuse_filled_cache(model_kwargs: dict) -> None:
                 f"{name}=...; drop that argument (for a static cache pass cache_implementation='static' or "
                 f"quasar={{'cache_implementation': 'static'}}: the loop sizes one with room for its drafts)."
             )
-        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
-            raise ValueError(
-                "Quasar generation starts from the prompt and keeps its own KV cache; a filled cache was passed "
-                f"({name}=...). Pass the whole conversation as input_ids instead."
-            )
+        if cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0:
+            continue
+        length, (rows, width) = cache.get_seq_length(), input_ids.shape
+        problem = None
+        if rows != 1 or (attention_mask is not None and not bool(attention_mask.all())):
+            problem = "works for one unpadded prompt at a time"
+        elif config.cache_implementation == "static":
+            problem = "works with the dynamic cache only (not cache_implementation='static' or compiled steps)"
+        elif not all(compat.is_full_attention_layer(layer) for layer in cache.layers):
+            problem = "needs full-attention layers (this model has sliding-window layers)"
+        elif length >= width:
+            problem = f"holds {length} tokens but input_ids has {width}: pass the whole conversation, longer than the cache"
+        if problem is not None:
+            raise ValueError(f"Quasar generation continuing from a filled {name}=... {problem}; drop {name} or fix the call.")
+        return compat.cache_key_values(cache)
+    return None
 
 
 # generate() arguments the speculative loop cannot honour: refused with a clear error.
