@@ -10,7 +10,8 @@
  * Why: at prompt lengths of hundreds to thousands of tokens the prefill's attention is quadratic and
  * dominates it (SmolLM2-135M at 2000 tokens: 62 % of the prefill under torch's CPU flash attention,
  * which runs its blocks through fp32 GEMMs). The dot-product instruction does twice the fp32 FMA's
- * arithmetic per cycle, and a flash-style blocking keeps every block in cache.
+ * arithmetic per cycle (the FMA builds run at about half its speed), and a flash-style blocking keeps
+ * every block in cache.
  *
  * Per (batch, KV head, block of QB query positions), for all G = H / KVH query heads of that KV head
  * at once (each key and value block is loaded once for them), over key blocks of KB keys in order:
