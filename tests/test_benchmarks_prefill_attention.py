@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.kernels import prefill_attention
 from quasar_hf import QuasarConfig
-from quasar_hf.ops import attention_cpu
+from quasar_hf.ops import attention_cpu, native
 from tests.tiny_models import save_tiny
 
 pytestmark = pytest.mark.skipif(
@@ -33,6 +33,8 @@ def test_report_times_both_and_checks_them_against_the_oracle(tmp_path):
     for r in result["prefill"]:
         assert r["kernel_s"] > 0 and r["kernel_max_logit_diff"] < 1.0 and r["sdpa_max_logit_diff"] < 1.0
         assert 0 <= r["kernel_same_argmax"] <= 2 and r["kernel_mean_logit_diff"] <= r["kernel_max_logit_diff"]
+    build = native.kernel_builds()["prefill_attention"][0]  # which build ran, in words
+    assert result["build"] == build and f"({build} build)" in open(md_path).read()
     assert "prefill-attention" in open(md_path).read()
 
 

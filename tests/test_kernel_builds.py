@@ -115,18 +115,45 @@ RUN = textwrap.dedent(
     """
 )
 
+PREFILL_RUN = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from quasar_hf.ops import attention_cpu, native
+
+    print("prefill", native.kernel_builds().get("prefill_attention", ("none",))[0])
+    gen = torch.Generator().manual_seed(0)
+    outputs = []  # the prompt kernel's, where a build runs (saved to the last argument)
+    # ragged lengths (16-row query blocks, 64-key blocks), GQA groups of 1-7, head sizes 32-256
+    for batch, heads, kv_heads, length, dim in (
+        (1, 9, 3, 65, 64), (2, 4, 2, 130, 96), (1, 7, 1, 200, 32), (1, 4, 4, 257, 256), (1, 6, 3, 300, 128),
+        (1, 2, 1, 77, 160), (1, 14, 2, 100, 224),
+    ) if attention_cpu.prefill_unavailable_reason() is None else ():
+        q = (torch.randn(batch, length, heads, dim, generator=gen) * 2).bfloat16().transpose(1, 2)
+        k, v = (torch.randn(batch, length, kv_heads, dim, generator=gen).bfloat16().transpose(1, 2) for _ in range(2))
+        outputs.append(attention_cpu.prefill_attention(q, k, v, dim**-0.5))
+        # tiny values: q.k products below FLT_MIN, outputs below it, denormal bf16 queries (flushed alike)
+        tiny_q = q * 1e-20
+        tiny_q[..., ::5] = 3e-39
+        outputs.append(attention_cpu.prefill_attention(tiny_q, k * 1e-19, v * 1e-37, 1.0))
+    torch.save(outputs, sys.argv[-1])
+    """
+)
 AVX512_OFF = "avx512f,avx512bw,avx512vl,avx512dq,avx512_vnni"
 PORTABLE = f"avx2,fma,f16c,{AVX512_OFF}"
+# the prompt kernel's builds, best first, and the flags that make each the best one left
+PREFILL_BUILDS = (("avx512bf16", ""), ("avx512", "avx512_bf16"), ("avx2", AVX512_OFF))
 
 
 @functools.cache
-def run_masked(flags: str, folder: str) -> tuple[str, list[torch.Tensor]]:
-    """The script's printout and attention outputs in a process that treats `flags` as absent."""
-    path = os.path.join(folder, f"attention_{flags or 'none'}.pt")
+def run_masked(flags: str, folder: str, script: str = RUN + PREFILL_RUN) -> tuple[str, list[torch.Tensor], list[torch.Tensor]]:
+    """The scripts' printout, attention outputs (RUN's) and prompt kernel outputs (PREFILL_RUN's, none where
+    no build runs) in a process that treats `flags` as absent."""
+    paths = [os.path.join(folder, f"{kind}_{flags or 'none'}.pt") for kind in ("attention", "prefill")]
     env = {**os.environ, MASK_ENV: flags}
-    done = subprocess.run([sys.executable, "-c", RUN, path], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", script, *paths], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout, torch.load(path)
+    return done.stdout, torch.load(paths[0]) if script != PREFILL_RUN else [], torch.load(paths[1])
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +174,9 @@ def masks() -> list:
 @requires_native
 @pytest.mark.parametrize("flags", masks())
 def test_every_build_computes_the_oracle_bits_and_the_same_attention(flags, folder):
-    out, attention = run_masked(flags, folder)
+    out, attention, _ = run_masked(flags, folder)
     assert "exact" in out, out
-    _, best = run_masked("", folder)
+    _, best, _ = run_masked("", folder)
     assert len(attention) == len(best)
     for got, expected in zip(attention, best):
         assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
@@ -161,14 +188,15 @@ def test_every_build_computes_the_oracle_bits_and_the_same_attention(flags, fold
 @requires_native
 @pytest.mark.skipif(bool(missing_cpu_flags(("avx512f",))), reason="needs AVX-512 to mask it")
 def test_without_avx512_the_avx2_builds_run(folder):
-    out, _ = run_masked(AVX512_OFF, folder)
+    out, _, _ = run_masked(AVX512_OFF, folder)
     assert "'w8a8=avx2'" in out and "'attention=avx2'" in out and "w8a8 None" in out and "auto cpu_fused" in out, out
+    assert "'prefill_attention=avx2'" in out, out
 
 
 @requires_native
 @pytest.mark.skipif(bool(missing_cpu_flags(("avx2",))), reason="needs AVX2 to mask it")
 def test_without_avx2_the_portable_builds_run_and_the_reasons_say_why(folder):
-    out, _ = run_masked(PORTABLE, folder)
+    out, _, _ = run_masked(PORTABLE, folder)
     assert "['attention=portable', 'hadamard=portable', 'rms_norm=portable']" in out, out
     assert "w8a8 no build of the fused W8A8 linear kernel runs on this CPU (needs avx512f" in out and "avx2 + f16c)" in out, out
     assert "lm_head no build of the row-stable linear kernel runs on this CPU" in out and "auto torch" in out, out
@@ -199,3 +227,25 @@ def test_cxx_standard_follows_torch_headers():
 
     assert cxx_standard("2.11.0+cu130") == "c++17" and cxx_standard("2.13.0+cpu") == "c++17"
     assert cxx_standard("2.14.1+cu130") == "c++20" and cxx_standard("3.0.0") == "c++20"
+
+
+def prefill_builds_here() -> list:
+    """Each build of the prompt kernel this CPU runs, with flags that make it the one chosen."""
+    table = {row.build: row.cpu_flags for row in native.kernel_build_table() if row.kernel == "prefill_attention"}
+    return [pytest.param(build, flags, id=build) for build, flags in PREFILL_BUILDS if not missing_cpu_flags(table[build])]
+
+
+@requires_native
+@pytest.mark.parametrize(("build", "flags"), prefill_builds_here())
+def test_every_build_of_the_prompt_kernel_computes_the_same_bits(build, flags, folder):
+    """vdpbf16ps's products as fp32 FMAs in its order, with denormals flushed as it flushes them: the
+    AVX-512F and AVX2 builds give the AVX512-BF16 build's bits, tiny and denormal inputs included."""
+    alone = flags not in ("", AVX512_OFF)  # the other runs' script includes the prompt kernel's part
+    out, _, outputs = run_masked(flags, folder, PREFILL_RUN) if alone else run_masked(flags, folder)
+    assert f"prefill {build}" in out, out
+    _, _, best = run_masked(prefill_builds_here()[0].values[1], folder)
+    assert len(outputs) == len(best) == 14
+    for got, expected in zip(outputs, best):
+        assert torch.equal(got, expected)
+    tiny = outputs[1::2]
+    assert all(bool((t == 0).any()) and bool((t != 0).any()) for t in tiny)  # outputs flushed, and outputs kept

@@ -1,4 +1,4 @@
-"""The prompt kernel (`quasar::prefill_attention`, AVX512-BF16): accuracy against the fp64 oracle, the
+"""The prompt kernel (`quasar::prefill_attention`, whichever build runs here): accuracy against the fp64 oracle, the
 bits it keeps (batch rows, prompt prefixes, thread counts), and which calls a model sends to it.
 
 Error bound, from the kernel's arithmetic (csrc/prefill_attention_bf16.c): scores are fp32 sums of exact
@@ -130,7 +130,7 @@ def test_long_prefills_take_the_kernel_and_greedy_quasar_still_equals_plain(qwen
 
 
 def test_without_the_kernel_prefills_run_sdpa(qwen3_w8a8, monkeypatch):
-    """Where the CPU lacks AVX512-BF16 (made so here), the same prefill runs SDPA: no call, same shapes."""
+    """Where no build of the kernel runs (made so here), the same prefill runs SDPA: no call, same shapes."""
     calls = prompt_calls(monkeypatch)
     monkeypatch.setattr(attention_cpu, "prefill_unavailable_reason", lambda: "no avx512_bf16 (test)")
     prompt = torch.randint(0, 96, (1, rowstable_attention.LONG_PREFILL_ROWS + 20))

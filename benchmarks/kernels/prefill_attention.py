@@ -1,8 +1,9 @@
-"""A prompt's causal attention: the AVX512-BF16 kernel against torch's SDPA, side by side, with accuracy.
+"""A prompt's causal attention: the prompt kernel against torch's SDPA, side by side, with accuracy.
 
 Part 1, the attention alone, at the attention shapes of real models and prompt lengths: median ms per
 call of SDPA (bf16, causal, GQA; what Quasar models ran before the kernel and run where it does not)
-and of `quasar::prefill_attention`, interleaved, on inputs laid out as Transformers passes them; beside
+and of `quasar::prefill_attention` (the build this CPU runs: AVX512-BF16, AVX-512F or AVX2;
+`QUASAR_HF_CPU_FLAGS_OFF=avx512_bf16` or `=avx512_bf16,avx512f` picks a lesser one), interleaved, on inputs laid out as Transformers passes them; beside
 each, its error against the fp64 oracle (max abs and RMS).
 Part 2 (`--checkpoint`), a whole prefill: one forward of a prompt through a Quasar checkpoint, with the
 attention Quasar models load with (the kernel) and with `set_attn_implementation("sdpa")`, interleaved;
@@ -15,6 +16,7 @@ computed by the fp64 oracle (largest difference, and whether the argmax agrees).
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +27,13 @@ from benchmarks.kernels.build_reports import selected_shapes, write_build_report
 from benchmarks.kernels.kernels import interleaved_medians
 from quasar_hf import compat
 from quasar_hf.bench.report import markdown_table
-from quasar_hf.ops import attention_cpu
+from quasar_hf.ops import attention_cpu, native
+from quasar_hf.ops.c_build import MASK_ENV
 from quasar_hf.ops.reference import attention_reference
 
 CPU = torch.device("cpu")
+# what changes which code either side runs: our build's choice, torch's kernels and oneDNN's instruction sets
+OVERRIDES = (MASK_ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 ORACLE_ATTENTION = "quasar_bench_fp64_prompt"  # the prompt's attention in fp64, rounded to the model's dtype
 
 
@@ -138,7 +143,10 @@ def _error_cell(row: dict, name: str) -> str:
 
 
 def to_markdown(result: dict, command: str) -> str:
-    lines = ["# Prefill attention: the AVX512-BF16 kernel against SDPA", "", f"Command: `{command}`", ""]
+    build = result.get("build", "avx512bf16")
+    lines = [f"# Prefill attention: the prompt kernel ({build} build) against SDPA", "", f"Command: `{command}`", ""]
+    if result.get("overrides"):
+        lines += ["Environment set: " + ", ".join(f"`{k}={v}`" for k, v in result["overrides"].items()), ""]
     lines += [
         f"{result['torch_threads']} threads, bf16, causal, one prompt; median of {result['samples']} interleaved "
         "calls. Error: max abs / RMS against the fp64 oracle.",
@@ -189,6 +197,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     if reason is not None:
         parser.error(f"the prefill attention kernel does not run here: {reason}")
     result = {"torch_threads": torch.get_num_threads(), "samples": args.samples, "checkpoint": args.checkpoint}
+    result["build"] = native.kernel_builds()["prefill_attention"][0]
+    result["overrides"] = {name: os.environ[name] for name in OVERRIDES if name in os.environ}
     result["kernel"] = measure_kernel(shapes, tuple(args.lengths), args.samples, args.oracle_max)
     if args.checkpoint:
         result["prefill"] = measure_prefill(args.checkpoint, tuple(args.lengths), args.samples, args.accuracy_prompts)

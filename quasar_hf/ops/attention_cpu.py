@@ -18,9 +18,10 @@ Public API:
 A prompt's causal self-attention (a long prefill: as many keys as queries, no mask) has its own
 kernel, `quasar::prefill_attention` (csrc/prefill_attention_bf16.c): blocked, on the AVX512-BF16
 dot-product instruction, 2.4-3.9x torch's CPU flash attention on 2 Zen 4 cores at 128-2000 tokens
-(`python -m benchmarks prefill-attention`). It is no row-stable kernel (nor needs one: plain and speculative generation run the same
-prefill). Where the CPU lacks AVX512-BF16, or the tensors are not bfloat16 with a head size that is a
-multiple of 32 up to 256, callers run SDPA (doctor lists which kernels run here).
+(`python -m benchmarks prefill-attention`); on CPUs without it, its AVX-512F and AVX2 + FMA builds
+compute the same bits with fp32 FMAs. It is no row-stable kernel (nor needs one: plain and speculative
+generation run the same prefill). Where the CPU lacks AVX2 + FMA, or the tensors are not bfloat16 with a
+head size that is a multiple of 32 up to 256, callers run SDPA (doctor lists which build runs here).
 `rowstable_attention` calls the op `quasar::rowstable_attention` (ops/torch_ops.py), eager and
 compiled alike: on CPU its C++ implementation (ops/native.py) calls this kernel. When the kernel
 cannot be built, `supports` says False and logs the reason once at warning level (callers then run

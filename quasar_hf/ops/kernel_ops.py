@@ -13,7 +13,7 @@ of all of them.
       (the packed GEMM's exact accumulators, apart from the float epilogue: tests and debugging)
   quasar::rowstable_attention(query, key, value, visible?, scale?) -> [B, Q, H, D]   (CPU: C; CUDA: Triton)
   quasar::prefill_attention(query, key, value, scale?) -> [B, L, H, D]   (a prompt's causal self-attention,
-      bfloat16, on CPUs with AVX512-BF16: what a long prefill runs, csrc/prefill_attention_bf16.c)
+      bfloat16, on CPUs with AVX2 + FMA: what a long prefill runs, csrc/prefill_attention_bf16.c)
   quasar::rowstable_linear(x, weight, bias?) -> [..., N]   (the float lm_head, RowStableLinear)
   quasar::hadamard_rows(x, signs, blocks, pow2, scale) -> fp32 [..., K]   (RotatedW8A8Linear's input)
   quasar::rms_norm(x, weight, eps, offset, scale_in_float) -> [..., K]   (every RMSNorm not folded, when

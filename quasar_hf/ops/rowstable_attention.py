@@ -12,7 +12,7 @@ Two registered attention implementations:
   row alone (`attention_cpu` on CPU in float32/bfloat16, `triton_attention` on CUDA), so a
   verified row equals its decode step by construction, in one batched call. Where no kernel
   applies (CPU float16, a device where the Triton kernel fails its first-use check) it is SDPA. A long
-  prefill runs the prompt kernel (`attention_cpu.prefill_attention`, CPU bfloat16 with AVX512-BF16)
+  prefill runs the prompt kernel (`attention_cpu.prefill_attention`, CPU bfloat16 with AVX2 + FMA)
   or SDPA; a left-padded batch's long prefill runs it per row on that row's own tokens, the call a
   request alone makes, so a served batch gives each request its own bits.
 * `QUASAR_SDPA` ("quasar_sdpa"): plain SDPA, for SDPA models during one speculative call.
@@ -163,7 +163,7 @@ def _fresh_static_prefill(attention_mask, q_len: int, kv_len: int, sliding_windo
 
 def _prompt_attention(module, query, key, value, dropout=0.0, scaling=None, **kwargs):
     """A long prompt's causal self-attention (Q == N, no mask): `attention_cpu.prefill_attention` (the
-    AVX512-BF16 kernel) where it applies, else SDPA. Returns ([B, L, H, D], None)."""
+    prompt kernel) where it applies, else SDPA. Returns ([B, L, H, D], None)."""
     window = kwargs.get("sliding_window")
     plain = not dropout and getattr(module, "is_causal", True) and kwargs.get("is_causal", True) is not False
     plain = plain and all(kwargs.get(k) is None for k in _UNSUPPORTED_KWARGS) and (not window or query.shape[2] <= window)

@@ -1,11 +1,17 @@
 /*
  * Causal self-attention of a prompt (a prefill: Q == N, no cache, no padding) in bfloat16, on the
- * CPU's BF16 dot-product instruction (AVX512-BF16's vdpbf16ps: 32 bf16 multiplies, fp32 sums).
+ * CPU's BF16 dot-product instruction (AVX512-BF16's vdpbf16ps: 32 bf16 multiplies, fp32 sums), or,
+ * built without it (-mavx512f; -mavx2 -mfma), on fp32 FMAs that compute the same bits: vdpbf16ps adds
+ * its two products of a lane in fp32 as two FMAs, the odd element's first, with denormals flushed
+ * (products of two bf16 are exact in fp32). Those builds unpack K and V to fp32 once and take each
+ * lane's two products in that order; every build runs with MXCSR FTZ and DAZ set, so the fp32
+ * arithmetic around the products flushes alike (prefill_attention_isa.h, the 16-lane layer they share).
  *
  * Why: at prompt lengths of hundreds to thousands of tokens the prefill's attention is quadratic and
  * dominates it (SmolLM2-135M at 2000 tokens: 62 % of the prefill under torch's CPU flash attention,
  * which runs its blocks through fp32 GEMMs). The dot-product instruction does twice the fp32 FMA's
- * arithmetic per cycle, and a flash-style blocking keeps every block in cache.
+ * arithmetic per cycle (the FMA builds run at about half its speed), and a flash-style blocking keeps
+ * every block in cache.
  *
  * Per (batch, KV head, block of QB query positions), for all G = H / KVH query heads of that KV head
  * at once (each key and value block is loaded once for them), over key blocks of KB keys in order:
@@ -35,12 +41,20 @@
 #endif
 #include <immintrin.h>
 
+#include "prefill_attention_isa.h"
 #include "qhf_entry_points.h"
 
 #define QB 16      /* query positions per task */
 #define KB 64      /* keys per block: 4 vectors of 16 scores */
 #define D_MAX 256  /* head dim bound: the accumulators of one task */
 #define ROWS 4     /* rows per micro-kernel */
+
+#ifdef __AVX512BF16__
+/* ---- vdpbf16ps: K and V stay bf16, in pairs; the softmax weights are bf16 pairs ---------------- */
+typedef uint32_t packed_t; /* two bf16 */
+typedef uint16_t weight_t;
+typedef const uint16_t *query_row;
+#define PACKED_PER_ELEMENT 1 /* K then V: Lp * D / 2 words each */
 
 /* K of one (batch, KV head) as [Lp/16][D/2][16 keys] pairs: lane j of vector (group, dp) holds
  * (k[16 group + j][2 dp], k[16 group + j][2 dp + 1]); keys from L to Lp (L rounded up to KB) are zeros. */
@@ -67,23 +81,7 @@ static void pack_values(const uint16_t *v, int64_t v_sl, int64_t L, int64_t Lp, 
     }
 }
 
-/* e^x for x <= 0 on 16 lanes (x = n ln2 + r, degree-6 polynomial; |rel err| < 2e-7); x < -87 and -inf give 0. */
-static inline __m512 exp16(__m512 x) {
-    const __m512 floor87 = _mm512_set1_ps(-87.0f);
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, floor87, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, floor87);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mov_ps(~tiny, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
-}
+static inline query_row query_at(const uint16_t *q, float *unused, int64_t D) { (void)unused, (void)D; return q; }
 
 static inline uint32_t pair_at(const uint16_t *row, int64_t index) {
     uint32_t pair;
@@ -93,13 +91,13 @@ static inline uint32_t pair_at(const uint16_t *row, int64_t index) {
 
 static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
-/* s[r][0..KB) = q_r . k_j for ROWS rows and the KB keys from key group `group` (unscaled). */
-static inline void scores_block(const uint16_t *const *q, const uint32_t *kp, int64_t group, int64_t D, float *s) {
+/* s[r][0..KB) = q_r . k_j for ROWS rows and the KB keys from `key0` (unscaled). */
+static inline void scores_block(const query_row *q, const uint32_t *kp, int64_t key0, int64_t D, float *s) {
     const int64_t pairs = D / 2;
     __m512 acc[ROWS][4];
     for (int r = 0; r < ROWS; ++r)
         for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
-    const uint32_t *base = kp + group * pairs * 16;
+    const uint32_t *base = kp + key0 / 16 * pairs * 16;
     for (int64_t dp = 0; dp < pairs; ++dp) {
         __m512i kv[4];
         for (int t = 0; t < 4; ++t) kv[t] = _mm512_loadu_si512(base + (t * pairs + dp) * 16);
@@ -112,10 +110,9 @@ static inline void scores_block(const uint16_t *const *q, const uint32_t *kp, in
         for (int t = 0; t < 4; ++t) _mm512_storeu_ps(s + r * KB + t * 16, acc[r][t]);
 }
 
-/* o[r][d0 .. d0 + 16 VECS) = o * alpha[r] + sum_j p[r][j] v_j[d0 ..] over the KB keys from key pair
- * `first_pair`, for ROWS rows: VECS (4 or 2) is a constant where it is inlined, so the accumulators stay
- * in registers. */
-static inline __attribute__((always_inline)) void values_chunk(const uint16_t *p, const uint32_t *vp, int64_t first_pair,
+/* o[r][d0 .. d0 + 16 VECS) = o * alpha[r] + sum_j p[r][j] v_j[d0 ..] over the KB keys from `key0`, for
+ * ROWS rows: VECS (4 or 2) is a constant where it is inlined, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void values_chunk(const uint16_t *p, const uint32_t *vp, int64_t key0,
                                                                int64_t D, int64_t d0, const float *alpha, float *o,
                                                                const int VECS) {
     __m512 acc[ROWS][4];
@@ -124,7 +121,7 @@ static inline __attribute__((always_inline)) void values_chunk(const uint16_t *p
         for (int t = 0; t < VECS; ++t) acc[r][t] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d0 + t * 16), a);
     }
     for (int64_t jp = 0; jp < KB / 2; ++jp) {
-        const uint32_t *row = vp + (first_pair + jp) * D + d0;
+        const uint32_t *row = vp + (key0 / 2 + jp) * D + d0;
         __m512i vv[4];
         for (int t = 0; t < VECS; ++t) vv[t] = _mm512_loadu_si512(row + t * 16);
         for (int r = 0; r < ROWS; ++r) {
@@ -135,56 +132,181 @@ static inline __attribute__((always_inline)) void values_chunk(const uint16_t *p
     for (int r = 0; r < ROWS; ++r)
         for (int t = 0; t < VECS; ++t) _mm512_storeu_ps(o + r * D + d0 + t * 16, acc[r][t]);
 }
+#define VALUE_VECS 4   /* vectors per values_chunk call */
+#define VALUE_LANES 16 /* fp32 lanes of one */
 
-/* o[r] = o[r] * alpha[r] + sum_j p[r][j] v_j over the KB keys from key pair `first_pair`, ROWS rows. */
-static inline void values_block(const uint16_t *p, const uint32_t *vp, int64_t first_pair, int64_t D, const float *alpha,
+/* The weights of 32 keys (a: the first 16, b: the next) rounded to bf16 into p, and as fp32 into *ra, *rb. */
+static inline void round_weights(v16 a, v16 b, uint16_t *p, v16 *ra, v16 *rb) {
+    const __m512i bits = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+    _mm512_storeu_si512(p, bits);
+    *ra = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
+    *rb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16));
+}
+
+/* dst[0..32) = bf16(a), bf16(b) */
+static inline void store_bf16_x32(uint16_t *dst, v16 a, v16 b) { _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(b, a)); }
+
+#else
+/* ---- fp32 FMAs in vdpbf16ps's order: K, V and Q unpacked to fp32 ------------------------------- */
+#ifdef __AVX512F__
+#define VW 16 /* fp32 lanes of a vector */
+typedef __m512 vec;
+#define vec_load _mm512_loadu_ps
+#define vec_store _mm512_storeu_ps
+#define vec_set1 _mm512_set1_ps
+#define vec_mul _mm512_mul_ps
+#define vec_fmadd _mm512_fmadd_ps
+#define SCORE_VECS 4  /* key vectors per pass of scores_block: all 64 keys */
+#define VALUE_VECS 4  /* value vectors per values_chunk */
+#else
+#define VW 8
+typedef __m256 vec;
+#define vec_load _mm256_loadu_ps
+#define vec_store _mm256_storeu_ps
+#define vec_set1 _mm256_set1_ps
+#define vec_mul _mm256_mul_ps
+#define vec_fmadd _mm256_fmadd_ps
+#define SCORE_VECS 2 /* 16 of the 64 keys per pass: ROWS x 2 accumulators (3 measured slower: spills) */
+#define VALUE_VECS 2
+#endif
+typedef float packed_t;
+typedef float weight_t;
+typedef const float *query_row;
+#define PACKED_PER_ELEMENT 2 /* K then V: Lp * D floats each */
+
+/* K of one (batch, KV head) as fp32 [Lp/VW][D][VW]: lane j of vector (group, d) holds k[VW group + j][d];
+ * keys from L to Lp (L rounded up to KB) are zeros. */
+static void pack_keys(const uint16_t *k, int64_t k_sl, int64_t L, int64_t Lp, int64_t D, float *out) {
+    for (int64_t key = 0; key < Lp; ++key)
+        for (int64_t d = 0; d < D; ++d) out[(key / VW * D + d) * VW + key % VW] = key < L ? bf16_to_f32(k[key * k_sl + d]) : 0.0f;
+}
+
+/* V of one (batch, KV head) as fp32 [Lp][D], zeros past L. */
+static void pack_values(const uint16_t *v, int64_t v_sl, int64_t L, int64_t Lp, int64_t D, float *out) {
+    for (int64_t key = 0; key < Lp; ++key)
+        for (int64_t d = 0; d < D; ++d) out[key * D + d] = key < L ? bf16_to_f32(v[key * v_sl + d]) : 0.0f;
+}
+
+/* The query row q in fp32, written to `row`. */
+static inline query_row query_at(const uint16_t *q, float *row, int64_t D) {
+    for (int64_t d = 0; d < D; ++d) row[d] = bf16_to_f32(q[d]);
+    return row;
+}
+
+/* s[r][VW t0 .. VW (t0 + VECS)) = q_r . k_j for ROWS rows, keys from `key0` (unscaled): per lane, over
+ * the dimension pairs in order, the odd dimension's product and then the even one's (vdpbf16ps's order).
+ * VECS is a constant where it is inlined, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void scores_chunk(const query_row *q, const float *kp, int64_t key0, int64_t D,
+                                                               int t0, float *s, const int VECS) {
+    const float *base = kp + key0 * D + t0 * D * VW;
+    vec acc[ROWS][4];
+    for (int r = 0; r < ROWS; ++r)
+        for (int t = 0; t < VECS; ++t) acc[r][t] = vec_set1(0.0f);
+    for (int64_t dp = 0; dp < D; dp += 2)
+        for (int64_t d = dp + 1; d >= dp; --d) {
+            vec kv[4];
+            for (int t = 0; t < VECS; ++t) kv[t] = vec_load(base + (t * D + d) * VW);
+            for (int r = 0; r < ROWS; ++r) {
+                const vec qb = vec_set1(q[r][d]);
+                for (int t = 0; t < VECS; ++t) acc[r][t] = vec_fmadd(kv[t], qb, acc[r][t]);
+            }
+        }
+    for (int r = 0; r < ROWS; ++r)
+        for (int t = 0; t < VECS; ++t) vec_store(s + r * KB + (t0 + t) * VW, acc[r][t]);
+}
+
+/* s[r][0..KB) = q_r . k_j for ROWS rows and the KB keys from `key0` (unscaled). */
+static inline void scores_block(const query_row *q, const float *kp, int64_t key0, int64_t D, float *s) {
+    for (int t0 = 0; t0 < KB / VW; t0 += SCORE_VECS) scores_chunk(q, kp, key0, D, t0, s, SCORE_VECS);
+}
+
+/* o[r][d0 .. d0 + VW VECS) = o * alpha[r] + sum_j p[r][j] v_j[d0 ..] over the KB keys from `key0`, for
+ * ROWS rows, key 2i + 1 before key 2i (vdpbf16ps's order). VECS is a constant where it is inlined. */
+static inline __attribute__((always_inline)) void values_chunk(const float *p, const float *vp, int64_t key0, int64_t D,
+                                                               int64_t d0, const float *alpha, float *o, const int VECS) {
+    vec acc[ROWS][4];
+    for (int r = 0; r < ROWS; ++r) {
+        const vec a = vec_set1(alpha[r]);
+        for (int t = 0; t < VECS; ++t) acc[r][t] = vec_mul(vec_load(o + r * D + d0 + t * VW), a);
+    }
+    for (int64_t jp = 0; jp < KB; jp += 2)
+        for (int64_t j = jp + 1; j >= jp; --j) {
+            const float *row = vp + (key0 + j) * D + d0;
+            vec vv[4];
+            for (int t = 0; t < VECS; ++t) vv[t] = vec_load(row + t * VW);
+            for (int r = 0; r < ROWS; ++r) {
+                const vec pb = vec_set1(p[r * KB + j]);
+                for (int t = 0; t < VECS; ++t) acc[r][t] = vec_fmadd(vv[t], pb, acc[r][t]);
+            }
+        }
+    for (int r = 0; r < ROWS; ++r)
+        for (int t = 0; t < VECS; ++t) vec_store(o + r * D + d0 + t * VW, acc[r][t]);
+}
+#define VALUE_LANES VW
+
+static inline void round_weights(v16 a, v16 b, float *p, v16 *ra, v16 *rb) {
+    *ra = v16_round_bf16(a);
+    *rb = v16_round_bf16(b);
+    v16_store(p, *ra);
+    v16_store(p + 16, *rb);
+}
+
+static inline void store_bf16_x32(uint16_t *dst, v16 a, v16 b) {
+    float rounded[32];
+    v16_store(rounded, v16_round_bf16(a));
+    v16_store(rounded + 16, v16_round_bf16(b));
+    for (int i = 0; i < 32; ++i) {
+        uint32_t bits;
+        memcpy(&bits, rounded + i, sizeof bits);
+        dst[i] = (uint16_t)(bits >> 16);
+    }
+}
+#endif
+
+/* o[r] = o[r] * alpha[r] + sum_j p[r][j] v_j over the KB keys from `key0`, ROWS rows. */
+static inline void values_block(const weight_t *p, const packed_t *vp, int64_t key0, int64_t D, const float *alpha,
                                 float *o) {
+    const int64_t chunk = VALUE_VECS * VALUE_LANES;
     int64_t d0 = 0;
-    for (; d0 + 64 <= D; d0 += 64) values_chunk(p, vp, first_pair, D, d0, alpha, o, 4);
-    if (d0 < D) values_chunk(p, vp, first_pair, D, d0, alpha, o, 2); /* D % 64 == 32 */
+    for (; d0 + chunk <= D; d0 += chunk) values_chunk(p, vp, key0, D, d0, alpha, o, VALUE_VECS);
+    if (d0 < D) values_chunk(p, vp, key0, D, d0, alpha, o, 32 / VALUE_LANES); /* 32 dims left (chunk 64) */
 }
 
 /* Online softmax of one row's block of scores: masks keys past `visible_end`, rounds p to bf16 into
  * `p`, updates the row's max `m` and sum `l`, and returns the factor its accumulators take. */
-static inline float softmax_block(float *s, int64_t first_key, int64_t visible_end, float scale, uint16_t *p, float *m,
-                                  float *l) {
-    __m512 x[4];
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
+static inline float softmax_block(const float *s, int64_t first_key, int64_t visible_end, float scale, weight_t *p,
+                                  float *m, float *l) {
+    v16 x[4];
+    v16 vmax = v16_set1(-INFINITY);
     for (int t = 0; t < 4; ++t) {
-        const int64_t key0 = first_key + 16 * t;
-        const int64_t n = visible_end - key0;
-        const __mmask16 keep = n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
-        x[t] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), keep, _mm512_loadu_ps(s + 16 * t), _mm512_set1_ps(scale));
-        vmax = _mm512_max_ps(vmax, x[t]);
+        x[t] = v16_scaled_prefix(s + 16 * t, visible_end - (first_key + 16 * t), scale);
+        vmax = v16_max(vmax, x[t]);
     }
-    const float block_max = _mm512_reduce_max_ps(vmax);
+    const float block_max = v16_reduce_max(vmax);
     const float m_new = block_max > *m ? block_max : *m;
-    const float alpha = m_new == *m ? 1.0f : exp16(_mm512_set1_ps(*m - m_new))[0]; /* the max rarely moves late */
-    const __m512 vm = _mm512_set1_ps(m_new);
-    __m512 sum = _mm512_setzero_ps();
+    const float alpha = m_new == *m ? 1.0f : v16_first(exp16(v16_set1(*m - m_new))); /* the max rarely moves late */
+    const v16 vm = v16_set1(m_new);
+    v16 sum = v16_set1(0.0f);
     for (int t = 0; t < 4; t += 2) {
-        const __m512bh rounded = _mm512_cvtne2ps_pbh(exp16(_mm512_sub_ps(x[t + 1], vm)), exp16(_mm512_sub_ps(x[t], vm)));
-        const __m512i bits = (__m512i)rounded;
-        _mm512_storeu_si512(p + 16 * t, bits);
-        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
-        const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16));
-        sum = _mm512_add_ps(sum, _mm512_add_ps(lo, hi));
+        v16 lo, hi;
+        round_weights(exp16(v16_sub(x[t], vm)), exp16(v16_sub(x[t + 1], vm)), p + 16 * t, &lo, &hi);
+        sum = v16_add(sum, v16_add(lo, hi));
     }
-    *l = *l * alpha + _mm512_reduce_add_ps(sum);
+    *l = *l * alpha + v16_reduce_add(sum);
     *m = m_new;
     return alpha;
 }
 
 /* One task: the G heads of KV head `kvh` at query positions q0 .. q0 + QB - 1 (those below L). */
-static void attend_block(const uint16_t *q, int64_t q_sh, int64_t q_sl, int64_t h0, int G, const uint32_t *kp,
-                         const uint32_t *vp, uint16_t *out, int64_t out_sl, int64_t L, int64_t D, int64_t q0, float scale,
-                         float *o, float *s, uint16_t *p, float *m, float *l, float *alpha) {
+static void attend_block(const uint16_t *q, int64_t q_sh, int64_t q_sl, int64_t h0, int G, const packed_t *kp,
+                         const packed_t *vp, uint16_t *out, int64_t out_sl, int64_t L, int64_t D, int64_t q0, float scale,
+                         float *o, float *qf, float *s, weight_t *p, float *m, float *l, float *alpha) {
     const int rows = G * QB; /* row r: head h0 + r / QB, position q0 + r % QB */
-    const uint16_t *qrow[G * QB];
+    query_row qrow[G * QB];
     for (int r = 0; r < rows; ++r) {
         int64_t pos = q0 + r % QB;
         if (pos >= L) pos = L - 1; /* a ragged last block computes a real row again, never stored */
-        qrow[r] = q + (h0 + r / QB) * q_sh + pos * q_sl;
+        qrow[r] = query_at(q + (h0 + r / QB) * q_sh + pos * q_sl, qf + r * D, D);
         m[r] = -FLT_MAX;
         l[r] = 0.0f;
     }
@@ -192,25 +314,22 @@ static void attend_block(const uint16_t *q, int64_t q_sh, int64_t q_sl, int64_t 
     const int64_t last = (q0 + QB < L ? q0 + QB : L); /* keys 0 .. last - 1 are visible to some row */
     for (int64_t key0 = 0; key0 < last; key0 += KB) {
         for (int r0 = 0; r0 < rows; r0 += ROWS) {
-            scores_block(qrow + r0, kp, key0 / 16, D, s);
+            scores_block(qrow + r0, kp, key0, D, s);
             for (int r = r0; r < r0 + ROWS; ++r) {
                 int64_t pos = q0 + r % QB;
                 if (pos >= L) pos = L - 1;
                 alpha[r - r0] = softmax_block(s + (r - r0) * KB, key0, pos + 1, scale, p + (r - r0) * KB, m + r, l + r);
             }
-            values_block(p, vp, key0 / 2, D, alpha, o + r0 * D);
+            values_block(p, vp, key0, D, alpha, o + r0 * D);
         }
     }
     for (int r = 0; r < rows; ++r) {
         const int64_t pos = q0 + r % QB;
         if (pos >= L) continue;
-        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        const v16 inv = v16_set1(1.0f / l[r]);
         uint16_t *dst = out + pos * out_sl + (h0 + r / QB) * D;
-        for (int64_t d = 0; d < D; d += 32) {
-            const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv);
-            const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d + 16), inv);
-            _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-        }
+        for (int64_t d = 0; d < D; d += 32)
+            store_bf16_x32(dst + d, v16_mul(v16_load(o + r * D + d), inv), v16_mul(v16_load(o + r * D + d + 16), inv));
     }
 }
 
@@ -221,38 +340,41 @@ int qhf_prefill_attention(const void *q_, int64_t q_sb, int64_t q_sh, int64_t q_
     const uint16_t *q = q_, *k = k_, *v = v_;
     uint16_t *out = out_;
     const int G = (int)(H / KVH);
-    const int64_t Lp = (L + KB - 1) / KB * KB, per_head = Lp * D; /* K then V pairs, Lp * D / 2 words each */
+    const int64_t Lp = (L + KB - 1) / KB * KB, per_head = Lp * D * PACKED_PER_ELEMENT; /* K, then V */
     const int64_t heads = B * KVH, blocks = (L + QB - 1) / QB;
-    uint32_t *packed = malloc(sizeof(uint32_t) * heads * per_head);
+    packed_t *packed = malloc(sizeof(packed_t) * heads * per_head);
     if (!packed) return 1;
     if (n_threads < 1) n_threads = 1;
     int failed = 0;
 #pragma omp parallel num_threads(n_threads) reduction(| : failed)
     {
+        const unsigned saved_csr = prefill_flush_denormals();
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < heads; ++bh) {
             const int64_t b = bh / KVH, kvh = bh % KVH;
-            uint32_t *kp = packed + bh * per_head;
+            packed_t *kp = packed + bh * per_head;
             pack_keys(k + b * k_sb + kvh * k_sh, k_sl, L, Lp, D, kp);
             pack_values(v + b * v_sb + kvh * v_sh, v_sl, L, Lp, D, kp + per_head / 2);
         } /* (the loop's barrier: every head is packed before any task reads one) */
         const int rows = G * QB;
-        float *scratch = malloc(sizeof(float) * ((size_t)rows * D + ROWS * KB + 2 * (size_t)rows + ROWS));
-        uint16_t *p = malloc(sizeof(uint16_t) * ROWS * KB);
+        float *scratch = malloc(sizeof(float) * (2 * (size_t)rows * D + ROWS * KB + 2 * (size_t)rows + ROWS));
+        weight_t *p = malloc(sizeof(weight_t) * ROWS * KB);
         if (!scratch || !p) failed = 1;
-        float *o = scratch, *s = o + (size_t)rows * D, *m = s + ROWS * KB, *l = m + rows, *alpha = l + rows;
+        float *o = scratch, *qf = o + (size_t)rows * D, *s = qf + (size_t)rows * D, *m = s + ROWS * KB, *l = m + rows;
+        float *alpha = l + rows;
         /* longest tasks first (the last query blocks see the most keys), handed out one at a time */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < heads * blocks; ++task) {
             if (!scratch || !p) continue;
             const int64_t block = blocks - 1 - task / heads, bh = task % heads;
             const int64_t b = bh / KVH, kvh = bh % KVH;
-            const uint32_t *kp = packed + bh * per_head, *vp = kp + per_head / 2;
+            const packed_t *kp = packed + bh * per_head, *vp = kp + per_head / 2;
             attend_block(q + b * q_sb, q_sh, q_sl, kvh * G, G, kp, vp, out + b * L * H * D, H * D, L, D, block * QB, scale, o,
-                         s, p, m, l, alpha);
+                         qf, s, p, m, l, alpha);
         }
         free(scratch);
         free(p);
+        _mm_setcsr(saved_csr);
     }
     free(packed);
     return failed ? 1 : 0;
