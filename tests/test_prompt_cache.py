@@ -36,7 +36,9 @@ def test_quasar_continues_from_an_earlier_turns_cache_as_plain_generate_does(mod
     first = greedy(model, torch.tensor([TURN_1]), None, False, 12)
     ours = greedy(model, torch.tensor([TURN_1]), None, True, 12)
     assert torch.equal(ours.sequences, first.sequences)
-    for (k, v), (k_ours, v_ours) in zip(compat.cache_key_values(first.past_key_values), compat.cache_key_values(ours.past_key_values)):
+    for (k, v), (k_ours, v_ours) in zip(
+        compat.cache_key_values(first.past_key_values), compat.cache_key_values(ours.past_key_values)
+    ):
         assert torch.equal(k, k_ours) and torch.equal(v, v_ours)  # the returned cache holds the same bits
     turn_2 = torch.cat([first.sequences, torch.tensor([TURN_2_TAIL])], dim=1)
     plain = greedy(model, turn_2, first.past_key_values, False)

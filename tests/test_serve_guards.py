@@ -227,7 +227,9 @@ def test_a_chats_next_turn_reuses_its_history_from_the_prompt_cache(server, chec
     history += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "abc again"}]
     second = client.chat.completions.create(model=str(checkpoint), messages=history, max_tokens=12, temperature=0)
     after = server.metrics()
-    reused = after[("quasar_prompt_cache_tokens_reused_total", ())] - before.get(("quasar_prompt_cache_tokens_reused_total", ()), 0)
+    reused = after[("quasar_prompt_cache_tokens_reused_total", ())] - before.get(
+        ("quasar_prompt_cache_tokens_reused_total", ()), 0
+    )
     assert after[("quasar_prompt_cache_hits_total", ())] >= 1 and reused >= first.usage.prompt_tokens
     assert reused < second.usage.prompt_tokens and after[("quasar_prompt_cache_bytes", ())] > 0
 
