@@ -88,6 +88,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "benchmarks.serve.soak:main",
         "quasar-hf serve under thousands of mixed requests, some clients leaving mid-stream: failures and RSS",
     ),
+    "serve-chat": (
+        "benchmarks.serve.chat_turns:main",
+        "quasar-hf serve with its prompt cache on and off: a growing conversation, clients behind one system prompt",
+    ),
     "serve-profile": (
         "benchmarks.serve.serve_profile:main",
         "where one client's time goes: the serve-load prompts offline per mode, prefill / draft / forwards / loop",

@@ -1,0 +1,30 @@
+"""`python -m benchmarks serve-chat` on a tiny checkpoint: later turns reuse the history with the cache and
+nothing without it, and the report holds both servers' turns and the shared-system-prompt shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_hub_support import make_tiny_checkpoint, quantize_tiny
+from transformers import AutoTokenizer
+
+from benchmarks.serve import chat_turns
+
+pytest.importorskip("fastapi", reason="serving needs transformers[serving]")
+pytest.importorskip("prometheus_client", reason="/metrics needs prometheus_client")
+
+
+def test_a_short_chat_run_reports_reuse_with_the_cache_only(tmp_path):
+    checkpoint = tmp_path / "tiny-quasar"
+    base = make_tiny_checkpoint(tmp_path / "base")
+    quantize_tiny(base).save_pretrained(checkpoint)
+    AutoTokenizer.from_pretrained(base).save_pretrained(checkpoint)
+    argv = ["--model", str(checkpoint), "--turns", "3", "--words", "20", "--max-tokens", "8", "--clients", "2"]
+    json_path, markdown_path = sorted(chat_turns.main([*argv, "--system-words", "40", "--out", str(tmp_path / "out")]))
+    runs = json.loads(open(json_path).read())["runs"]
+    with_cache, without = runs["cache"]["multi_turn"], runs["no_cache"]["multi_turn"]
+    assert [t["turn"] for t in with_cache] == [1, 2, 3] and with_cache[0]["reused"] == 0
+    assert all(t["reused"] > with_cache[0]["prompt_tokens"] for t in with_cache[1:])
+    assert all(t["reused"] == 0 for t in without) and runs["no_cache"]["shared_system_prompt"]["reused"] == 0
+    assert "| 3 |" in open(markdown_path).read()
