@@ -39,6 +39,21 @@ class Server(ServerProcess):
     def client(self):
         return openai.OpenAI(base_url=self.url, api_key="none", max_retries=0, timeout=120)
 
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {'name{label="value"}': value} (prometheus_client's parser)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"{self.base}/metrics", timeout=30) as response:
+            families = text_string_to_metric_families(response.read().decode())
+        return {
+            sample.name
+            + (
+                "{" + ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items())) + "}" if sample.labels else ""
+            ): sample.value
+            for family in families
+            for sample in family.samples
+        }
+
     def post(self, path: str, body: bytes) -> tuple[int, dict]:
         request = urllib.request.Request(f"{self.url}{path}", data=body, headers={"Content-Type": "application/json"})
         try:
@@ -95,17 +110,13 @@ def test_chat_streamed_and_not_equals_offline_greedy(server, checkpoint, offline
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
 
 
-def test_completions_max_tokens_and_stop_strings(server, checkpoint):
+def test_completions_max_tokens(server, checkpoint):
+    """Stop strings: tests/test_serve_guards.py (cut from the text, streamed and not)."""
     client = server.client()
     full = client.completions.create(model=str(checkpoint), prompt="abcabcabcabc", max_tokens=10, temperature=0)
     short = client.completions.create(model=str(checkpoint), prompt="abcabcabcabc", max_tokens=3, temperature=0)
-    assert short.usage.completion_tokens == 3 and full.choices[0].text.startswith(short.choices[0].text)
-    stop = full.choices[0].text[2:4]
-    if stop.strip():
-        stopped = client.completions.create(
-            model=str(checkpoint), prompt="abcabcabcabc", max_tokens=10, temperature=0, stop=[stop]
-        )
-        assert stop not in stopped.choices[0].text[: -len(stop)] and len(stopped.choices[0].text) < len(full.choices[0].text)
+    assert short.usage.completion_tokens == 3 and full.usage.completion_tokens == 10
+    assert full.choices[0].text.startswith(short.choices[0].text) and short.choices[0].finish_reason == "length"
 
 
 def test_seeded_sampling_repeats_and_concurrent_greedy_clients_equal_one_at_a_time(server, checkpoint, offline):
@@ -122,19 +133,31 @@ def test_seeded_sampling_repeats_and_concurrent_greedy_clients_equal_one_at_a_ti
     def ask(index: int) -> None:
         replies[index] = chat(server.client(), checkpoint, MESSAGES[index % 3], max_tokens=10).choices[0].message.content
 
+    before = server.metrics()
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(120)
     assert [replies[i] for i in range(6)] == [offline(MESSAGES[i % 3], 10) for i in range(6)]
+    after = server.metrics()
+    calls = after["quasar_batch_rows_count"] - before["quasar_batch_rows_count"]
+    rows = after["quasar_batch_rows_sum"] - before["quasar_batch_rows_sum"]
+    assert rows == 6 and calls < 6  # some requests decoded together
 
 
 def test_a_client_that_goes_away_mid_stream_then_a_normal_request(server, checkpoint, offline):
-    stream = chat(server.client(), checkpoint, MESSAGES[1], max_tokens=200, stream=True)
+    before = server.metrics()
+    stream = chat(server.client(), checkpoint, MESSAGES[1], max_tokens=1500, stream=True)
     next(iter(stream))
-    stream.close()  # the client disconnects
+    stream.close()  # the client disconnects: its row stops
     assert chat(server.client(), checkpoint, MESSAGES[2]).choices[0].message.content == offline(MESSAGES[2], 12)
+    after = server.metrics()
+    assert (
+        after['quasar_requests_finished_total{reason="cancelled"}']
+        == before.get('quasar_requests_finished_total{reason="cancelled"}', 0) + 1
+    )
+    assert after["quasar_generation_tokens_total"] - before["quasar_generation_tokens_total"] < 1500
 
 
 def test_malformed_requests_get_a_4xx_json_error_and_the_server_keeps_serving(server, checkpoint, offline):

@@ -107,11 +107,11 @@ class RequestBatcher:
         max_batch_size: int = MAX_BATCH_SIZE,
         gather_seconds: float = GATHER_SECONDS,
         quasar: dict | None = None,
-        on_call: Callable[[QuasarStats], None] | None = None,
+        on_call: Callable[[QuasarStats, int], None] | None = None,
         prompt_cache: PromptCache | None = None,
     ) -> None:
         """`quasar`: Quasar options the server sets for every request (compiled steps), under each request's own;
-        `on_call`: receives each batched call's speculative counters (metrics); `prompt_cache`: keys and values
+        `on_call`: receives each batched call's speculative counters and its rows (metrics); `prompt_cache`: keys and values
         of finished requests that a request decoding alone continues from."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -226,7 +226,7 @@ class RequestBatcher:
                 self._run([request])
             return
         if stats is not None and self.on_call is not None:
-            self.on_call(stats)
+            self.on_call(stats, len(batch))
         for request in batch:
             request.finish(error)
 
