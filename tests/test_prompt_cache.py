@@ -85,26 +85,51 @@ def test_entries_leave_least_recently_used_first_within_the_byte_budget():
     PromptCache(max_bytes=one // 2).store(list(range(10)), layers(10))  # larger than the budget: not kept
 
 
+def served_together(batcher: RequestBatcher, asks: list[tuple[list[int], int]]) -> list[tuple[list[int], BatchRequest]]:
+    """Submit greedy requests (prompt, new tokens) at once; each one's tokens and request once all are done."""
+    results = []
+    for ids, new in asks:
+        tokens, done = [], threading.Event()
+        config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None)
+        request = BatchRequest(list(ids), config, tokens.extend, lambda error, done=done: done.set())
+        request.done_event = done
+        results.append((tokens, request))
+        batcher.submit(request)
+    for _, request in results:
+        assert request.done_event.wait(120)
+    return results
+
+
+def plain_continuation(model, turn_1: list[int], new_1: int, turn_2: list[int]) -> list[int]:
+    """Plain greedy decoding of turn 2 continuing from turn 1's cache (each alone)."""
+    reference = greedy(model, torch.tensor([turn_1]), None, False, new_1)
+    return greedy(model, torch.tensor([turn_2]), reference.past_key_values, False).sequences[0, len(turn_2) :].tolist()
+
+
 def test_a_served_turn_reuses_the_last_turn_and_gives_plain_generates_tokens(model):
-    prompt_cache = PromptCache(max_bytes=10**8)
-    batcher = RequestBatcher(model, gather_seconds=0.01, prompt_cache=prompt_cache)
+    batcher = RequestBatcher(model, gather_seconds=0.01, prompt_cache=PromptCache(max_bytes=10**8))
     try:
-
-        def served(ids: list[int], new: int) -> tuple[list[int], BatchRequest]:
-            tokens, done = [], threading.Event()
-            config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None)
-            request = BatchRequest(list(ids), config, tokens.extend, lambda error: done.set())
-            batcher.submit(request)
-            assert done.wait(120)
-            return tokens, request
-
-        first_tokens, first = served(TURN_1, 12)
+        [(first_tokens, first)] = served_together(batcher, [(TURN_1, 12)])
         assert first.reused_tokens == 0
         turn_2 = TURN_1 + first_tokens + TURN_2_TAIL
-        second_tokens, second = served(turn_2, 20)
+        [(second_tokens, second)] = served_together(batcher, [(turn_2, 20)])
         assert second.reused_tokens == len(TURN_1) + len(first_tokens) - 1  # all but the last token's KV was kept
-        reference = greedy(model, torch.tensor([TURN_1]), None, False, 12)
-        plain = greedy(model, torch.tensor([turn_2]), reference.past_key_values, False)
-        assert second_tokens == plain.sequences[0, len(turn_2) :].tolist()
+        assert second_tokens == plain_continuation(model, TURN_1, 12, turn_2)
+    finally:
+        batcher.stop()
+
+
+def test_rows_of_a_batch_continue_from_their_own_cached_prefixes_and_leave_theirs(model):
+    batcher = RequestBatcher(model, gather_seconds=0.3, prompt_cache=PromptCache(max_bytes=10**8))
+    conversations = [TURN_1, [70, 71, 72, 73, 74, 75] * 3]
+    try:
+        firsts = served_together(batcher, [(ids, 12) for ids in conversations])
+        assert batcher.batches_run == 1 and all(request.reused_tokens == 0 for _, request in firsts)
+        turns_2 = [ids + tokens + TURN_2_TAIL for ids, (tokens, _) in zip(conversations, firsts)]
+        seconds = served_together(batcher, [(ids, 20) for ids in turns_2])
+        assert batcher.batches_run == 2
+        for ids, (tokens, _), turn_2, (second_tokens, second) in zip(conversations, firsts, turns_2, seconds):
+            assert second.reused_tokens == len(ids) + len(tokens) - 1
+            assert second_tokens == plain_continuation(model, ids, 12, turn_2)
     finally:
         batcher.stop()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import GenerationConfig
 
 from quasar_hf import compat
 
@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 MAX_BATCH_SIZE = 8  # rows of one batched call (compiled steps round up to a power of two)
 GATHER_SECONDS = 0.01  # how long a free worker waits for requests sent together with the first one
 MIN_REUSED_TOKENS = 16  # a shorter shared prefix is prefilled again (its copy costs about what it saves)
+# A batch reuses cached prefixes only when every row has one: a row without continues from nothing, which
+# is a plain prefill when alone, and its bits must be the ones it gets alone.
 
 
 @dataclass
@@ -274,8 +276,8 @@ def decode_batch(
     model: torch.nn.Module, batch: list[BatchRequest], quasar: dict | None = None, prompt_cache: PromptCache | None = None
 ) -> QuasarStats | None:
     """One batched speculative call for `batch` (requests of one batch key), streaming every row; its counters.
-    A request decoding alone on the dynamic cache continues from `prompt_cache`'s longest prefix of its prompt
-    and leaves its own keys and values there."""
+    On the dynamic cache, rows continue from `prompt_cache`'s longest prefix of their prompts (when every row
+    has one) and leave their own keys and values there."""
     from .strategy import generate_with_quasar
 
     config = _runnable(batch[0].generation_config)
@@ -287,12 +289,14 @@ def decode_batch(
         return None
     config.return_dict_in_generate = True
     input_ids, attention_mask = left_padded(batch, pad_token_id(model, config), compat.input_device(model))
-    cached = {}
-    reuses = prompt_cache is not None and len(batch) == 1 and quasar_config.cache_implementation != "static"
-    hit = prompt_cache.longest_prefix(batch[0].input_ids, MIN_REUSED_TOKENS) if reuses else None
-    if hit is not None:
-        cached[compat.cache_argument_name(model)] = _dynamic_cache(hit.layers)
-        batch[0].reused_tokens = hit.tokens
+    prefixes, keep = None, None
+    if prompt_cache is not None and quasar_config.cache_implementation != "static":
+        hits = [prompt_cache.longest_prefix(r.input_ids, MIN_REUSED_TOKENS) for r in batch]
+        if all(hit is not None for hit in hits):  # every row continues from the cache, or none does
+            prefixes = [hit.layers for hit in hits]
+            for request, hit in zip(batch, hits):
+                request.reused_tokens = hit.tokens
+        keep = prompt_cache.store
     with torch.no_grad():
         out = generate_with_quasar(
             model,
@@ -303,19 +307,10 @@ def decode_batch(
             quasar=quasar_config,
             quasar_generator=batch[0].generator,
             tokenizer=batch[0].tokenizer,
-            **cached,
+            quasar_prefixes=prefixes,
+            quasar_keep_row_cache=keep,
         )
-    kept = getattr(out, "past_key_values", None)
-    if reuses and kept is not None:  # the cache holds every token of the row but the last
-        prompt_cache.store(out.sequences[0, : kept.get_seq_length()].tolist(), compat.cache_key_values(kept))
     return getattr(out, "quasar_stats", None)
-
-
-def _dynamic_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    cache = DynamicCache()
-    for index, (keys, values) in enumerate(layers):
-        cache.update(keys, values, index)
-    return cache
 
 
 def _runnable(config: GenerationConfig) -> GenerationConfig:

@@ -42,15 +42,24 @@ class RowAlignedCache:
     def batch_size(self) -> int:
         return self.slot_mask.shape[0]
 
-    def seed(self, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Start one row from a prompt prefix already computed: each layer's keys and values [1, H, P, D]."""
-        if self.batch_size != 1 or self.slot_mask.shape[1] != 0 or self.has_sliding_layers:
-            raise ValueError("a cached prefix seeds an empty one-row cache of full-attention layers only")
-        for index, (keys, values) in enumerate(prefix):
+    def seed(self, prefixes: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Start each row from keys and values already computed for its first tokens: prefixes[b] holds each
+        layer's [1, H, P_b, D] for row b. Rows are right-aligned; a shorter row's missing slots are masked holes."""
+        if len(prefixes) != self.batch_size or self.slot_mask.shape[1] != 0 or self.has_sliding_layers:
+            raise ValueError("cached prefixes seed an empty cache of full-attention layers, one prefix per row")
+        lengths = [prefix[0][0].shape[-2] for prefix in prefixes]
+        width = max(lengths)
+        for index in range(len(prefixes[0])):
+            keys, values = (_right_aligned([prefix[index][part] for prefix in prefixes], width) for part in (0, 1))
             self.cache.update(keys, values, index)
-        length = prefix[0][0].shape[-2]
-        self.slot_mask = torch.ones(1, length, dtype=torch.long, device=self.slot_mask.device)
-        self.valid_len = torch.full((1,), length, dtype=torch.long, device=self.valid_len.device)
+        device = self.slot_mask.device
+        self.valid_len = torch.tensor(lengths, dtype=torch.long, device=device)
+        self.slot_mask = (torch.arange(width, device=device)[None, :] >= width - self.valid_len[:, None]).long()
+
+    def row_key_values(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row `index`'s keys and values of its real tokens, holes left out: each layer's [1, H, valid_len, D]."""
+        slots = self.slot_mask[index].nonzero().squeeze(-1)
+        return [(k[index : index + 1, :, slots], v[index : index + 1, :, slots]) for k, v in compat.cache_key_values(self.cache)]
 
     def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
         """Append tokens [B, n] (token_mask [B, n]: 1 = real token) and return fp32 logits [B, n or 1, V]."""
@@ -122,6 +131,16 @@ class RowAlignedCache:
         if remove > 0:
             self.cache.crop(-remove)
             self.slot_mask = self.slot_mask[:, :last_used]
+
+
+def _right_aligned(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Rows [1, H, P_b, D] stacked into [B, H, width, D], each at the right end (zeros before it)."""
+    if all(t.shape[-2] == width for t in tensors):
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    out = tensors[0].new_zeros(len(tensors), tensors[0].shape[1], width, tensors[0].shape[-1])
+    for row, tensor in enumerate(tensors):
+        out[row : row + 1, :, width - tensor.shape[-2] :] = tensor
+    return out
 
 
 def _reads_strided_cache(model: torch.nn.Module, device: torch.device) -> bool:

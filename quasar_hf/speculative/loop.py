@@ -10,6 +10,7 @@ exact speculative sampling otherwise.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +45,9 @@ class RowStreamer(Protocol):
     def end(self) -> None: ...
 
 
+RowCacheSink = Callable[[list[int], list[tuple[torch.Tensor, torch.Tensor]]], None]  # (tokens, each layer's K, V)
+
+
 @dataclass
 class PreparedGeneration:
     """Everything the loop needs, as `generate` prepared it for this call."""
@@ -71,11 +75,13 @@ class SpeculativeRun:
         verify_kwargs: dict | None = None,
         verifier: RowAlignedCache | StaticVerifierCache | None = None,
         draft_width: int | None = None,
-        cached_prefix: int = 0,
+        cached_prefix: list[int] | None = None,
+        keep_row_cache: RowCacheSink | None = None,
     ) -> None:
         """`verifier` defaults to a RowAlignedCache; `draft_width` pads non-empty drafts to that many
         tokens (fixed step shapes for a static cache; the padding's logits are never read);
-        `cached_prefix`: the verifier already holds the first that many prompt tokens (one row)."""
+        `cached_prefix[b]`: the verifier already holds row b's first that many prompt tokens;
+        `keep_row_cache(tokens, key_values)`: receives each row's keys and values as it finishes (a RowAlignedCache's)."""
         self.model = model
         self.prepared = prepared
         self.drafter = drafter
@@ -86,8 +92,9 @@ class SpeculativeRun:
         self.rows = list(prepared.input_ids)  # per row [T + generated]: the input_ids plain generate would see
         self.pad_lengths = (prepared.attention_mask == 0).sum(-1).tolist()
         self.active = list(range(len(self.rows)))  # original indices of unfinished rows
-        self.cached_prefix = cached_prefix
-        self.stats = QuasarStats(prefill_tokens=int(prepared.attention_mask.sum()) - cached_prefix)
+        self.cached_prefix = cached_prefix or [0] * len(self.rows)
+        self.keep_row_cache = keep_row_cache
+        self.stats = QuasarStats(prefill_tokens=int(prepared.attention_mask.sum()) - sum(self.cached_prefix))
         self.verifier = verifier or RowAlignedCache(model, len(self.rows), self.device, verify_kwargs)
         self.draft_width = draft_width
 
@@ -104,8 +111,7 @@ class SpeculativeRun:
     def _prefill(self) -> torch.Tensor:
         """Verifier forward over the prompts; choose each row's first token like plain generate."""
         started = time.perf_counter()
-        start = self.cached_prefix  # the tokens the verifier does not hold yet
-        ids, mask = self.prepared.input_ids[:, start:], self.prepared.attention_mask[:, start:]
+        ids, mask = self._uncached_prompts()
         logits = self.verifier.forward(ids, mask, last_only=True)[:, -1]
         if len(self.rows) > 1:
             self.verifier.check_holes_supported()
@@ -115,6 +121,20 @@ class SpeculativeRun:
         self.stats.prefill_time_s += time.perf_counter() - started
         finished = [self._emit(b, first[i : i + 1], scores[i : i + 1])[1] for i, b in enumerate(self.active)]
         return self._drop_finished(first, finished)
+
+    def _uncached_prompts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input ids and mask [B, W] of the prompt tokens past each row's cached prefix, left-padded."""
+        if not any(self.cached_prefix):
+            return self.prepared.input_ids, self.prepared.attention_mask
+        rest = [row[pad + cached :] for row, pad, cached in zip(self.rows, self.pad_lengths, self.cached_prefix)]
+        width = max(part.shape[0] for part in rest)
+        pad = self.prepared.pad_token_id or 0
+        ids = torch.full((len(rest), width), pad, dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(rest), width), dtype=torch.long, device=self.device)
+        for b, part in enumerate(rest):
+            ids[b, width - part.shape[0] :] = part
+            mask[b, width - part.shape[0] :] = 1
+        return ids, mask
 
     def _verify_step(self, pending: torch.Tensor) -> torch.Tensor:
         """Draft, verify [pending + drafts] in one forward, emit accepted tokens, roll caches back."""
@@ -200,10 +220,14 @@ class SpeculativeRun:
         """Remove finished rows from the batch, the verifier cache and the drafter."""
         if not any(finished):
             return pending
-        if hasattr(self.streamer, "end_row"):
-            for i, done in enumerate(finished):
-                if done:
-                    self.streamer.end_row(self.active[i])
+        for i, done in enumerate(finished):
+            if done and self.keep_row_cache is not None and _holds_row_caches(self.verifier):
+                b, fed = self.active[i], int(self.verifier.valid_len[i])
+                self.keep_row_cache(
+                    self.rows[b][self.pad_lengths[b] : self.pad_lengths[b] + fed].tolist(), self.verifier.row_key_values(i)
+                )
+            if done and hasattr(self.streamer, "end_row"):
+                self.streamer.end_row(self.active[i])
         keep = [i for i, done in enumerate(finished) if not done]
         self.active = [self.active[i] for i in keep]
         if not keep:
@@ -232,3 +256,8 @@ class SpeculativeRun:
         for b, r in enumerate(self.rows):
             out[b, : r.shape[0]] = r
         return out
+
+
+def _holds_row_caches(verifier: object) -> bool:
+    """A RowAlignedCache whose rows' keys and values can seed a later call (full-attention layers only)."""
+    return isinstance(verifier, RowAlignedCache) and not verifier.has_sliding_layers

@@ -38,7 +38,8 @@ from .compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_f
 from .config import QuasarGenerationConfig
 from .drafters import make_drafter
 from .kv_state import RowAlignedCache
-from .loop import PreparedGeneration, QuasarGenerateOutput, SpeculativeRun
+from .loop import PreparedGeneration, QuasarGenerateOutput, RowCacheSink, SpeculativeRun
+from .prompt_cache import KeyValues
 from .static_cache import KVCacheSlot, StaticVerifierCache, static_cache_slots
 
 # model_kwargs that Transformers' generate prepares itself; anything else is a model input we refuse.
@@ -82,8 +83,11 @@ def run_prepared(
     quasar_config: QuasarGenerationConfig,
     streamer: Any = None,
     generator: torch.Generator | None = None,
+    prefixes: list[KeyValues] | None = None,
+    keep_row_cache: RowCacheSink | None = None,
 ) -> torch.Tensor | QuasarGenerateOutput:
-    """Run the speculative loop on what `generate` prepared for this call."""
+    """Run the speculative loop on what `generate` prepared for this call; `prefixes[b]`: keys and values of
+    row b's first prompt tokens, computed earlier (a prompt cache's); `keep_row_cache`: see SpeculativeRun."""
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError(INPUTS_EMBEDS_HELP)
     input_ids = as_long_ids(input_ids)
@@ -94,7 +98,10 @@ def run_prepared(
         quasar_config = dataclasses.replace(quasar_config, cache_implementation="static")
         model_kwargs = {k: v for k, v in model_kwargs.items() if k not in ("cache", "past_key_values")}
     batch_size = input_ids.shape[0]
-    prefix = cached_prefix(model_kwargs, input_ids, attention_mask, quasar_config)
+    given = cached_prefix(model_kwargs, input_ids, attention_mask, quasar_config)
+    prefixes = [given] if given is not None else prefixes
+    if prefixes is not None and (len(prefixes) != batch_size or quasar_config.cache_implementation == "static"):
+        raise ValueError("cached prefixes need one prefix per row and the dynamic cache")
     if streamer is not None and batch_size > 1 and not hasattr(streamer, "put_row"):
         raise ValueError(
             "streamer= supports batch size 1 only (as in plain generate), or a streamer with put_row for a batch "
@@ -117,11 +124,14 @@ def run_prepared(
         verification_attention(model, quasar_config.rowstable_attention) as verify_kwargs,
         verifier_cache(model, prepared, quasar_config, verify_kwargs) as (verifier, draft_width),
     ):
-        if prefix is not None:  # one row that continues from a cache it was given
-            verifier = RowAlignedCache(model, 1, input_ids.device, verify_kwargs)
-            verifier.seed(prefix)
-        prefix_length = 0 if prefix is None else prefix[0][0].shape[-2]
-        run = SpeculativeRun(model, prepared, drafter, streamer, generator, verify_kwargs, verifier, draft_width, prefix_length)
+        lengths = None
+        if prefixes is not None:  # rows that continue from keys and values computed earlier
+            verifier = RowAlignedCache(model, batch_size, input_ids.device, verify_kwargs)
+            verifier.seed(prefixes)
+            lengths = [prefix[0][0].shape[-2] for prefix in prefixes]
+        run = SpeculativeRun(
+            model, prepared, drafter, streamer, generator, verify_kwargs, verifier, draft_width, lengths, keep_row_cache
+        )
         sequences, stats = run.run()
     if generation_config.return_dict_in_generate:
         # one row on a dynamic cache: the cache holds exactly its tokens but the last, as plain generate's does
@@ -249,12 +259,15 @@ def generate_with_quasar(
     quasar: QuasarGenerationConfig | dict | bool | None = True,
     quasar_generator: torch.Generator | None = None,
     tokenizer: Any = None,
+    quasar_prefixes: list[KeyValues] | None = None,
+    quasar_keep_row_cache: RowCacheSink | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | QuasarGenerateOutput:
     """Quasar generation with `generate`'s own arguments (positional order included), streamer and stop strings kept.
 
     `assistant_model` drafts for the speculative loop (drafter="assistant"); `quasar` chooses the
-    drafter and its settings; `quasar_generator` seeds acceptance and sampling.
+    drafter and its settings; `quasar_generator` seeds acceptance and sampling; `quasar_prefixes` and
+    `quasar_keep_row_cache` continue rows from a prompt cache and fill it (run_prepared).
     """
     refused = {
         "prefix_allowed_tokens_fn": prefix_allowed_tokens_fn,
@@ -297,6 +310,8 @@ def generate_with_quasar(
             config,
             streamer,
             quasar_generator,
+            quasar_prefixes,
+            quasar_keep_row_cache,
         )
 
     return type(model).generate(
