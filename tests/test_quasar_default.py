@@ -88,3 +88,37 @@ class _BatchStreamer:
 
     def end(self):
         pass
+
+
+@pytest.mark.parametrize(
+    "value, says", [("yes", "'yes'"), (1, "1"), ({"drafts": 4}, "Unknown quasar option")], ids=["string", "number", "option"]
+)
+def test_a_bad_quasar_field_in_a_checkpoint_names_the_file_and_is_not_saved_again(saved, tmp_path, value, says):
+    """A checkpoint's generation_config.json with `"quasar": "yes"`: the first generate that reads the default says
+    which file and field, and what they take (not the keyword quasar=, which the caller never passed); quasar=False
+    still decodes; save_pretrained refuses to write the value back until it is fixed."""
+    import shutil
+
+    folder = tmp_path / "bad"
+    shutil.copytree(saved, folder)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "quasar": value}))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with pytest.raises(ValueError) as raised:
+        model.generate(IDS, max_new_tokens=4, do_sample=False)
+    message = str(raised.value)
+    assert str(folder / "generation_config.json") in message and '"quasar"' in message and says in message
+    assert "true, false or an object of Quasar options" in message and "quasar=" not in message
+    assert model.generate(IDS, max_new_tokens=4, do_sample=False, quasar=False).shape[1] == IDS.shape[1] + 4
+    with pytest.raises(ValueError, match="generation_config.json"):
+        model.save_pretrained(tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()
+    model.generation_config.quasar = False
+    model.save_pretrained(tmp_path / "copy")
+    assert json.loads((tmp_path / "copy" / "generation_config.json").read_text())["quasar"] is False
+
+
+def test_a_bad_quasar_field_in_a_passed_generation_config_says_so(model):
+    config = GenerationConfig(quasar="yes", max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match=r"the generation_config passed to generate: its field \"quasar\" is 'yes'"):
+        model.generate(IDS, generation_config=config)
