@@ -10,7 +10,7 @@ the passed config) and the field, at the first call that reads it and at save_pr
 
 The keyword `quasar=` is an explicit request: options the speculative loop does not implement
 raise, naming the option. A default is not: a call with such options (beam search, output_scores,
-a streamer over a batch, ...) runs plain decoding instead (`declined_reason` says why, logged once
+a KV cache passed in, ...) runs plain decoding instead (`declined_reason` says why, logged once
 at info level).
 """
 
@@ -122,9 +122,6 @@ def declined_reason(model: Any, args: tuple, kwargs: dict) -> str | None:
     model_inputs = config.update(**options)  # what is not a generation option is a model input
     if getattr(config, "stop_strings", None) is not None and getattr(model.generation_config, "stop_strings", None):
         return "model.generation_config.stop_strings is set (Quasar takes stop strings per call)"
-    streamer, ids = arguments.get("streamer"), arguments.get("inputs", arguments.get("input_ids"))
-    if streamer is not None and not hasattr(streamer, "put_row") and getattr(ids, "dim", lambda: 0)() == 2 and ids.shape[0] > 1:
-        return "a streamer over a batch of several prompts"
     for name in ("cache", "past_key_values"):
         if model_inputs.get(name) is not None:
             return f"a KV cache passed as {name}="

@@ -94,11 +94,6 @@ def run_prepared(
         model_kwargs = {k: v for k, v in model_kwargs.items() if k not in ("cache", "past_key_values")}
     _refuse_filled_cache(model_kwargs)
     batch_size = input_ids.shape[0]
-    if streamer is not None and batch_size > 1 and not hasattr(streamer, "put_row"):
-        raise ValueError(
-            "streamer= supports batch size 1 only (as in plain generate), or a streamer with put_row for a batch "
-            "(speculative.loop.RowStreamer); drop the streamer or the batch."
-        )
     if attention_mask is None:  # generate drops an all-ones mask
         attention_mask = torch.ones_like(input_ids)
     prepared = PreparedGeneration(
