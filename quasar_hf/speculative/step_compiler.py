@@ -51,7 +51,7 @@ def compiled_step(
     variable, the step compiles with Dynamo's defaults."""
     call = _call_with_own_code(model, name)
     settings = compat.step_context(precompile)
-    if precompile and not reuse_disk and settings is not None:
+    if precompile and not reuse_disk and settings is not None and compat.precompile_supported():
         discard_precompiled(call)
     if settings is None:
         return torch.compile(call, **compile_config.to_dict())
