@@ -68,7 +68,9 @@ def test_the_oldest_shape_is_dropped_and_compiles_again_with_the_same_tokens(tmp
         first = compiled_greedy(model, *batch(1), 8)
         for size in (2, 3):
             compiled_greedy(model, *batch(size), 8)
-        assert list(table.steps) == [(2, 512), (4, 512)], "batch 1's steps were dropped"
+        # A set: the batch-3 call may move its rows to batch 2's steps as they finish (a shrink, which the step gate's
+        # timings decide), making those the most recently used.
+        assert set(table.steps) == {(2, 512), (4, 512)}, "batch 1's steps were dropped"
         again = compiled_greedy(model, *batch(1), 8)
     assert torch.equal(again, first) and table.compiled_keys == 4
     torch._dynamo.reset()

@@ -244,9 +244,6 @@ def test_unsupported_options_raise_clear_errors():
         speculative_generate(model, prompt, num_beams=2, max_new_tokens=4)
     with pytest.raises(ValueError, match="'dynamic' or 'static'"):
         speculative_generate(model, prompt, cache_implementation="offloaded", max_new_tokens=4)
-    with pytest.raises(ValueError, match="batch size 1"):
-        ids, mask = left_padded_batch([prompt, prompt[:, :5]])
-        speculative_generate(model, ids, mask, streamer=RecordingStreamer(), max_new_tokens=4)
     with pytest.raises(ValueError, match="left padding"):
         speculative_generate(model, prompt, torch.cat([torch.ones(1, prompt.shape[1] - 1), torch.zeros(1, 1)], 1).long())
     with pytest.raises(ValueError, match=r"draft_layers"):

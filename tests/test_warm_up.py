@@ -49,34 +49,51 @@ def test_a_warmed_model_compiles_nothing_on_new_lengths_or_batch_sizes_and_stays
     torch._dynamo.reset()
 
 
+def as_if_a_new_process(model) -> None:
+    """Forget what this process compiled and recorded (torch's disk caches stay): a later warm_up meets them as a new
+    process would."""
+    from torch._dynamo.precompile_context import PrecompileContext
+    from torch.compiler._cache import CacheArtifactManager
+
+    torch._dynamo.reset()
+    CacheArtifactManager.clear()
+    PrecompileContext.clear()
+    model.__dict__.pop(compiled_steps.TABLE_ATTR, None)
+
+
+def bundle_is_whole(path: Path) -> bool:
+    record = json.loads(path.with_suffix(".json").read_text())
+    return path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == record["sha256"]
+
+
 @needs_kernels
-def test_a_damaged_bundle_on_disk_is_rebuilt_never_used(tmp_path, monkeypatch):
-    """The real compile path (Inductor), with torch's caches in a folder of the test's own: the bundle is
-    saved with its SHA-256; a flipped byte is reported, deleted and replaced by a good one; and the
-    bundle alone (torch's caches emptied) brings back the steps' traced code: nothing is traced."""
+def test_a_damaged_or_missing_bundle_is_rewritten_even_while_torchs_caches_hold_the_steps(tmp_path, monkeypatch):
+    """The real compile path (Inductor), with torch's caches in a folder of the test's own. The bundle is saved with its
+    SHA-256; a flipped byte is reported, deleted and replaced by a whole bundle, though torch's own caches still hold
+    every step (nothing to compile, so torch records nothing unless the steps are traced again); a new cache folder is
+    filled the same way; and such a bundle alone (torch's caches emptied) brings back the steps: nothing is traced."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch_caches"))
     model = quasar_model(tmp_path, "llama", torch.float32)
     folder = tmp_path / "compiled"
-    torch._dynamo.reset()
+    as_if_a_new_process(model)
     first = warm_up(model, batch_sizes=(1,), max_length=64, cache_folder=folder, progress=False)
     assert first.cache == "missing" and first.cache_file is not None and first.graphs_compiled == 2
-    bundle = folder / first.cache_file.rsplit("/", 1)[-1]
+    bundle = Path(first.cache_file)
     record = json.loads(bundle.with_suffix(".json").read_text())
+    assert record["bytes"] > 0 and bundle_is_whole(bundle)
     data = bytearray(bundle.read_bytes())
     data[len(data) // 2] ^= 0xFF
     bundle.write_bytes(bytes(data))
-    torch._dynamo.reset()
-    del model.__dict__[compiled_steps.TABLE_ATTR]
-    shutil.rmtree(tmp_path / "torch_caches" / "dynamo")  # traced code from the damaged bundle only
+    as_if_a_new_process(model)
     second = warm_up(model, batch_sizes=(1,), max_length=64, cache_folder=folder, progress=False)
-    assert second.cache.startswith("rebuilt") and "SHA-256" in second.cache and second.graphs_compiled == 2
-    rewritten = json.loads(bundle.with_suffix(".json").read_text())
-    assert hashlib.sha256(bundle.read_bytes()).hexdigest() == rewritten["sha256"] != hashlib.sha256(data).hexdigest()
-    assert record["bytes"] > 0
-    torch._dynamo.reset()
-    del model.__dict__[compiled_steps.TABLE_ATTR]
+    assert second.cache.startswith("rebuilt") and "SHA-256" in second.cache
+    assert bundle_is_whole(bundle) and bundle.read_bytes() != bytes(data)
+    as_if_a_new_process(model)
+    other = warm_up(model, batch_sizes=(1,), max_length=64, cache_folder=tmp_path / "other", progress=False)
+    assert other.cache == "missing" and bundle_is_whole(Path(other.cache_file))
+    as_if_a_new_process(model)
     shutil.rmtree(tmp_path / "torch_caches")
-    third = warm_up(model, batch_sizes=(1,), max_length=64, cache_folder=folder, progress=False)
+    third = warm_up(model, batch_sizes=(1,), max_length=64, cache_folder=tmp_path / "other", progress=False)
     assert third.cache == "loaded" and third.graphs_compiled == 0
     ids = repeating_prompt(3, 20)
     out = model.generate(ids, max_new_tokens=8, do_sample=False, quasar={"compile": True})
@@ -84,6 +101,41 @@ def test_a_damaged_bundle_on_disk_is_rebuilt_never_used(tmp_path, monkeypatch):
         out, model.generate(ids, max_new_tokens=8, do_sample=False, quasar={"compile": True, "num_draft_tokens": 0})
     )
     torch._dynamo.reset()
+
+
+def test_a_bundle_torch_cannot_read_is_discarded_not_loaded(tmp_path):
+    """Bytes that match their recorded SHA-256 but are no bundle of torch's (load_cache_artifacts returns None, having
+    loaded nothing) are deleted and reported, not "loaded"."""
+    from quasar_hf.speculative.warm_up import load_bundle
+
+    bundle = tmp_path / "model.bin"
+    garbage = b"not a bundle of torch's" * 8
+    bundle.write_bytes(garbage)
+    bundle.with_suffix(".json").write_text(json.dumps({"sha256": hashlib.sha256(garbage).hexdigest()}))
+    status = load_bundle(bundle)
+    assert status.startswith("rebuilt") and "torch could not read it" in status
+    assert not bundle.exists() and not bundle.with_suffix(".json").exists()
+
+
+@needs_kernels
+def test_warm_up_does_not_say_it_compiles_inside_a_call_and_a_call_does(tmp_path, monkeypatch, caplog):
+    """The "compiling steps ... in this call" line is for a compile inside generate; warm_up's own compiles are
+    announced by warm_up's summary. Steps run eagerly here: what is checked is who says what."""
+
+    def eager_step(model, config, name, precompile=False, reuse_disk=True):
+        step = lambda *args, **kwargs: model(*args, **kwargs)  # noqa: E731
+        step.loaded_from_disk = False
+        return step
+
+    monkeypatch.setattr(step_compiler, "compiled_step", eager_step)
+    model = quasar_model(tmp_path, "llama", torch.float32)
+    with caplog.at_level("INFO", logger="quasar_hf"):
+        report = warm_up(model, batch_sizes=(1,), max_length=64, compile_config=AOT_EAGER, cache_folder=None, progress=False)
+    assert report.shapes == [(1, 512)] and "in this call" not in caplog.text and "compiled steps for batch" in caplog.text
+    ids, mask = left_padded([repeating_prompt(seed, 12) for seed in range(2)])
+    with caplog.at_level("INFO", logger="quasar_hf"):
+        compiled(model, ids, mask, 4, AOT_EAGER)
+    assert "compiling steps for 2 rows x 512 cache slots in this call" in caplog.text
 
 
 WARM_PROCESS = """
@@ -136,7 +188,7 @@ def test_a_loaded_step_that_fails_is_deleted_and_compiled_afresh(monkeypatch):
     compiled again without the disk cache, and the call runs on the fresh one; a fresh step's error is raised."""
     made, discarded = [], []
 
-    def fake_compiled_step(model, config, name, precompile=False):
+    def fake_compiled_step(model, config, name, precompile=False, reuse_disk=True):
         def step(x):
             if step.loaded_from_disk:
                 raise NameError("___module_collections_1_c0")
@@ -158,6 +210,32 @@ def test_a_loaded_step_that_fails_is_deleted_and_compiled_afresh(monkeypatch):
     table.steps[(1, 512)] = lambda x: [][x]  # not loaded from disk: its error is the caller's
     with pytest.raises(IndexError):
         table.call((1, 512), 0)
+
+
+def test_trace_afresh_traces_again_only_the_steps_torch_has_not_recorded_here(monkeypatch):
+    """Mechanics of CompiledSteps.trace_afresh: a step loaded from torch's disk cache is replaced by one traced here
+    (its disk entry deleted first: reuse_disk=False); a step this process traced with its code kept stays."""
+    made = []
+
+    def fake_compiled_step(model, config, name, precompile=False, reuse_disk=True):
+        step = lambda x: x  # noqa: E731
+        step.loaded_from_disk = precompile and reuse_disk  # torch's disk cache holds every step here
+        made.append((precompile, reuse_disk))
+        return step
+
+    monkeypatch.setattr(step_compiler, "compiled_step", fake_compiled_step)
+    monkeypatch.setattr(compiled_steps, "decide_kernels", lambda device: None)
+    table = compiled_steps.CompiledSteps(torch.nn.Linear(2, 2), AOT_EAGER)
+    table.cache_key = "ab" * 32
+    table.step_for(1, 512)
+    assert made == [(True, True)] and table.recorded == set()
+    table.trace_afresh([(1, 512), (2, 512)])
+    table.step_for(1, 512)
+    table.step_for(2, 512)
+    assert made[1:] == [(True, False), (True, False)] and table.recorded == {(1, 512), (2, 512)}
+    table.trace_afresh([(1, 512)])
+    table.step_for(1, 512)
+    assert len(made) == 3
 
 
 def test_a_bundle_torch_cannot_save_is_a_warning_not_an_error(tmp_path, monkeypatch, caplog):

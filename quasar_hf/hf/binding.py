@@ -200,6 +200,7 @@ def save_pretrained_with_card(self: Any, save_directory: Any, *args: Any, **kwar
     arguments = inspect.signature(original).bind(self, save_directory, *args, **kwargs).arguments
     if not is_quasar_model(self) or not arguments.get("is_main_process", True):
         return original(self, save_directory, *args, **kwargs)
+    _check_saved_default(self)
     options = {name: value for name, value in arguments.items() if name not in ("self", "save_directory", "kwargs")}
     options.update(arguments.get("kwargs", {}))
     if options.get("safe_serialization", True) is False:
@@ -217,6 +218,16 @@ def save_pretrained_with_card(self: Any, save_directory: Any, *args: Any, **kwar
     if hub:
         push_to_hub_with_card(self, hub.pop("repo_id"), max_shard_size=options.get("max_shard_size", "50GB"), **hub)
     return result
+
+
+def _check_saved_default(model: Any) -> None:
+    """A `quasar` setting in the generation config that generate cannot run is not written into a checkpoint:
+    ValueError naming the field and the fix (speculative/defaults.py)."""
+    from quasar_hf.speculative.defaults import FIELD, checked_setting, model_field
+
+    value = getattr(getattr(model, "generation_config", None), FIELD, None)
+    if value is not None:
+        checked_setting(value, model_field(model))
 
 
 def save_quasar_files(model: Any, folder: Any, *args: Any, **kwargs: Any) -> Any:

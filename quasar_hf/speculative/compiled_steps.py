@@ -96,6 +96,8 @@ class CompiledSteps:
         self.idle_caches: dict[tuple, list] = {}  # key -> KV caches no call holds now (reused, not reallocated)
         self.widths_run: dict[tuple, set[int]] = {}  # key -> step widths (tokens per row) its function has run
         self.shrinks = 0  # calls moved to a smaller batch's steps when rows finished (StaticVerifierCache.select_rows)
+        self.recorded: set[tuple] = set()  # keys whose step this process traced with its code kept on disk
+        self._trace_here: set[tuple] = set()  # keys whose next step is traced, never loaded from disk
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -115,12 +117,24 @@ class CompiledSteps:
                 if key in self.steps:  # a dropped key's caches go with it
                     self.idle_caches.setdefault(key, []).append(cache)
 
-    def step_for(self, batch_rows: int, cache_slots: int) -> Callable:
+    def step_for(self, batch_rows: int, cache_slots: int, in_call: bool = True) -> Callable:
         """The step a static cache of this shape calls: this key's compiled function, looked up at
-        each call (compiled on first use, and again after the key was dropped)."""
+        each call (compiled on first use, and again after the key was dropped). `in_call=False`: a compile
+        here is warm_up's, not one inside a generate call (which is logged)."""
         key = (batch_rows, cache_slots)
-        self._ensure(key)
+        self._ensure(key, in_call)
         return lambda *args, **kwargs: self.call(key, *args, **kwargs)
+
+    def trace_afresh(self, keys: list[tuple]) -> None:
+        """Make the steps of `keys` that this process has not traced with their code kept on disk trace on their
+        next use, their entries in torch's disk cache deleted first. A step loaded from that cache leaves torch
+        nothing to record, so `step_compiler.save_compile_artifacts` would bundle without it (warm_up)."""
+        with self._lock:
+            for key in keys:
+                if key not in self.recorded:
+                    self.steps.pop(key, None)
+                    self.widths_run.pop(key, None)
+                    self._trace_here.add(key)
 
     def call(self, key: tuple, *args: Any, **kwargs: Any) -> Any:
         """Run the key's compiled function; should Dynamo refuse it one more graph, run a fresh one. A step
@@ -131,7 +145,7 @@ class CompiledSteps:
             outputs = step(*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # Raised while checking guards, before anything ran: a fresh function has an empty budget.
-            outputs = self._replace(key)(*args, **kwargs)
+            outputs = self._replace(key, in_call=True)(*args, **kwargs)
         except Exception as error:
             if not getattr(step, "loaded_from_disk", False):
                 raise
@@ -149,10 +163,10 @@ class CompiledSteps:
             self.widths_run.setdefault(key, set()).add(kwargs["input_ids"].shape[1])
         return outputs
 
-    def _replace(self, key: tuple) -> Callable:
+    def _replace(self, key: tuple, in_call: bool = False) -> Callable:
         """A fresh function for `key` (it has run no width yet)."""
         self.widths_run.pop(key, None)
-        self.steps[key] = step = self._compile(key, precompile=False)
+        self.steps[key] = step = self._compile(key, precompile=False, in_call=in_call)
         return step
 
     def ready(self, batch_rows: int, cache_slots: int, widths: set[int]) -> bool:
@@ -161,7 +175,7 @@ class CompiledSteps:
         key = (batch_rows, cache_slots)
         return key in self.steps and widths <= self.widths_run.get(key, set())
 
-    def _ensure(self, key: tuple) -> Callable:
+    def _ensure(self, key: tuple, in_call: bool = True) -> Callable:
         step = self.steps.get(key)
         if step is not None:
             self.steps.move_to_end(key)
@@ -170,22 +184,33 @@ class CompiledSteps:
             dropped, _ = self.steps.popitem(last=False)
             self.idle_caches.pop(dropped, None)
             self.widths_run.pop(dropped, None)
-        self.steps[key] = step = self._compile(key)
+            self.recorded.discard(dropped)
+        self.steps[key] = step = self._compile(key, in_call=in_call)
         return step
 
-    def _compile(self, key: tuple, precompile: bool = True) -> Callable:
+    def _compile(self, key: tuple, precompile: bool = True, in_call: bool = False) -> Callable:
         for device in {p.device for p in self.model.parameters()}:
             decide_kernels(device)  # first-use checks run here, eagerly: the traced step reads their answers
         self.compiled_keys += 1
-        logger.info(
-            "quasar_hf: compiling steps for %d rows x %d cache slots in this call (quasar_hf.warm_up compiles them "
-            "before the first request)",
-            *key,
-        )
+        if in_call:
+            logger.info(
+                "quasar_hf: compiling steps for %d rows x %d cache slots in this call (quasar_hf.warm_up compiles them "
+                "before the first request)",
+                *key,
+            )
         tag = "" if self.cache_key is None else f"{self.cache_key[:16]}_"
         name = "quasar_step_{}b{}_s{}".format(tag, *key) + ("" if precompile else "_fresh")
         persistent = precompile and self.cache_key is not None
-        return step_compiler.compiled_step(self.model, self.compile_config, name, precompile=persistent)
+        trace_here = key in self._trace_here
+        self._trace_here.discard(key)
+        step = step_compiler.compiled_step(
+            self.model, self.compile_config, name, precompile=persistent, reuse_disk=not trace_here
+        )
+        if persistent and not getattr(step, "loaded_from_disk", False):
+            self.recorded.add(key)
+        else:
+            self.recorded.discard(key)
+        return step
 
 
 def compiled_steps_for(model: torch.nn.Module, compile_config: Any) -> CompiledSteps:

@@ -97,12 +97,17 @@ class SpeculativeRun:
         self.stats = QuasarStats(prefill_tokens=int(prepared.attention_mask.sum()) - sum(self.cached_prefix))
         self.verifier = verifier or RowAlignedCache(model, len(self.rows), self.device, verify_kwargs)
         self.draft_width = draft_width
+        # A streamer without put_row over a batch gets what plain generate gives it: one [B] column per position.
+        self.column_streamer = streamer is not None and not hasattr(streamer, "put_row") and len(self.rows) > 1
+        self.streamed_to = prepared.input_ids.shape[1]  # positions that streamer has had
 
     def run(self) -> tuple[torch.Tensor, QuasarStats]:
         started = time.perf_counter()  # the prompt was streamed by generate
         pending = self._prefill()
+        self._stream_columns()
         while self.active:
             pending = self._verify_step(pending)
+            self._stream_columns()
         if self.streamer is not None:
             self.streamer.end()
         self.stats.total_time_s = time.perf_counter() - started
@@ -212,9 +217,22 @@ class SpeculativeRun:
                 break
         if self.streamer is not None and hasattr(self.streamer, "put_row"):  # a RowStreamer: it may stop the row
             done = bool(self.streamer.put_row(row, tokens[:count].tolist())) or done
-        elif self.streamer is not None:
+        elif self.streamer is not None and not self.column_streamer:
             self.streamer.put(tokens[:count].cpu())
         return count, done
+
+    def _stream_columns(self) -> None:
+        """For a column streamer: put the [B] tensor of each position every unfinished row has reached (a finished
+        row's pad_token_id after its end, as plain generate pads it); all of them once every row is done."""
+        if not self.column_streamer:
+            return
+        lengths = [row.shape[0] for row in self.rows]
+        ready = min(lengths[b] for b in self.active) if self.active else max(lengths)
+        pad = self.prepared.pad_token_id
+        for position in range(self.streamed_to, ready):
+            column = [int(row[position]) if position < row.shape[0] else (0 if pad is None else pad) for row in self.rows]
+            self.streamer.put(torch.tensor(column, dtype=torch.long))
+        self.streamed_to = max(self.streamed_to, ready)
 
     def _drop_finished(self, pending: torch.Tensor, finished: list[bool]) -> torch.Tensor:
         """Remove finished rows from the batch, the verifier cache and the drafter."""

@@ -19,7 +19,9 @@ import torch
 from quasar_hf import compat
 
 
-def compiled_step(model: torch.nn.Module, compile_config: Any, name: str = "quasar_step", precompile: bool = False) -> Callable:
+def compiled_step(
+    model: torch.nn.Module, compile_config: Any, name: str = "quasar_step", precompile: bool = False, reuse_disk: bool = True
+) -> Callable:
     """`torch.compile` of a call of `model` with `compile_config` (what `model.get_compiled_call` compiles),
     as a function with a code object of its own, and Dynamo's guards built on recursive dict tags.
 
@@ -43,10 +45,14 @@ def compiled_step(model: torch.nn.Module, compile_config: Any, name: str = "quas
     there, so the step runs without tracing, and `save_compile_artifacts` writes them. Guards on object
     identity (ID_MATCH, closure and dict-version guards) cannot outlive a process and are dropped from
     such a step; tensor, type and value guards stay. The returned step's `loaded_from_disk` says
-    whether its code came from the cache. Where this torch keeps neither setting in a context variable,
-    the step compiles with Dynamo's defaults."""
+    whether its code came from the cache. `reuse_disk=False` deletes that entry first, so the step is traced
+    here: torch records for `save_compile_artifacts` only what this process traces or finds in its Inductor and
+    autograd caches, never traced code it loads from disk. Where this torch keeps neither setting in a context
+    variable, the step compiles with Dynamo's defaults."""
     call = _call_with_own_code(model, name)
     settings = compat.step_context(precompile)
+    if precompile and not reuse_disk and settings is not None and compat.precompile_supported():
+        discard_precompiled(call)
     if settings is None:
         return torch.compile(call, **compile_config.to_dict())
     options = compile_config.to_dict()

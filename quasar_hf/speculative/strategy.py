@@ -102,11 +102,6 @@ def run_prepared(
     prefixes = [given] if given is not None else prefixes
     if prefixes is not None and (len(prefixes) != batch_size or quasar_config.cache_implementation == "static"):
         raise ValueError("cached prefixes need one prefix per row and the dynamic cache")
-    if streamer is not None and batch_size > 1 and not hasattr(streamer, "put_row"):
-        raise ValueError(
-            "streamer= supports batch size 1 only (as in plain generate), or a streamer with put_row for a batch "
-            "(speculative.loop.RowStreamer); drop the streamer or the batch."
-        )
     if attention_mask is None:  # generate drops an all-ones mask
         attention_mask = torch.ones_like(input_ids)
     prepared = PreparedGeneration(

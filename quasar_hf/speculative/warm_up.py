@@ -13,12 +13,20 @@ second process neither traces nor compiles. Those caches live under /tmp; warm_u
 portable bundle of them (`torch.compiler.save_cache_artifacts`) per user and machine in
 cache_root()/compiled, under a key of torch's, Transformers' and quasar_hf's versions, quasar_hf's source
 digest, the model config and dtype, the CPU, the compile config and the shapes, and loads it before compiling. A bundle whose bytes do not
-match the SHA-256 recorded beside it, or that torch cannot load, or whose traced code fails when run,
+match the SHA-256 recorded beside it, or that torch cannot read or load, or whose traced code fails when run,
 is deleted and rebuilt, never used. Entries torch's caches hold for other graphs are ignored by torch.
+
+torch bundles only what this process recorded: graphs it compiled or found in its Inductor and autograd
+caches, and traced code it traced, never traced code it loaded from its /tmp cache. So when a bundle must be
+written (missing, rebuilt, or one that did not hold every step), the steps this process has not traced are
+traced again, their entries in torch's /tmp cache deleted first: a Dynamo trace, the compiled graphs found in
+torch's caches. That keeps the bundle whole without touching torch's cache folder, which is the process's
+(pointing it into the bundle folder would move every other compile of the process there too).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -68,8 +76,6 @@ def warm_up(
     for calls of up to `max_length` tokens (prompt + new tokens; default: COMPILED_SLOTS_BASE), the same
     steps `generate(..., quasar={"compile": compile_config or True, "num_draft_tokens": num_draft_tokens})`
     then runs. `cache_folder=None` skips the on-disk bundle; "default" is locking.cache_root()/compiled."""
-    from tqdm.auto import tqdm
-
     started = time.perf_counter()
     device = compat.input_device(model)
     config = compile_config if compile_config not in (None, True) else compat.default_compile_config(device)
@@ -83,21 +89,20 @@ def warm_up(
     table = compiled_steps_for(model, config)
     if bundle is not None:
         table.cache_key = table.cache_key or compile_cache_key(model, config)  # steps' traced code kept on disk
+    if bundle is not None and report.cache != "loaded":  # a bundle to write: every step recorded in this process
+        table.trace_afresh(shapes)
     failed_loads = table.failed_loads
-    width = max(num_draft_tokens, 1)
-    with torch.no_grad(), verification_attention(model, True) as verify_kwargs:
-        for rows, cache_slots in tqdm(shapes, desc="Quasar compiling steps", unit="shape", disable=not progress):
-            step = table.step_for(rows, cache_slots)
-            with table.kv_cache(rows, cache_slots, lambda: KVCacheSlot.fresh(model, cache_slots)) as kv:  # kept for calls
-                cache = StaticVerifierCache(model, rows, device, cache_slots, step, verify_kwargs, kv=kv)
-                cache.forward(torch.ones(rows, 2, dtype=torch.long, device=device), last_only=True)  # the eager prefill
-                cache.forward(torch.ones(rows, 1, dtype=torch.long, device=device))  # decode graph [rows, 1]
-                cache.forward(torch.ones(rows, width + 1, dtype=torch.long, device=device))  # verify graph
+    run_each_step = functools.partial(_run_each_step, model, table, shapes, max(num_draft_tokens, 1), progress)
+    run_each_step()
+    if bundle is not None and report.cache == "loaded" and _graphs_built() > graphs_before:
+        report.cache = "rebuilt: it did not hold every step"  # rewritten whole, not with the new steps alone
+        table.trace_afresh(shapes)
+        run_each_step()
     report.graphs_compiled = _graphs_built() - graphs_before
     if bundle is not None and table.failed_loads > failed_loads:  # its traced code failed: never loaded again
         report.cache = "rebuilt: a step loaded from it failed"
         bundle.unlink(missing_ok=True)
-    if bundle is not None and (report.cache != "loaded" or report.graphs_compiled):
+    if bundle is not None and report.cache != "loaded":
         save_bundle(bundle)
     report.seconds = time.perf_counter() - started
     message = (
@@ -106,6 +111,21 @@ def warm_up(
     )
     (log or logger.info)(message)
     return report
+
+
+def _run_each_step(model: torch.nn.Module, table: Any, shapes: list, width: int, progress: bool) -> None:
+    """One eager prefill, one decode step [rows, 1] and one verify step [rows, width + 1] through each shape's step."""
+    from tqdm.auto import tqdm
+
+    device = compat.input_device(model)
+    with torch.no_grad(), verification_attention(model, True) as verify_kwargs:
+        for rows, cache_slots in tqdm(shapes, desc="Quasar compiling steps", unit="shape", disable=not progress):
+            step = table.step_for(rows, cache_slots, in_call=False)
+            with table.kv_cache(rows, cache_slots, lambda: KVCacheSlot.fresh(model, cache_slots)) as kv:  # kept for calls
+                cache = StaticVerifierCache(model, rows, device, cache_slots, step, verify_kwargs, kv=kv)
+                cache.forward(torch.ones(rows, 2, dtype=torch.long, device=device), last_only=True)  # the eager prefill
+                cache.forward(torch.ones(rows, 1, dtype=torch.long, device=device))  # decode graph [rows, 1]
+                cache.forward(torch.ones(rows, width + 1, dtype=torch.long, device=device))  # verify graph
 
 
 def _graphs_built() -> int:
@@ -133,7 +153,8 @@ def load_bundle(path: Path) -> str:
         expected = json.loads(record.read_text()).get("sha256")
         if hashlib.sha256(data).hexdigest() != expected:
             raise ValueError("its bytes do not match the SHA-256 recorded beside it")
-        torch.compiler.load_cache_artifacts(data)
+        if torch.compiler.load_cache_artifacts(data) is None:  # torch logged why; it loaded nothing
+            raise ValueError("torch could not read it")
         return "loaded"
     except Exception as error:  # a damaged or foreign bundle: never used, rebuilt by this warm-up
         path.unlink(missing_ok=True)
@@ -150,7 +171,8 @@ def save_bundle(path: Path) -> None:
     except Exception as error:  # torch could not gather or write them: the steps are compiled, the next process compiles again
         logger.warning("quasar_hf: torch could not save the compiled steps (%s: %s)", type(error).__name__, error)
         return
-    if data is None:
+    if data is None:  # the steps are compiled; the next process compiles them again
+        logger.warning("quasar_hf: torch recorded no compiled steps to save; %s was not written", path)
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
