@@ -11,7 +11,6 @@ from transformers import AutoModelForCausalLM
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from benchmarks.speed import step as breakdown
 from quasar_hf import QuasarConfig
-from quasar_hf.ops import cpu_fused
 from tests.tiny_models import save_tiny
 
 
@@ -70,7 +69,7 @@ def test_missing_gguf_is_refused_before_any_work(monkeypatch, tmp_path):
         breakdown.main()
 
 
-@pytest.mark.skipif(not cpu_fused.is_available(), reason="the norm fold needs the fused CPU kernel")
+@pytest.mark.kernels("w8a8")  # the norm fold needs the fused CPU kernel
 def test_set_folded_toggles_every_fold(tmp_path):
     src = save_tiny(tmp_path / "src", "llama")
     config = QuasarConfig(num_calibration_samples=4, calibration_seq_len=64, weight_rounding="nearest")

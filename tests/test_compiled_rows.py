@@ -26,7 +26,7 @@ PROMPT = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0
 DRAFTS = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(1))  # a 3-draft verify step
 CACHE_LEN = 64
 
-needs_kernels = pytest.mark.skipif(not rowstable_linear.is_available(), reason="the row-stable CPU linear kernel did not build")
+needs_kernels = pytest.mark.kernels("rowstable_linear")
 
 
 def quasar_model(tmp_path, arch: str, dtype=torch.float32) -> torch.nn.Module:

@@ -13,10 +13,10 @@ import textwrap
 import pytest
 import torch
 
-from quasar_hf.ops import cpu_fused, native
+from quasar_hf.ops import native
 from quasar_hf.ops.torch_ops import OPS
 
-needs_cpu_fused = pytest.mark.skipif(not cpu_fused.is_available(), reason="the fused CPU W8A8 kernel is unavailable here")
+needs_cpu_fused = pytest.mark.kernels("w8a8")
 
 
 def test_every_registered_op_is_in_the_table():
@@ -80,7 +80,7 @@ def tiny_logits() -> torch.Tensor:
         return model(ids).logits
 
 
-@pytest.mark.skipif(not native.is_available(), reason="needs a C++ compiler (to compare with the C++ implementations)")
+@pytest.mark.kernels()  # compares with the C++ implementations
 def test_without_a_cxx_compiler_the_fallbacks_compute_the_cpp_bits(tmp_path):
     out = tmp_path / "outputs.pt"
     env = {**os.environ, "CXX": str(tmp_path / "no-such-g++"), "PYTHONPATH": os.getcwd()}

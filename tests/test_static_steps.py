@@ -15,16 +15,14 @@ import torch._dynamo
 from transformers import AutoModelForCausalLM, CompileConfig
 
 from quasar_hf import QuasarConfig, speculative_generate
-from quasar_hf.ops import attention_cpu, native, rowstable_linear
+from quasar_hf.ops import native
 from quasar_hf.ops.rowstable_attention import _visible_keys
 from quasar_hf.speculative import static_cache
 from quasar_hf.speculative.static_cache import KVCacheSlot, StaticVerifierCache, static_cache_slots
 from tests.test_arch_gemma_phi import save_tiny_arch
 from tests.tiny_models import save_tiny, tiny_model
 
-needs_kernels = pytest.mark.skipif(
-    not (rowstable_linear.is_available() and attention_cpu.is_available()), reason="the row-stable CPU kernels did not build"
-)
+needs_kernels = pytest.mark.kernels("rowstable_linear", "attention")
 AOT_EAGER = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")  # Dynamo's graphs, eager kernels: seconds
 
 
