@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.kernels import prefill_attention
 from quasar_hf import QuasarConfig
-from tests.tiny_models import save_tiny
+from tests.helpers.tiny_models import save_tiny
 
 pytestmark = pytest.mark.kernels("prefill_attention")
 

@@ -14,7 +14,7 @@ import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from benchmarks.speed import step as breakdown
 from quasar_hf import QuasarConfig, compat
 from quasar_hf.nn import NormFoldedW8A8Linear, W8A8Linear
-from tests.tiny_models import save_tiny
+from tests.helpers.tiny_models import save_tiny
 
 
 @pytest.fixture(scope="module")

@@ -152,7 +152,8 @@ class _Recording(CustomGraphPass):
 
 @needs_cpu_fused
 def test_inductor_graph_calls_one_fused_op_per_group_and_stays_row_stable(tmp_path):
-    from tests.test_compiled_rows import quasar_model, verify_and_decode_rows
+    from tests.helpers.compiled_steps import verify_and_decode_rows
+    from tests.helpers.tiny_models import quasar_model
 
     model = quasar_model(tmp_path, "llama", torch.bfloat16)
     recording = _Recording()

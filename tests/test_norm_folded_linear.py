@@ -30,8 +30,8 @@ from quasar_hf.ops.reference import (
     w8a8_linear_rmsnorm_reference,
 )
 from tests.helpers.kernels import require_kernels
-from tests.test_arch_gemma_phi import save_tiny_arch
-from tests.tiny_models import assert_quasar_greedy_equals_plain, recording_aot_eager, save_tiny
+from tests.helpers.tiny_archs import save_tiny_arch
+from tests.helpers.tiny_models import assert_quasar_greedy_equals_plain, recording_aot_eager, save_tiny
 
 needs_kernel = pytest.mark.kernels("w8a8")
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64, weight_rounding="nearest")
@@ -366,9 +366,8 @@ def test_a_group_whose_norm_output_feeds_something_else_stays_unfused_and_says_s
     outside its projections (as a MoE router would), so that group stays unfused; the others fuse."""
     import logging
 
-    from test_hub_support import make_tiny_checkpoint, quantize_tiny
-
     from quasar_hf.hf.fusion import unfuse_projections
+    from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 
     model = quantize_tiny(make_tiny_checkpoint(tmp_path / "base"))
     unfuse_projections(model)

@@ -11,7 +11,7 @@ from quasar_hf.nn import W8A8Linear
 from quasar_hf.ops import attention_cpu, dispatch
 from quasar_hf.ops.reference import quantize_weight_per_channel, w8a8_linear_reference
 from quasar_hf.ops.rowstable_attention import use_rowstable_attention
-from tests.tiny_models import recording_aot_eager, tiny_model
+from tests.helpers.tiny_models import recording_aot_eager, tiny_model
 
 CPU_BACKENDS = [b for b in ("reference", "torch", "cpu_fused") if b in dispatch.available_backends("cpu")]
 

@@ -17,7 +17,7 @@ import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from quasar_hf import QuasarConfig
 from quasar_hf.ops import attention_cpu, rowstable_attention
 from quasar_hf.ops.reference import attention_reference
-from tests.tiny_models import save_tiny
+from tests.helpers.tiny_models import save_tiny
 
 needs_kernel = pytest.mark.kernels("prefill_attention")
 

@@ -7,10 +7,10 @@ import threading
 
 import pytest
 import torch
-from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import GenerationConfig
 
 from quasar_hf.speculative.batcher import BatchRequest, RequestBatcher, batch_key
+from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [40, 41, 42, 40, 41], [70, 71, 72, 73, 74, 75, 70, 71, 72, 73]]
 

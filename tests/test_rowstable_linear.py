@@ -16,7 +16,7 @@ from quasar_hf.nn import RowStableLinear
 from quasar_hf.ops import rowstable_linear as kernel
 from quasar_hf.ops.reference import rowstable_linear_reference
 from quasar_hf.speculative.kv_state import RowAlignedCache
-from tests.tiny_models import assert_quasar_greedy_equals_plain, save_tiny
+from tests.helpers.tiny_models import assert_quasar_greedy_equals_plain, save_tiny
 
 needs_kernel = pytest.mark.kernels("rowstable_linear")
 DTYPES = [torch.float32, torch.bfloat16]

@@ -13,7 +13,7 @@ import torch._dynamo
 from quasar_hf.nn import NormFoldedW8A8Linear, RowStableRMSNorm
 from quasar_hf.nn.rowstable_norm import RMSNORM_FORMULAS, compiled_rms_norm
 from quasar_hf.ops.reference import rowstable_rms_norm_reference
-from tests.tiny_models import tiny_model
+from tests.helpers.tiny_models import tiny_model
 
 MODULES = {
     "LlamaRMSNorm": "llama",
@@ -98,7 +98,7 @@ def test_a_quasar_model_has_no_torch_rmsnorm_left(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from quasar_hf import QuasarConfig
-    from tests.test_arch_gemma_phi import save_tiny_arch
+    from tests.helpers.tiny_archs import save_tiny_arch
 
     src = save_tiny_arch(tmp_path / "gemma3", "gemma3")
     config = QuasarConfig(num_calibration_samples=2, calibration_seq_len=32, weight_rounding="nearest", alpha=0.5)

@@ -17,7 +17,7 @@ import torch
 
 import quasar_hf
 from quasar_hf.speculative import QuasarGenerationConfig
-from tests.tiny_models import save_tiny, tiny_model
+from tests.helpers.tiny_models import save_tiny, tiny_model
 
 HUB_FOLDER = Path(__file__).resolve().parents[1] / "hub" / "quasar-generate"
 

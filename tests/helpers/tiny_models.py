@@ -72,3 +72,60 @@ def recording_aot_eager(seen: list[str]):
         return aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
 
     return backend
+
+
+def outlier_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny model whose norms and producer rows have outlier channels, so smoothing factors are far from 1."""
+    model = tiny_model(arch, seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight[[3, 17]] *= 25.0
+            layer.post_attention_layernorm.weight[5] *= 25.0
+            layer.self_attn.v_proj.weight[7] *= 10.0
+            layer.mlp.up_proj.weight[[2, 40]] *= 10.0
+    return model
+
+
+def save_outlier(path, arch: str, seed: int = 0) -> str:
+    outlier_model(arch, seed).save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def quasar_model(tmp_path, arch: str, dtype: torch.dtype = torch.float32, with_source: bool = False):
+    """A tiny W8A8 model of `arch` (and, with_source, its float original: an assistant that agrees often)."""
+    from quasar_hf import QuasarConfig
+    from tests.helpers.tiny_archs import save_tiny_arch  # it builds on this module
+
+    src = save_tiny_arch(tmp_path / arch, arch) if arch in ("gemma3", "phi3") else save_tiny(tmp_path / arch, arch)
+    config = QuasarConfig(num_calibration_samples=4, calibration_seq_len=64, weight_rounding="nearest", alpha=0.5)
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=dtype).eval()
+    if not with_source:
+        return model
+    return model, AutoModelForCausalLM.from_pretrained(src, dtype=dtype).eval()
+
+
+def tiny_logits() -> torch.Tensor:
+    """Logits of a tiny bf16 Llama with W8A8 linears, norm-folded groups, rotation, row-stable attention and lm_head."""
+    from quasar_hf.hf.fusion import fuse_projections
+    from quasar_hf.hf.quantize_on_load import use_rowstable_lm_head, use_rowstable_norms
+    from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
+    from quasar_hf.nn.w8a8_linear import rotate_weight
+    from quasar_hf.ops.hadamard import HadamardRotation
+    from quasar_hf.ops.rowstable_attention import use_rowstable_attention
+
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear) and name == "down_proj":
+                rotation = HadamardRotation.for_size(child.in_features)
+                setattr(module, name, RotatedW8A8Linear.from_weight(rotate_weight(child.weight.float(), rotation)))
+            elif isinstance(child, torch.nn.Linear) and name != "lm_head":
+                setattr(module, name, W8A8Linear.from_linear(child))
+    fuse_projections(model)
+    use_rowstable_norms(model)
+    use_rowstable_lm_head(model)
+    use_rowstable_attention(model)
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(ids).logits
