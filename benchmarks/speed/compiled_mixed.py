@@ -194,7 +194,7 @@ def mixed_main(args) -> dict:
 
     import quasar_hf
     from benchmarks.kernels.kernels import measure_read_bandwidth
-    from benchmarks.speed.compiled_steps import floor_bytes
+    from quasar_hf.nn.weight_bytes import step_read_bytes
 
     bundles, kept = tempfile.mkdtemp(), tempfile.mkdtemp()
     report = {"checkpoint": args.quantized, "warm_up": warm_up_in_fresh_processes(args.quantized, args.max_length, bundles, kept)}
@@ -238,7 +238,11 @@ def mixed_main(args) -> dict:
     decode = {name: phase["total_s"] - phase["prefill_s"] for name, phase in report["phases"].items()}
     report["summary"]["compiled_over_eager_decode"] = round(decode["eager"] / decode["compiled"], 3)
     gbps = measure_read_bandwidth(torch.device("cpu"))
-    report["floor"] = {"bytes": floor_bytes(model), "read_gbps": round(gbps, 2), "ms": round(floor_bytes(model) / gbps / 1e6, 3)}
+    report["floor"] = {
+        "bytes": step_read_bytes(model),
+        "read_gbps": round(gbps, 2),
+        "ms": round(step_read_bytes(model) / gbps / 1e6, 3),
+    }
     report["decode_step_ms"] = round(decode_step_ms(model), 3)
     if args.llama_server and args.gguf:
         report["llamacpp"] = llamacpp_sequence(args.llama_server, args.gguf, batches, args.new_tokens, args.llama_modes)

@@ -5,7 +5,7 @@ verification run), split into W8A8 linears (with the RMSNorms folded into them: 
 attention (the function the model's layers call from Transformers' attention registry: for a Quasar
 model `rowstable_attention_forward`, with the C kernel or SDPA it picks), lm_head and the rest (other
 norms, rotary, residuals, cache updates, Python and module overhead), and compares the step with the
-floor `bytes read / read bandwidth` (int8 weights + BF16 lm_head; read bandwidth measured in the same
+floor `bytes read / read bandwidth` (int8 weights + BF16 lm_head, `nn.weight_bytes`; read bandwidth measured in the same
 process by reading a 512 MiB tensor once). Runs with all torch threads, then with one. The same steps
 with the projections unfused (hf/fusion.py: each norm alone, each projection its own W8A8) are timed
 interleaved with the fused ones, so the fusion's effect is a ratio measured side by side. Without
@@ -37,6 +37,7 @@ from quasar_hf import QuasarConfig, compat
 from quasar_hf.hf.fusion import fuse_projections, unfuse_projections
 from quasar_hf.models import smollm2_135m_instruct
 from quasar_hf.nn import NormFoldedW8A8Linear, W8A8Linear
+from quasar_hf.nn.weight_bytes import step_read_bytes, step_weight_bytes
 from quasar_hf.speculative.kv_state import RowAlignedCache
 
 
@@ -207,10 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(args.quantized)
     copy_gbps = measure_copy_bandwidth(torch.device("cpu"), args.bandwidth_mib)
     w8a8 = [m for m in model.modules() if isinstance(m, W8A8Linear)]
-    int8_bytes = sum(m.weight.numel() for m in w8a8)
-    lm_head_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    weights = step_weight_bytes(model)  # int8 weights + the float lm_head (and any linear kept in float)
     read_gbps = measure_read_bandwidth(torch.device("cpu"), args.bandwidth_mib)
-    floor_ms = (int8_bytes + lm_head_bytes) / (read_gbps * 1e9) * 1e3
+    floor_ms = step_read_bytes(model) / (read_gbps * 1e9) * 1e3
     threads = torch.get_num_threads()
     rows, unfolded_rows, folds = time_steps(model, args.cache_tokens, args.steps)
     first = next(iter(rows.values()))
@@ -233,11 +233,11 @@ def main(argv: list[str] | None = None) -> None:
         "torch_threads": threads,
         "copy_gbps_read_plus_write": copy_gbps,
         "read_gbps": read_gbps,
-        "int8_weight_bytes": int8_bytes,
+        "int8_weight_bytes": weights["int8"],
         "w8a8_module_calls": len(w8a8),
         "w8a8_kernel_calls": round(first["w8a8_linears_calls"]),  # one op per (stacked) linear
         "attention_calls": round(first["attention_calls"]),
-        "lm_head_bytes": lm_head_bytes,
+        "lm_head_bytes": weights["float"],  # the float linears: the lm_head, unless some are kept in float
         "floor_ms": floor_ms,
         "cache_tokens": args.cache_tokens,
         "steps": ROUNDS * max(1, args.steps // ROUNDS),
