@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from quasar_hf import QuasarConfig, QuasarGenerationConfig
 from quasar_hf.speculative import DRAFTER_FACTORIES, NgramDrafter, speculative_generate
 from quasar_hf.speculative.auto_drafter import AutoDrafter, auto_factory
-from tests.helpers.prompts import left_padded
+from quasar_hf.speculative.left_padding import left_padded
 from tests.helpers.tiny_models import char_tokenizer, tiny_model
 
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)

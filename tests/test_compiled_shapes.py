@@ -14,8 +14,9 @@ import torch._dynamo
 import quasar_hf
 from quasar_hf.speculative import compiled_steps
 from quasar_hf.speculative.compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for
+from quasar_hf.speculative.left_padding import left_padded
 from tests.helpers.compiled_steps import AOT_EAGER
-from tests.helpers.prompts import left_padded, repeating_prompt
+from tests.helpers.prompts import repeating_prompt
 from tests.helpers.tiny_models import quasar_model
 
 needs_kernels = pytest.mark.kernels("rowstable_linear", "attention")

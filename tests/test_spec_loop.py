@@ -6,7 +6,8 @@ import torch
 from quasar_hf.hf import bind_quasar_methods
 from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION
 from quasar_hf.speculative import NgramDrafter, QuasarGenerationConfig, speculative_generate
-from tests.helpers.prompts import left_padded, repetitive_prompt
+from quasar_hf.speculative.left_padding import left_padded
+from tests.helpers.prompts import repetitive_prompt
 from tests.helpers.spec_models import ARCHS, tiny_verifier
 
 # Both ways verification rows are made equal to decode steps: SDPA one row at a time, and the

@@ -18,9 +18,10 @@ from quasar_hf import speculative_generate
 from quasar_hf.ops import native
 from quasar_hf.ops.rowstable_attention import _visible_keys
 from quasar_hf.speculative import static_cache
+from quasar_hf.speculative.left_padding import left_padded
 from quasar_hf.speculative.static_cache import KVCacheSlot, StaticVerifierCache, static_cache_slots
 from tests.helpers.compiled_steps import AOT_EAGER
-from tests.helpers.prompts import left_padded, repeating_prompt
+from tests.helpers.prompts import repeating_prompt
 from tests.helpers.tiny_models import quasar_model, tiny_model
 
 needs_kernels = pytest.mark.kernels("rowstable_linear", "attention")

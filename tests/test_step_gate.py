@@ -9,8 +9,8 @@ from quasar_hf import QuasarGenerationConfig
 from quasar_hf.speculative import NgramDrafter, speculative_generate
 from quasar_hf.speculative.auto_drafter import AutoDrafter, auto_factory
 from quasar_hf.speculative.drafters import DraftSetup
+from quasar_hf.speculative.left_padding import left_padded
 from quasar_hf.speculative.step_gate import StepGate, frontier_progress
-from tests.helpers.prompts import left_padded
 from tests.helpers.tiny_models import char_tokenizer, tiny_model
 
 GREEDY = DraftSetup(False, None, None, torch.device("cpu"))

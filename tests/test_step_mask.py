@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from quasar_hf.speculative import static_cache
+from quasar_hf.speculative.left_padding import left_padded
 from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
-from tests.helpers.prompts import left_padded, repeating_prompt
+from tests.helpers.prompts import repeating_prompt
 from tests.helpers.tiny_archs import save_tiny_arch
 from tests.helpers.tiny_models import quasar_model, tiny_model
 

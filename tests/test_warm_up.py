@@ -19,9 +19,10 @@ from torch._dynamo.utils import counters
 
 from quasar_hf import compat
 from quasar_hf.speculative import compiled_steps, step_compiler
+from quasar_hf.speculative.left_padding import left_padded
 from quasar_hf.speculative.warm_up import warm_up
 from tests.helpers.compiled_steps import AOT_EAGER
-from tests.helpers.prompts import left_padded, repeating_prompt
+from tests.helpers.prompts import repeating_prompt
 from tests.helpers.tiny_models import quasar_model
 
 needs_kernels = pytest.mark.kernels("rowstable_linear", "attention")

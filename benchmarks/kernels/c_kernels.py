@@ -27,6 +27,8 @@ def entry_argtypes(entry: str) -> list:
         raise KeyError(f"csrc/qhf_entry_points.h declares no entry point {entry}")
     parameters = [" ".join(p.split()) for p in declaration.group(1).split(",")]
     return [ctypes.c_void_p if "*" in p else _SCALARS[p.removeprefix("const ").rsplit(" ", 1)[0]] for p in parameters]
+
+
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from quasar_hf.speculative.left_padding import left_padded
+
 WARM_UP = r"""
 import json, sys, torch
 import quasar_hf
@@ -87,15 +89,6 @@ def sequence(tokenizer, calls: int, seed: int, max_prompt: int = 2000) -> list[l
         batches.append(rows)
     rng.shuffle(batches)
     return batches
-
-
-def left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :], mask[i, width - len(row) :] = torch.tensor(row), 1
-    return ids, mask
 
 
 VARIANTS = {  # name: (quasar option, timed twice); run in this order for each call

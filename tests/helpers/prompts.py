@@ -1,4 +1,4 @@
-"""Prompts that make n-gram drafts get accepted, and left-padded batches of prompts."""
+"""Prompts that make n-gram drafts get accepted (batches of them: quasar_hf.speculative.left_padding)."""
 
 from __future__ import annotations
 
@@ -18,14 +18,3 @@ def repetitive_prompt(seed, length=24, vocab: int = SPEC_VOCAB):
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(3, vocab, (length,), generator=g)
     return torch.cat([base, base[: length // 2]])[None]
-
-
-def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts [1, T_i] -> ids, mask [B, max T] (left padding with token `pad`)."""
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - p.shape[1] :] = p[0]
-        mask[row, width - p.shape[1] :] = 1
-    return ids, mask
