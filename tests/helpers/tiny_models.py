@@ -92,17 +92,18 @@ def save_outlier(path, arch: str, seed: int = 0) -> str:
     return str(path)
 
 
-def quasar_model(tmp_path, arch: str, dtype: torch.dtype = torch.float32, with_source: bool = False):
-    """A tiny W8A8 model of `arch` (and, with_source, its float original: an assistant that agrees often)."""
+def quasar_model(tmp_path, arch: str, dtype: torch.dtype = torch.float32, with_source: bool = False, device_map=None):
+    """A tiny W8A8 model of `arch`, quantized where `device_map` puts it (and, with_source, its float original:
+    an assistant that agrees often)."""
     from quasar_hf import QuasarConfig
     from tests.helpers.tiny_archs import save_tiny_arch  # it builds on this module
 
     src = save_tiny_arch(tmp_path / arch, arch) if arch in ("gemma3", "phi3") else save_tiny(tmp_path / arch, arch)
     config = QuasarConfig(num_calibration_samples=4, calibration_seq_len=64, weight_rounding="nearest", alpha=0.5)
-    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=dtype, device_map=device_map).eval()
     if not with_source:
         return model
-    return model, AutoModelForCausalLM.from_pretrained(src, dtype=dtype).eval()
+    return model, AutoModelForCausalLM.from_pretrained(src, dtype=dtype, device_map=device_map).eval()
 
 
 def tiny_logits() -> torch.Tensor:
