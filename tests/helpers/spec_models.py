@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION, use_rowstable_attention
 from tests.helpers.prompts import SPEC_VOCAB
+from tests.helpers.tiny_models import TINY_SHAPE
 
 ARCHS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
 
@@ -15,11 +16,8 @@ def tiny_verifier(arch="llama", seed=0, vocab=SPEC_VOCAB, attention="sdpa", **ov
     """A random 2-layer fp32 model of `arch` (hidden 64, GQA 4/2 heads), switched to `attention`."""
     torch.manual_seed(seed)
     config = ARCHS[arch](
-        hidden_size=64,
-        intermediate_size=128,
+        **TINY_SHAPE,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         vocab_size=vocab,
         bos_token_id=1,
         eos_token_id=2,

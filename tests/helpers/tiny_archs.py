@@ -9,16 +9,13 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, Phi3Config
 
-from tests.helpers.tiny_models import char_tokenizer
+from tests.helpers.tiny_models import TINY_SHAPE, char_tokenizer
 
 WINDOW = 8
 
 COMMON = dict(
+    **TINY_SHAPE,
     vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     max_position_embeddings=512,
     eos_token_id=96,
     pad_token_id=96,
@@ -70,11 +67,8 @@ def save_tiny_arch(path, arch: str, dtype=torch.float32) -> str:
 def four_layer_gemma3() -> torch.nn.Module:
     """Sliding-window and global layers alternate: each layer type gets its own mask and rotary embeddings."""
     config = Gemma3TextConfig(
-        hidden_size=64,
-        intermediate_size=128,
+        **TINY_SHAPE,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         vocab_size=128,
         sliding_window=8,

@@ -12,6 +12,8 @@ from transformers import (
     Qwen3Config,
 )
 
+# The dimensions every tiny test model shares: hidden 64, MLP 128, GQA 4 heads over 2 KV heads.
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 CONFIG_CLASSES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
 
@@ -29,11 +31,8 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 def tiny_model(arch: str = "llama", seed: int = 0, layers: int = 2, dtype=torch.float32):
     """A random decoder-only LM: hidden 64, GQA 4 heads / 2 KV heads, vocab 128."""
     config = CONFIG_CLASSES[arch](
-        hidden_size=64,
-        intermediate_size=128,
+        **TINY_SHAPE,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         vocab_size=128,
         max_position_embeddings=512,
         eos_token_id=96,
