@@ -8,7 +8,7 @@ import torch
 from quasar_hf.speculative import NgramDrafter, speculative_generate
 from quasar_hf.speculative.adaptive import AdaptiveDrafter, AdaptivePolicy
 from quasar_hf.speculative.drafters import Draft, DraftSetup
-from tests.tiny_models import tiny_model
+from tests.helpers.tiny_models import tiny_model
 
 MS = 1e-3
 

@@ -8,60 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, Phi3Config
+from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig, W8A8Linear, is_quasar_model
 from quasar_hf.smoothquant.mappings import SMOOTHQUANT_MAPPINGS, SmoothMapping, decoder_layers, resolve_mappings
 from quasar_hf.smoothquant.smoothing import smooth_mapping
-from tests.tiny_models import char_tokenizer
+from tests.helpers.tiny_archs import TINY, WINDOW, save_tiny_arch, tiny_gemma3, tiny_phi3
 
-WINDOW = 8
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    eos_token_id=96,
-    pad_token_id=96,
-)
-
-
-def tiny_gemma3(seed: int = 0, layers: int = 2, window: int = WINDOW) -> torch.nn.Module:
-    """Layer 0 slides over `window` keys, layer 1 is global; norm weights random (not Gemma's zeros)."""
-    config = Gemma3TextConfig(
-        **COMMON,
-        num_hidden_layers=layers,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        sliding_window=window,
-        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
-        bos_token_id=None,
-    )
-    return _randomize_norms(_build(config, seed), seed)
-
-
-def tiny_phi3(seed: int = 0, layers: int = 2) -> torch.nn.Module:
-    config = Phi3Config(**COMMON, num_hidden_layers=layers, original_max_position_embeddings=512, bos_token_id=None)
-    return _randomize_norms(_build(config, seed), seed)
-
-
-def _build(config, seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).float().eval()
-
-
-@torch.no_grad()
-def _randomize_norms(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    gen = torch.Generator().manual_seed(seed + 1)
-    for name, param in model.named_parameters():
-        if "norm" in name:
-            param.copy_(param + 0.3 * torch.randn(param.shape, generator=gen))
-    return model
-
-
-TINY = {"gemma3": tiny_gemma3, "phi3": tiny_phi3}
 IDS = torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88, 12, 3, 64, 21, 7, 90, 45, 30, 11, 58, 77, 26]])
 
 
@@ -146,12 +99,6 @@ def test_phi3_fused_rows_only_the_v_and_up_slices_are_scaled():
     up = mlp.gate_up_proj.weight / gate_up  # gate rows: column factors only
     assert torch.allclose(up[:128], up[:128].mean(0).expand(128, -1), rtol=1e-5)
     assert not torch.allclose(up[128:], up[:128].mean(0).expand(128, -1), rtol=1e-3)
-
-
-def save_tiny_arch(path, arch: str, dtype=torch.float32) -> str:
-    TINY[arch]().to(dtype).save_pretrained(path)
-    char_tokenizer().save_pretrained(path)
-    return str(path)
 
 
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)

@@ -25,7 +25,7 @@ from quasar_hf.atomic_folder import (
     safetensors_problem,
     verify_checkpoint_files,
 )
-from tests.tiny_models import char_tokenizer, save_tiny
+from tests.helpers.tiny_models import char_tokenizer, save_tiny
 
 IDS = torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88, 12, 3]])
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 from quasar_hf import QuasarConfig, QuasarGenerationConfig
 from quasar_hf.speculative import DRAFTER_FACTORIES, NgramDrafter, speculative_generate
 from quasar_hf.speculative.auto_drafter import AutoDrafter, auto_factory
-from tests.test_spec_loop import left_padded_batch
-from tests.tiny_models import char_tokenizer, tiny_model
+from quasar_hf.speculative.left_padding import left_padded
+from tests.helpers.tiny_models import char_tokenizer, tiny_model
 
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)
 PROMPTS = ["the cat sat on the mat; the cat sat on the", "abcabcabcabc", "def f(x): return x + 1\ndef g(x"]
@@ -117,7 +117,7 @@ def test_auto_uses_both_sources_and_equals_plain_in_a_batch(models):
     of rows that used n-gram drafts are rolled back (checked by equality with plain batched greedy)."""
     model = models["reduced"]
     prompts = [ids_of(t) for t in PROMPTS + ["xyz"]]
-    ids, mask = left_padded_batch(prompts, pad=96)
+    ids, mask = left_padded(prompts, pad=96)
     drafter = auto_factory(model, QuasarGenerationConfig(drafter="auto", drafter_kwargs={"policy": NEVER_PAUSE}))
     plain = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, quasar=False)
     out = speculative_generate(model, ids, mask, max_new_tokens=20, do_sample=False, quasar_config={"drafter": drafter})
@@ -140,7 +140,7 @@ def test_auto_sampling_mixes_one_hot_and_model_probabilities(models):
     model = models["reduced"]
     drafter = auto_factory(model, QuasarGenerationConfig(drafter="auto", drafter_kwargs={"policy": NEVER_PAUSE}))
     prompts = [ids_of(PROMPTS[1]), ids_of("xyz")]
-    ids, mask = left_padded_batch(prompts, pad=96)
+    ids, mask = left_padded(prompts, pad=96)
     generator = torch.Generator().manual_seed(0)
     out = speculative_generate(
         model, ids, mask, max_new_tokens=16, do_sample=True, generator=generator, quasar_config={"drafter": drafter}

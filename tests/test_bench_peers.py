@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quasar_hf.bench import peers
-from tests.tiny_models import save_tiny
+from tests.helpers.tiny_models import save_tiny
 
 PROMPT = torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88, 12, 3, 5, 17, 33, 2, 71]])
 

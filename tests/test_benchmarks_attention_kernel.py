@@ -5,13 +5,15 @@ import json
 import pytest
 
 from benchmarks.kernels import attention_kernel
-from quasar_hf.ops import attention_cpu
 from quasar_hf.ops.c_build import CSRC, missing_cpu_flags
 
-pytestmark = pytest.mark.skipif(
-    not attention_cpu.is_available() or bool(missing_cpu_flags(("avx2", "fma"))),
-    reason="needs the row-stable attention kernel and a CPU with AVX2 and FMA (the builds it times)",
-)
+pytestmark = [
+    pytest.mark.kernels("attention"),
+    pytest.mark.skipif(
+        bool(missing_cpu_flags(("avx2", "fma"))),
+        reason="needs the row-stable attention kernel and a CPU with AVX2 and FMA (the builds it times)",
+    ),
+]
 
 
 def test_report_times_every_build_and_the_baseline(tmp_path):

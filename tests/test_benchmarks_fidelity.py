@@ -48,7 +48,8 @@ def test_merge_keeps_every_row_and_refuses_other_models(tmp_path: Path) -> None:
 
 def test_compare_records_a_block_interval_and_markdown_shows_it() -> None:
     import torch
-    from tiny_models import tiny_model
+
+    from tests.helpers.tiny_models import tiny_model
 
     script = _script()
     model, other = tiny_model(seed=0).eval(), tiny_model(seed=1).eval()
@@ -89,7 +90,7 @@ def test_record_without_saved_checkpoints_names_the_fix() -> None:
 
 def test_every_domain_has_held_out_text_and_unknown_ones_are_refused() -> None:
     from quasar_hf.smoothquant.builtin_text import mix_texts
-    from tests.tiny_models import char_tokenizer
+    from tests.helpers.tiny_models import char_tokenizer
 
     script = _script()
     calibration = set(mix_texts("calibration"))
@@ -112,7 +113,8 @@ def test_rows_with_a_domain_show_it_and_their_bf16_perplexity() -> None:
 
 def test_several_models_share_one_reference_run_per_block() -> None:
     import torch
-    from tiny_models import tiny_model
+
+    from tests.helpers.tiny_models import tiny_model
 
     script = _script()
     reference, a, b = (tiny_model(seed=s).eval() for s in (0, 1, 2))

@@ -5,10 +5,9 @@ import json
 import pytest
 
 from benchmarks.kernels import c_kernels, hadamard_kernel
-from quasar_hf.ops import hadamard_cpu
 from quasar_hf.ops.c_build import CSRC
 
-pytestmark = pytest.mark.skipif(not hadamard_cpu.is_available(), reason="the Hadamard CPU kernel did not build")
+pytestmark = pytest.mark.kernels("hadamard")
 
 
 def test_report_times_every_build_this_cpu_runs_and_a_baseline(tmp_path):

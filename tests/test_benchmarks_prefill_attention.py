@@ -8,13 +8,10 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.kernels import prefill_attention
 from quasar_hf import QuasarConfig
-from quasar_hf.ops import attention_cpu, native
-from tests.tiny_models import save_tiny
+from quasar_hf.ops import native
+from tests.helpers.tiny_models import save_tiny
 
-pytestmark = pytest.mark.skipif(
-    attention_cpu.prefill_unavailable_reason() is not None,
-    reason=f"prefill kernel unavailable: {attention_cpu.prefill_unavailable_reason()}",
-)
+pytestmark = pytest.mark.kernels("prefill_attention")
 
 
 def test_report_times_both_and_checks_them_against_the_oracle(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tiny_models import char_tokenizer
+from tests.helpers.tiny_models import char_tokenizer
 
 
 def _load_script():

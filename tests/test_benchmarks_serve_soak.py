@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import AutoTokenizer
 
 from benchmarks.serve import soak
+from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 
 pytest.importorskip("fastapi", reason="serving needs transformers[serving]")
 pytest.importorskip("prometheus_client", reason="/metrics needs prometheus_client")

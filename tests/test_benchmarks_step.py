@@ -1,67 +1,67 @@
-"""python -m benchmarks step: the fold toggle, the report and its argument checks (no timing)."""
+"""python -m benchmarks step on a tiny checkpoint: what it times, the fold toggle, its argument checks."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from benchmarks.speed import step as breakdown
-from quasar_hf import QuasarConfig
-from quasar_hf.ops import cpu_fused
-from tests.tiny_models import save_tiny
+from quasar_hf import QuasarConfig, compat
+from quasar_hf.nn import NormFoldedW8A8Linear, W8A8Linear
+from tests.helpers.tiny_models import save_tiny
 
 
-def row(threads, tokens, step):
-    parts = {"w8a8_linears_ms": step / 2, "attention_ms": 1.0, "lm_head_ms": 2.0}
-    return {"threads": threads, "tokens": tokens, "step_ms": step, **parts, "rest_ms": step / 2 - 3, "x_floor": step / 8}
+@pytest.fixture(scope="module")
+def tiny_quantized(tmp_path_factory) -> str:
+    """A saved 2-layer BF16 Quasar checkpoint."""
+    folder = tmp_path_factory.mktemp("step")
+    src = save_tiny(folder / "src", "llama", dtype=torch.bfloat16)
+    config = QuasarConfig(num_calibration_samples=2, calibration_seq_len=32, weight_rounding="nearest")
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=torch.bfloat16)
+    model.save_pretrained(folder / "quantized")
+    return str(folder / "quantized")
 
 
-def report() -> dict:
-    return {
-        "command": "python python -m benchmarks step --quantized X",
-        "environment": {"cpu": "test cpu", "git_commit": "abc"},
-        "load_average_end": [0.1, 0.2, 0.3],
-        "cache_tokens": 300,
-        "steps": 8,
-        "model_name": "Tiny-quasar-w8a8",
-        "layers": 2,
-        "norm_folds": 4,
-        "int8_weight_bytes": 10_000_000,
-        "lm_head_bytes": 5_000_000,
-        "read_gbps": 20.0,
-        "copy_gbps_read_plus_write": 15.0,
-        "floor_ms": 0.75,
-        "w8a8_module_calls": 14,
-        "w8a8_kernel_calls": 8,
-        "rows": {"2x1": row(2, 1, 10.0), "2x6": row(2, 6, 14.0)},
-        "unfolded_rows": {"2x1": row(2, 1, 11.0), "2x6": row(2, 6, 15.0)},
-        "llamacpp": {
-            "gguf": "t.gguf",
-            "gguf_bytes": 16_000_000,
-            "floor_ms": 0.8,
-            "version": "0.3",
-            "rows": {"2x1": row(2, 1, 5.0)},
-        },
-    }
+def test_a_run_times_the_attention_linears_and_lm_head_the_model_calls(tiny_quantized, tmp_path):
+    out = tmp_path / "step.json"
+    args = ["--quantized", tiny_quantized, "--steps", "4", "--cache-tokens", "40", "--bandwidth-mib", "8", "--out", str(out)]
+    breakdown.main(args)
+    result = json.loads(out.read_text())
+    threads = sorted({torch.get_num_threads(), 1}, reverse=True)
+    assert list(result["rows"]) == [f"{t}x{n}" for t in threads for n in (1, 6)]
+    assert result["attention_calls"] == result["layers"] == 2  # every layer's attention, through the registry
+    for row in result["rows"].values():
+        assert row["attention_calls"] == 2 and row["lm_head_calls"] == 1
+        assert row["w8a8_linears_calls"] == result["w8a8_kernel_calls"] > 0
+        assert min(row["attention_ms"], row["w8a8_linears_ms"], row["lm_head_ms"]) > 0
+        parts = row["w8a8_linears_ms"] + row["attention_ms"] + row["lm_head_ms"] + row["rest_ms"]
+        assert parts == pytest.approx(row["step_ms"])
+        assert row["x_floor"] == pytest.approx(row["step_ms"] / result["floor_ms"])
+    if result["norm_folds"]:  # unfolded, each norm's projections are their own W8A8 calls again
+        assert list(result["unfolded_rows"]) == list(result["rows"])
+        for key, row in result["unfolded_rows"].items():
+            assert row["w8a8_linears_calls"] > result["rows"][key]["w8a8_linears_calls"]
+    text = (tmp_path / "step.md").read_text()
+    assert text.startswith("# Verify step time vs the bytes it reads (quantized, this CPU)")
+    assert "attention (2 calls)" in text and "40-token cache" in text
 
 
-def test_report_names_the_model_and_compares_folds_and_llamacpp_side_by_side():
-    text = breakdown.to_markdown(report())
-    assert text.startswith("# Verify step time vs the bytes it reads (Tiny-quasar-w8a8, this CPU)")
-    assert "attention (2 calls)" in text
-    assert "| 2 | 6 | 14.0 | 15.0 | 1.0 ms (7 %) |" in text  # folded vs computed norms
-    assert "| 2 | 1 | 10.0 | 1.25 | 5.0 | 0.62 | 0.50 |" in text  # llama.cpp at half quasar's step
-
-
-def test_report_without_optional_parts():
-    d = report()
-    d.update(unfolded_rows={}, llamacpp=None)
-    text = breakdown.to_markdown(d)
-    assert "norms folded" not in text and "llama.cpp" not in text
+def test_the_instrumentation_is_removed_after_the_run(tiny_quantized):
+    model = breakdown.load_model(tiny_quantized)
+    name = compat.attn_implementation(model)
+    before = (ALL_ATTENTION_FUNCTIONS[name], W8A8Linear.forward, NormFoldedW8A8Linear.forward)
+    with breakdown.instrumented(model) as timers:
+        with torch.no_grad():
+            model(torch.tensor([[3, 14, 15]]))
+        assert timers["attention"].calls == 2 and timers["lm_head"].calls == 1
+    assert (ALL_ATTENTION_FUNCTIONS[name], W8A8Linear.forward, NormFoldedW8A8Linear.forward) == before
+    assert "forward" not in model.lm_head.__dict__
 
 
 def test_missing_gguf_is_refused_before_any_work(monkeypatch, tmp_path):
@@ -70,7 +70,7 @@ def test_missing_gguf_is_refused_before_any_work(monkeypatch, tmp_path):
         breakdown.main()
 
 
-@pytest.mark.skipif(not cpu_fused.is_available(), reason="the norm fold needs the fused CPU kernel")
+@pytest.mark.kernels("w8a8")  # the norm fold needs the fused CPU kernel
 def test_set_folded_toggles_every_fold(tmp_path):
     src = save_tiny(tmp_path / "src", "llama")
     config = QuasarConfig(num_calibration_samples=4, calibration_seq_len=64, weight_rounding="nearest")

@@ -18,7 +18,7 @@ from quasar_hf.smoothquant.builtin_text import (
     render_conversation,
 )
 from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibration_texts
-from tests.tiny_models import char_tokenizer
+from tests.helpers.tiny_models import char_tokenizer
 
 
 def _file(split: str):

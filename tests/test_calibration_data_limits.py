@@ -4,9 +4,9 @@ describe a bad value by type and length, never by echoing it."""
 from __future__ import annotations
 
 import pytest
-from tiny_models import char_tokenizer
 
 from quasar_hf.smoothquant.data import CHUNK_CHARS, build_calibration_blocks, load_calibration_texts
+from tests.helpers.tiny_models import char_tokenizer
 
 HUGE_CHARS = 21_000_000
 

@@ -14,7 +14,6 @@ from collections import Counter
 
 import pytest
 import torch
-from tiny_models import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -24,6 +23,7 @@ from quasar_hf.hf.sequential import quantize_layers_sequentially
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.smoothquant.mappings import resolve_mappings
 from quasar_hf.smoothquant.placement import compute_device_for, place_layers, validate_calibration_device
+from tests.helpers.tiny_models import tiny_model
 
 aten = torch.ops.aten
 _COPIES = {aten.copy_.default, aten._copy_from.default, aten._copy_from_and_resize.default}  # the moves between devices

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig
 from quasar_hf.hf.checkpoint_checks import LAYOUT_KEY
-from tests.tiny_models import save_tiny
+from tests.helpers.tiny_models import save_tiny
 
 IDS = torch.arange(3, 40)[None]
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64, weight_rounding="nearest")

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from quasar_hf import QuasarConfig
 from quasar_hf.cli import main
 from quasar_hf.hf.checkpoint_config import BASE_KEY, CODE_FILE, MODEL_TYPE, unmarked
-from tests.tiny_models import char_tokenizer, save_tiny
+from tests.helpers.tiny_models import char_tokenizer, save_tiny
 
 IDS = [[1, 5, 9, 13, 2, 7]]
 

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_hub_support import make_tiny_checkpoint
 
 from quasar_hf.cli import main
 from quasar_hf.commands.parser import build_parser
+from tests.helpers.hub import make_tiny_checkpoint
 
 SUBCOMMANDS = ("quantize", "generate", "export", "bench", "eval", "demo")
 VENV_BIN = Path(sys.executable).parent
@@ -86,7 +86,8 @@ def test_quantize_push_to_hub(tiny, calibration_file, tmp_path, capsys):
     import httpx2
     import huggingface_hub
     from huggingface_hub.utils._http import default_client_factory
-    from test_hub_support import HubStandIn
+
+    from tests.helpers.hub import HubStandIn
 
     hub = HubStandIn()
     huggingface_hub.set_client_factory(lambda: httpx2.Client(transport=httpx2.MockTransport(hub.handler)))

@@ -6,11 +6,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_hub_support import make_tiny_checkpoint
 
 import quasar_hf.eval.tasks as eval_tasks
 from quasar_hf import QuasarConfig
 from quasar_hf.cli import main
+from tests.helpers.hub import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

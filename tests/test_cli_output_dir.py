@@ -10,12 +10,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_hub_support import make_tiny_checkpoint
 
 from quasar_hf.cli import main
 from quasar_hf.commands import loading, output_dir
 from quasar_hf.commands.loading import UsageError
 from quasar_hf.commands.output_dir import check_output_dir
+from tests.helpers.hub import make_tiny_checkpoint
 
 QUANTIZE_FAST = ["--alpha", "0.5", "--num-samples", "1", "--seq-len", "32", "--dtype", "float32"]
 
@@ -114,9 +114,8 @@ def test_file_or_unwritable_out_fails_before_quantizing(tiny, tmp_path, no_work,
 
 
 def test_export_api_refuses_the_folder_the_model_came_from(tiny, tmp_path):
-    from test_hub_support import quantize_tiny
-
     from quasar_hf.export.compressed_tensors import export_compressed_tensors
+    from tests.helpers.hub import quantize_tiny
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny, model_dir)

@@ -14,46 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from transformers import AutoModelForCausalLM, StaticCache
 
-from quasar_hf import QuasarConfig
 from quasar_hf.nn import RowStableLinear
 from quasar_hf.ops import rowstable_linear
-from tests.test_arch_gemma_phi import save_tiny_arch
-from tests.tiny_models import save_tiny
+from tests.helpers.compiled_steps import DRAFTS, PROMPT, prefilled, step, verify_and_decode_rows
+from tests.helpers.tiny_models import quasar_model
 
-PROMPT = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
-DRAFTS = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(1))  # a 3-draft verify step
-CACHE_LEN = 64
-
-needs_kernels = pytest.mark.skipif(not rowstable_linear.is_available(), reason="the row-stable CPU linear kernel did not build")
-
-
-def quasar_model(tmp_path, arch: str, dtype=torch.float32) -> torch.nn.Module:
-    src = save_tiny_arch(tmp_path / arch, arch) if arch in ("gemma3", "phi3") else save_tiny(tmp_path / arch, arch)
-    config = QuasarConfig(num_calibration_samples=4, calibration_seq_len=64, weight_rounding="nearest", alpha=0.5)
-    return AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=dtype).eval()
-
-
-def step(forward, cache: StaticCache, ids: torch.Tensor, start: int) -> torch.Tensor:
-    """One forward of ids [1, n] at positions start..start+n-1 over `cache`: logits [1, n, V]."""
-    positions = torch.arange(start, start + ids.shape[1])[None]
-    return forward(input_ids=ids, position_ids=positions, cache_position=positions[0], past_key_values=cache).logits
-
-
-def prefilled(model) -> StaticCache:
-    cache = StaticCache(config=model.config, max_cache_len=CACHE_LEN)
-    step(model.forward, cache, PROMPT, 0)  # eager prefill: only the decode and verify steps are compiled
-    return cache
-
-
-def verify_and_decode_rows(model, compiled) -> tuple[torch.Tensor, torch.Tensor]:
-    """(one compiled call over the drafts, one compiled one-token call per draft), both [1, n, V]."""
-    start = PROMPT.shape[1]
-    verify = step(compiled, prefilled(model), DRAFTS, start)
-    cache = prefilled(model)
-    decode = torch.cat([step(compiled, cache, DRAFTS[:, i : i + 1], start + i) for i in range(DRAFTS.shape[1])], dim=1)
-    return verify, decode
+needs_kernels = pytest.mark.kernels("rowstable_linear")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,12 @@ import torch._dynamo
 import quasar_hf
 from quasar_hf.speculative import compiled_steps
 from quasar_hf.speculative.compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for
-from tests.test_static_steps import AOT_EAGER, left_padded, needs_kernels, quasar_model, repeating_prompt
+from quasar_hf.speculative.left_padding import left_padded
+from tests.helpers.compiled_steps import AOT_EAGER
+from tests.helpers.prompts import repeating_prompt
+from tests.helpers.tiny_models import quasar_model
+
+needs_kernels = pytest.mark.kernels("rowstable_linear", "attention")
 
 COMPILED = {"compile": AOT_EAGER}  # Dynamo's graphs and guards (what the limit counts), eager kernels: seconds
 
@@ -98,7 +103,7 @@ def test_compiled_shapes_measurement_reports_keys_times_and_exactness(tmp_path):
     import json
 
     from benchmarks.speed import compiled_shapes
-    from tests.tiny_models import char_tokenizer
+    from tests.helpers.tiny_models import char_tokenizer
 
     model = quasar_model(tmp_path, "llama", torch.bfloat16)
     model.save_pretrained(tmp_path / "saved")
@@ -116,7 +121,7 @@ def test_compiled_shapes_measurement_reports_keys_times_and_exactness(tmp_path):
 
 def test_the_mixed_sequence_covers_batch_sizes_1_to_4_and_prompts_of_5_to_2000_tokens():
     from benchmarks.speed.compiled_mixed import sequence
-    from tests.tiny_models import char_tokenizer
+    from tests.helpers.tiny_models import char_tokenizer
 
     batches = sequence(char_tokenizer(), 20, seed=0)
     assert len(batches) == 20

@@ -14,9 +14,7 @@ from quasar_hf.ops.reference import (
     w8a8_linear_reference,
 )
 
-requires_kernel = pytest.mark.skipif(
-    not cpu_fused.is_available(), reason=f"fused CPU kernel unavailable: {cpu_fused.unavailable_reason()}"
-)
+requires_kernel = pytest.mark.kernels("w8a8")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -17,7 +17,7 @@ from quasar_hf.self_draft.head import (
 )
 from quasar_hf.speculative.drafters import DRAFTER_FACTORIES, DraftSetup
 from quasar_hf.speculative.verify import speculative_sample_accept
-from tests.tiny_models import char_tokenizer, tiny_model
+from tests.helpers.tiny_models import char_tokenizer, tiny_model
 
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)
 PROMPTS = ["the cat sat on the mat; the cat sat on the", "abcabcabcabc", "def f(x): return x + 1\ndef g(x"]

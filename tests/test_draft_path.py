@@ -10,7 +10,7 @@ from quasar_hf import QuasarConfig
 from quasar_hf.nn import RowStableLinear
 from quasar_hf.self_draft.layer_search import expected_acceptance_length
 from quasar_hf.self_draft.path import self_draft_model
-from tests.tiny_models import char_tokenizer
+from tests.helpers.tiny_models import char_tokenizer
 
 IDS = torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88]])
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)
@@ -18,7 +18,7 @@ FAST = dict(num_calibration_samples=4, calibration_seq_len=64)
 
 @pytest.fixture()
 def four_layer_llama(tmp_path):
-    from tests.tiny_models import tiny_model
+    from tests.helpers.tiny_models import tiny_model
 
     model = tiny_model("llama", layers=4)
     model.save_pretrained(tmp_path / "src")

@@ -8,7 +8,7 @@ from torch import nn
 
 from quasar_hf.self_draft import layer_search as draft_search
 from quasar_hf.self_draft.layer_search import draft_byte_ratio, layer_bytes, predicted_speedup, select_draft_layers
-from tests.tiny_models import tiny_model
+from tests.helpers.tiny_models import tiny_model
 
 
 def test_predicted_speedup_limits():

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig
 from quasar_hf.hf.fusion import checkpoint_linears
-from tests.tiny_models import assert_quasar_greedy_equals_plain, save_tiny
+from tests.helpers.tiny_models import assert_quasar_greedy_equals_plain, save_tiny
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig
 from quasar_hf.smoothquant.data import load_calibration_texts
-from tests.tiny_models import save_tiny
+from tests.helpers.tiny_models import save_tiny
 
 
 @pytest.fixture(scope="module")

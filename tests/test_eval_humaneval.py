@@ -15,7 +15,7 @@ from quasar_hf.eval import humaneval
 from quasar_hf.eval.humaneval import Generation, compare_variants, load_problems, model_generator, score, truncate_at_stop
 from quasar_hf.eval.loading import ModelPair
 from quasar_hf.eval.sandbox import FAILED, PASSED, TIMED_OUT, run_python
-from tests.tiny_models import char_tokenizer, save_tiny
+from tests.helpers.tiny_models import char_tokenizer, save_tiny
 
 WRONG = "    return None\n"
 LOOP = "    while True:\n        pass\n"

@@ -17,7 +17,7 @@ from quasar_hf.eval.lm_eval_model import QuasarLM
 from quasar_hf.eval.lm_eval_runner import compare_tasks, eval_main, to_markdown
 from quasar_hf.eval.stopping import RowStopSequences
 from quasar_hf.eval.tasks import LOCAL_TASKS, load_task_yaml, task_specs
-from tests.tiny_models import char_tokenizer, save_tiny
+from tests.helpers.tiny_models import char_tokenizer, save_tiny
 
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)
 PROMPTS = ["abcabcabcabcab", "Word: river\nRepeat: river\nWord: river\nRepeat:", "1 2 3 1 2 3 1 2 3 1"]

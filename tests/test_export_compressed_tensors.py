@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from quasar_hf.export.compressed_tensors import export_compressed_tensors, fold_prescale, is_w8a8_module
 from quasar_hf.hf.fusion import projections_apart
 from quasar_hf.nn import W8A8Linear
+from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 
 pytest.importorskip("compressed_tensors", reason="the compressed-tensors library is needed to read the export back")
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sequential_calibration import _blocks
-from tiny_models import tiny_model
 
 from quasar_hf import QuasarConfig
 from quasar_hf.hf.quantize_on_load import find_quantizable_linears
@@ -15,6 +13,8 @@ from quasar_hf.ops.reference import quantize_weight_per_channel
 from quasar_hf.smoothquant.calibration import CalibrationStats, recording_linear_inputs
 from quasar_hf.smoothquant.gptq import gptq_round, smoothed_hessian
 from quasar_hf.smoothquant.mappings import resolve_mappings
+from tests.helpers.tiny_archs import token_blocks
+from tests.helpers.tiny_models import tiny_model
 
 
 def _correlated_inputs(rows: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -64,7 +64,7 @@ def test_siblings_share_one_hessian_and_it_sums_all_tokens() -> None:
     seen = []
     handle = layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().reshape(-1, 64)))
     with torch.no_grad(), recording_linear_inputs(layer, names, stats, 4, torch.Generator(), hessians=True):
-        for block in _blocks(2, 16):
+        for block in token_blocks(2, 16):
             model(input_ids=block[None])
     handle.remove()
     x = torch.cat(seen)
@@ -97,7 +97,7 @@ def test_gptq_quantizes_a_model_with_the_nearest_scales(arch: str) -> None:
         model = tiny_model(arch, layers=2)
         arch_map = resolve_mappings(model)
         names = find_quantizable_linears(model, arch_map.layers_path, config.modules_to_not_convert)
-        quantize_layers_sequentially(model, arch_map, names, _blocks(), config, progress=False)
+        quantize_layers_sequentially(model, arch_map, names, token_blocks(), config, progress=False)
         models[rounding] = model
     nearest, gptq = (dict(m.named_modules()) for m in (models["nearest"], models["gptq"]))
     linears = [n for n, m in nearest.items() if isinstance(m, W8A8Linear)]

@@ -144,7 +144,7 @@ def test_rotated_linear_refuses_a_prescale():
 
 
 def test_rotated_linear_compiles_to_its_ops_with_the_eager_bits():
-    from tests.tiny_models import recording_aot_eager
+    from tests.helpers.tiny_models import recording_aot_eager
 
     _, _, module = _rotated_linear(dtype=torch.bfloat16)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(7)).bfloat16()

@@ -8,10 +8,10 @@ import huggingface_hub
 import pytest
 import torch
 from huggingface_hub.utils._http import default_client_factory
-from test_hub_support import HubStandIn, make_tiny_checkpoint, quantize_tiny
 from transformers import AutoModelForCausalLM
 
 from quasar_hf.hub.model_card import FALLBACK_CARD_NAME, is_quasar_card, validate_model_card
+from tests.helpers.hub import HubStandIn, make_tiny_checkpoint, quantize_tiny
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +110,8 @@ def test_card_usage_snippet_runs_as_written(quantized, tmp_path):
     """The card's snippet (chat template, generate(quasar=True), decode) executes as written."""
     import re
 
-    from test_hub_support import byte_level_tokenizer
-
     from quasar_hf.hub.model_card import model_card_for
+    from tests.helpers.hub import byte_level_tokenizer
 
     quantized.save_pretrained(tmp_path)
     tokenizer = byte_level_tokenizer()

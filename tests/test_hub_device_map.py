@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import AutoModelForCausalLM
 
 from quasar_hf.hf.fusion import unfuse_projections
 from quasar_hf.nn import NormFoldedW8A8Linear
+from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 
 pytest.importorskip("accelerate", reason="device_map needs accelerate")
 
@@ -57,7 +57,7 @@ def test_quantizing_with_an_offloaded_layer_equals_quantizing_in_one_piece(tmp_p
     """A device_map that offloads a decoder layer ("disk" here; "cpu" beside a GPU is the same accelerate
     mechanism) quantizes: the offloaded layer is materialized for its turn and stays resident after, and the
     result has the bits of the model quantized in one piece."""
-    from test_hub_support import quantize_tiny
+    from tests.helpers.hub import quantize_tiny
 
     base = make_tiny_checkpoint(tmp_path / "base")
     whole = quantize_tiny(base)

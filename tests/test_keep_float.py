@@ -14,7 +14,7 @@ from quasar_hf import QuasarConfig, W8A8Linear
 from quasar_hf.ops.reference import quantize_per_token, quantize_weight_per_channel
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector, choose_keep_float
 from quasar_hf.smoothquant.linear_error import calibration_error
-from tests.test_per_layer import outlier_model, save_outlier
+from tests.helpers.tiny_models import outlier_model, save_outlier
 
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64, alpha=0.5)
 IDS = torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88, 12, 3]])

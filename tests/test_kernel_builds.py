@@ -22,9 +22,7 @@ from quasar_hf.ops import native
 from quasar_hf.ops.c_build import MASK_ENV, missing_cpu_flags
 from quasar_hf.ops.reference import sqrt_correctly_rounded
 
-requires_native = pytest.mark.skipif(
-    not native.is_available(), reason="needs a C++ compiler (the kernels' library did not build)"
-)
+requires_native = pytest.mark.kernels()
 
 RUN = textwrap.dedent(
     """

@@ -9,11 +9,10 @@ from transformers.cache_utils import DynamicLayer
 
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from quasar_hf import QuasarConfig, compat
-from quasar_hf.ops import attention_cpu
 from quasar_hf.speculative.kv_state import RowAlignedCache
-from tests.tiny_models import save_tiny, tiny_model
+from tests.helpers.tiny_models import save_tiny, tiny_model
 
-pytestmark = pytest.mark.skipif(not attention_cpu.is_available(), reason="row-stable CPU attention kernel unavailable")
+pytestmark = pytest.mark.kernels("attention")
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)
 
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_arch_gemma_phi import tiny_phi3
-from test_sequential_calibration import _blocks, _tiny_gemma3
-from tiny_models import tiny_model
 
 from quasar_hf import QuasarConfig
 from quasar_hf.hf.quantize_on_load import find_quantizable_linears
@@ -15,6 +12,8 @@ from quasar_hf.hf.sequential import active_mappings, quantize_layers_sequentiall
 from quasar_hf.smoothquant.calibration import CalibrationStats, capture_layer_inputs, recording_linear_inputs, run_layer
 from quasar_hf.smoothquant.layer_search import per_token_relative_error, search_alphas_on_layer_output
 from quasar_hf.smoothquant.mappings import resolve_mappings
+from tests.helpers.tiny_archs import four_layer_gemma3, tiny_phi3, token_blocks
+from tests.helpers.tiny_models import tiny_model
 
 CPU = torch.device("cpu")
 
@@ -33,7 +32,7 @@ def _layer_setup(model: torch.nn.Module, index: int = 1):
     prefix = f"{arch.layers_path}.{index}."
     local = [n[len(prefix) :] for n in names if n.startswith(prefix)]
     layer = model.model.layers[index]
-    captured = capture_layer_inputs(model, model.model.layers, _blocks(), progress=False)
+    captured = capture_layer_inputs(model, model.model.layers, token_blocks(), progress=False)
     hidden = captured.hidden
     with torch.no_grad():
         for i in range(index):  # float inputs of layer `index`
@@ -51,7 +50,7 @@ def _layer_setup(model: torch.nn.Module, index: int = 1):
 
 @pytest.mark.parametrize("arch_name", ["llama", "qwen2", "gemma3", "phi3"])
 def test_search_leaves_the_layer_unchanged_and_predicts_the_built_layer(arch_name: str) -> None:
-    builders = {"gemma3": _tiny_gemma3, "phi3": lambda: tiny_phi3(layers=3)}
+    builders = {"gemma3": four_layer_gemma3, "phi3": lambda: tiny_phi3(layers=3)}
     model = builders.get(arch_name, lambda: tiny_model(arch_name, layers=3))()
     arch, layer, local, stats, run, references = _layer_setup(model)
     state = {k: v.clone() for k, v in layer.state_dict().items()}
@@ -84,7 +83,7 @@ def test_layer_search_quantizes_a_model_end_to_end() -> None:
     model = tiny_model("llama", layers=3)
     arch = resolve_mappings(model)
     names = find_quantizable_linears(model, arch.layers_path, config.modules_to_not_convert)
-    result = quantize_layers_sequentially(model, arch, names, _blocks(), config, progress=False)
+    result = quantize_layers_sequentially(model, arch, names, token_blocks(), config, progress=False)
     local = {n.split(".", 3)[3] for n in names}
     assert len(result.alphas) == 3 * len(active_mappings(arch, local, {"mlp.down_proj"}))  # down_proj: rotated
     assert all(a in config.alpha_grid for a in result.alphas.values())

@@ -5,10 +5,9 @@ import pytest
 from benchmarks.kernels import lm_head
 from benchmarks.kernels.lm_head import VARIANTS
 from quasar_hf.ops.c_build import CSRC, missing_cpu_flags
-from quasar_hf.ops.rowstable_linear import is_available
 
 
-@pytest.mark.skipif(not is_available(), reason="needs the row-stable CPU kernel (x86-64 with AVX2 + FMA or AVX-512)")
+@pytest.mark.kernels("rowstable_linear")
 def test_every_build_and_torch_get_a_row_and_a_table(tmp_path):
     baselines = []
     for name, source in (("baseline_avx2.c", "rowstable_linear_avx2.c"), ("baseline_avx512.c", "rowstable_linear.c")):

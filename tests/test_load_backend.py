@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig, W8A8Linear, set_backend
 from quasar_hf.ops import dispatch
-from tests.tiny_models import save_tiny
+from tests.helpers.tiny_models import save_tiny
 
 IDS = torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88, 12, 3]])
 

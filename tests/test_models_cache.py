@@ -14,6 +14,7 @@ import pytest
 
 from quasar_hf import models
 from quasar_hf.ops import c_build
+from tests.helpers.kernels import require_compiler
 
 # Child scripts import the cache modules without the package's __init__ (which loads torch and
 # Transformers: seconds per process), so the concurrency tests cost little more than the builds.
@@ -194,8 +195,7 @@ KERNEL_SCRIPT = LIGHT_IMPORTS + textwrap.dedent(
 
 @pytest.fixture
 def tiny_source(tmp_path, monkeypatch):
-    if c_build.find_compiler() is None:
-        pytest.skip("needs a C++ compiler")
+    require_compiler()
     src = tmp_path / "csrc"
     src.mkdir()
     (src / "tiny.c").write_text(TINY_C)

@@ -28,11 +28,10 @@ from quasar_hf.ops.reference import (
     w8a8_linear_reference,
     w8a8_linear_rmsnorm_reference,
 )
+from tests.helpers.kernels import require_kernels
 
-needs_cpu_fused = pytest.mark.skipif(not cpu_fused.is_available(), reason="the fused CPU W8A8 kernel is unavailable here")
-needs_native = pytest.mark.skipif(
-    not native.is_available(), reason=f"the ops' C++ library is unavailable: {native.unavailable_reason()}"
-)
+needs_cpu_fused = pytest.mark.kernels("w8a8")
+needs_native = pytest.mark.kernels()
 ops = torch.ops.quasar
 
 
@@ -153,7 +152,8 @@ class _Recording(CustomGraphPass):
 
 @needs_cpu_fused
 def test_inductor_graph_calls_one_fused_op_per_group_and_stays_row_stable(tmp_path):
-    from tests.test_compiled_rows import quasar_model, verify_and_decode_rows
+    from tests.helpers.compiled_steps import verify_and_decode_rows
+    from tests.helpers.tiny_models import quasar_model
 
     model = quasar_model(tmp_path, "llama", torch.bfloat16)
     recording = _Recording()
@@ -250,8 +250,7 @@ def test_kernels_load_after_the_standard_librarys_distutils_was_imported_first(t
         "assert 'setuptools' not in sys.modules\n"
         "print('LOADED')\n"
     )
-    if native.unavailable_reason() is not None:
-        pytest.skip(f"the C++ kernels do not build here: {native.unavailable_reason()}")
+    require_kernels()
     import subprocess
     import sys
 

@@ -21,7 +21,7 @@ import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from quasar_hf import QuasarConfig, prepare_weights
 from quasar_hf.hf.fusion import checkpoint_linears, fuse_projections, projections_apart, unfuse_projections
 from quasar_hf.nn import FusedProjectionSlice, NormFoldedW8A8Linear, W8A8Linear
-from quasar_hf.ops import cpu_fused, dispatch
+from quasar_hf.ops import dispatch
 from quasar_hf.ops.reference import (
     quantize_weight_per_channel,
     rms_factor_reference,
@@ -29,10 +29,11 @@ from quasar_hf.ops.reference import (
     w8a8_linear_quantized_reference,
     w8a8_linear_rmsnorm_reference,
 )
-from tests.test_arch_gemma_phi import save_tiny_arch
-from tests.tiny_models import assert_quasar_greedy_equals_plain, recording_aot_eager, save_tiny
+from tests.helpers.kernels import require_kernels
+from tests.helpers.tiny_archs import save_tiny_arch
+from tests.helpers.tiny_models import assert_quasar_greedy_equals_plain, recording_aot_eager, save_tiny
 
-needs_kernel = pytest.mark.skipif(not cpu_fused.is_available(), reason=f"fused CPU kernel: {cpu_fused.unavailable_reason()}")
+needs_kernel = pytest.mark.kernels("w8a8")
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64, weight_rounding="nearest")
 IDS = torch.tensor([[5, 17, 33, 2, 64, 90, 11, 7, 48, 21, 3, 77, 40, 8, 19, 60]])
 FOLDING_BACKENDS = [b for b in ("reference", "torch", "cpu_fused", "triton") if b in dispatch.available_backends("cpu")]
@@ -151,8 +152,8 @@ def _fused(model) -> list[NormFoldedW8A8Linear]:
 
 @pytest.mark.parametrize(("arch", "backend"), [("llama", "reference"), ("qwen2", "auto"), ("gemma3", "auto"), ("phi3", "auto")])
 def test_fused_groups_compute_each_projection_as_the_oracle(tmp_path, arch, backend):
-    if backend == "auto" and not cpu_fused.is_available():
-        pytest.skip("the fused CPU kernel is not built here")
+    if backend == "auto":
+        require_kernels("w8a8")
     model = _quantized(tmp_path, arch, backend=backend)
     assert len(_fused(model)) == 2 * model.config.num_hidden_layers  # attention and MLP input norms
     names = checkpoint_linears(model)
@@ -365,9 +366,8 @@ def test_a_group_whose_norm_output_feeds_something_else_stays_unfused_and_says_s
     outside its projections (as a MoE router would), so that group stays unfused; the others fuse."""
     import logging
 
-    from test_hub_support import make_tiny_checkpoint, quantize_tiny
-
     from quasar_hf.hf.fusion import unfuse_projections
+    from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 
     model = quantize_tiny(make_tiny_checkpoint(tmp_path / "base"))
     unfuse_projections(model)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig
 from quasar_hf.hf import sequential
 from quasar_hf.hf.fusion import projections_apart
 from quasar_hf.smoothquant.placement import check_calibration_device_here
+from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 
 pytest.importorskip("accelerate", reason="device_map needs accelerate")
 

@@ -13,10 +13,10 @@ import textwrap
 import pytest
 import torch
 
-from quasar_hf.ops import cpu_fused, native
+from quasar_hf.ops import native
 from quasar_hf.ops.torch_ops import OPS
 
-needs_cpu_fused = pytest.mark.skipif(not cpu_fused.is_available(), reason="the fused CPU W8A8 kernel is unavailable here")
+needs_cpu_fused = pytest.mark.kernels("w8a8")
 
 
 def test_every_registered_op_is_in_the_table():
@@ -41,7 +41,7 @@ NO_CXX = textwrap.dedent(
     from quasar_hf.ops import native
     from quasar_hf.ops.dispatch import resolve_backend
     from quasar_hf.ops.torch_ops import OPS
-    from tests.test_op_table import tiny_logits
+    from tests.helpers.tiny_models import tiny_logits
     print("reason", native.unavailable_reason())
     print("auto", resolve_backend("auto", "cpu"))
     assert not any(torch._C._dispatch_has_kernel_for_dispatch_key(f"quasar::{op.name}", "CPU") for op in OPS)
@@ -53,34 +53,7 @@ NO_CXX = textwrap.dedent(
 )
 
 
-def tiny_logits() -> torch.Tensor:
-    """Logits of a tiny bf16 Llama with W8A8 linears, norm-folded groups, rotation, row-stable attention and lm_head."""
-    from quasar_hf.hf.fusion import fuse_projections
-    from quasar_hf.hf.quantize_on_load import use_rowstable_lm_head, use_rowstable_norms
-    from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
-    from quasar_hf.nn.w8a8_linear import rotate_weight
-    from quasar_hf.ops.hadamard import HadamardRotation
-    from quasar_hf.ops.rowstable_attention import use_rowstable_attention
-    from tests.tiny_models import tiny_model
-
-    model = tiny_model("llama", dtype=torch.bfloat16)
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.Linear) and name == "down_proj":
-                rotation = HadamardRotation.for_size(child.in_features)
-                setattr(module, name, RotatedW8A8Linear.from_weight(rotate_weight(child.weight.float(), rotation)))
-            elif isinstance(child, torch.nn.Linear) and name != "lm_head":
-                setattr(module, name, W8A8Linear.from_linear(child))
-    fuse_projections(model)
-    use_rowstable_norms(model)
-    use_rowstable_lm_head(model)
-    use_rowstable_attention(model)
-    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        return model(ids).logits
-
-
-@pytest.mark.skipif(not native.is_available(), reason="needs a C++ compiler (to compare with the C++ implementations)")
+@pytest.mark.kernels()  # compares with the C++ implementations
 def test_without_a_cxx_compiler_the_fallbacks_compute_the_cpp_bits(tmp_path):
     out = tmp_path / "outputs.pt"
     env = {**os.environ, "CXX": str(tmp_path / "no-such-g++"), "PYTHONPATH": os.getcwd()}

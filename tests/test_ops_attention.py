@@ -6,9 +6,7 @@ import torch
 from quasar_hf.ops import attention_cpu
 from quasar_hf.ops.reference import attention_reference
 
-pytestmark = pytest.mark.skipif(
-    not attention_cpu.is_available(), reason=f"kernel unavailable: {attention_cpu.unavailable_reason()}"
-)
+pytestmark = pytest.mark.kernels("attention")
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (batch, heads, kv_heads, q_len, kv_len, head_dim): decode, verification, GQA, MHA, ragged head dims

@@ -18,6 +18,7 @@ import torch
 
 from quasar_hf.ops import dispatch
 from quasar_hf.ops.reference import quantize_per_token, quantize_weight_per_channel, w8a8_linear_reference
+from tests.helpers.kernels import require_kernels
 
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 EXACT_BACKENDS = ["torch", "cpu_fused", *(["triton"] if TRITON_INTERPRETED else [])]
@@ -28,6 +29,8 @@ ALL_BACKENDS = ["reference", *EXACT_BACKENDS, "bitsandbytes"]
 def backend(request) -> str:
     """A backend name, skipped (with the reason dispatch gives) when it cannot run on this CPU."""
     name = request.param
+    if name == "cpu_fused":
+        require_kernels("w8a8")
     reason = dispatch._unavailable_reason(name, "cpu")
     if reason is not None:
         pytest.skip(f"{name} unavailable on this machine: {reason}")

@@ -11,7 +11,7 @@ from quasar_hf.nn import W8A8Linear
 from quasar_hf.ops import attention_cpu, dispatch
 from quasar_hf.ops.reference import quantize_weight_per_channel, w8a8_linear_reference
 from quasar_hf.ops.rowstable_attention import use_rowstable_attention
-from tests.tiny_models import recording_aot_eager, tiny_model
+from tests.helpers.tiny_models import recording_aot_eager, tiny_model
 
 CPU_BACKENDS = [b for b in ("reference", "torch", "cpu_fused") if b in dispatch.available_backends("cpu")]
 
@@ -68,7 +68,7 @@ def test_w8a8_op_uses_the_packed_tensors_it_is_given(backend):
         assert torch.equal(stale, expected)
 
 
-@pytest.mark.skipif(not attention_cpu.is_available(), reason="row-stable CPU kernel not built here")
+@pytest.mark.kernels("attention")
 def test_attention_op_passes_opcheck_and_matches_eager():
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(2, 4, 3, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from quasar_hf.ops.reference import quantize_per_token, quantize_weight_per_channel, w8a8_linear_reference
-from tests.triton_aot import hopper_ptx, run_outside_the_interpreter
+from tests.helpers.triton_aot import hopper_ptx, run_outside_the_interpreter
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 in_interpreter = pytest.mark.skipif(

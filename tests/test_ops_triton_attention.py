@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quasar_hf.ops.reference import attention_reference
-from tests.triton_aot import hopper_ptx, run_outside_the_interpreter
+from tests.helpers.triton_aot import hopper_ptx, run_outside_the_interpreter
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 from quasar_hf.ops import triton_attention  # noqa: E402

@@ -17,29 +17,11 @@ from quasar_hf.hf.fusion import projections_apart
 from quasar_hf.ops.reference import w8a8_linear_reference
 from quasar_hf.smoothquant.linear_error import add_output_errors, column_row_factors, new_error_sums, summarize
 from quasar_hf.smoothquant.mappings import resolve_mappings
-from tests.tiny_models import char_tokenizer, tiny_model
+from tests.helpers.tiny_models import char_tokenizer, outlier_model, save_outlier, tiny_model
 
 # nearest rounding: the bookkeeping checks below use its half-step bound (GPTQ has its own test)
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64, alpha=0.5, weight_rounding="nearest")
 TEXTS = ["def add(a, b):\n    return a + b\n" * 4, "The quick brown fox jumps over the lazy dog. " * 4]
-
-
-def outlier_model(arch: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny model whose norms and producer rows have outlier channels, so smoothing factors are far from 1."""
-    model = tiny_model(arch, seed)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.input_layernorm.weight[[3, 17]] *= 25.0
-            layer.post_attention_layernorm.weight[5] *= 25.0
-            layer.self_attn.v_proj.weight[7] *= 10.0
-            layer.mlp.up_proj.weight[[2, 40]] *= 10.0
-    return model
-
-
-def save_outlier(path, arch: str, seed: int = 0) -> str:
-    outlier_model(arch, seed).save_pretrained(path)
-    char_tokenizer().save_pretrained(path)
-    return str(path)
 
 
 def quantize(path, **kwargs):

@@ -17,12 +17,9 @@ import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from quasar_hf import QuasarConfig
 from quasar_hf.ops import attention_cpu, rowstable_attention
 from quasar_hf.ops.reference import attention_reference
-from tests.tiny_models import save_tiny
+from tests.helpers.tiny_models import save_tiny
 
-needs_kernel = pytest.mark.skipif(
-    attention_cpu.prefill_unavailable_reason() is not None,
-    reason=f"prefill kernel unavailable: {attention_cpu.prefill_unavailable_reason()}",
-)
+needs_kernel = pytest.mark.kernels("prefill_attention")
 
 # (batch, heads, kv_heads, length, head_dim): one token, ragged blocks (16-row query blocks, 64-key
 # blocks), GQA group sizes 1-7, the head sizes of SmolLM2 / Qwen2.5 (64), Qwen3 (128), Gemma 3 (256), 96

@@ -9,12 +9,12 @@ import threading
 
 import pytest
 import torch
-from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import DynamicCache, GenerationConfig
 
 from quasar_hf import compat
 from quasar_hf.speculative.batcher import BatchRequest, RequestBatcher
 from quasar_hf.speculative.prompt_cache import PromptCache
+from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 
 TURN_1 = [5, 6, 7, 8, 5, 6, 7, 8, 9, 10, 5, 6, 7]
 TURN_2_TAIL = [40, 41, 42, 5, 6, 7, 8]

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from quasar_hf import QuasarConfig
 from quasar_hf.hf import sequential
 from quasar_hf.smoothquant import math_dtype
-from tests.tiny_models import char_tokenizer, tiny_model
+from tests.helpers.tiny_models import char_tokenizer, tiny_model
 
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)
 LAYERS = 5

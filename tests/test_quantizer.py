@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 import quasar_hf
 from quasar_hf import QuasarConfig, W8A8Linear, is_quasar_model
 from quasar_hf.hf.fusion import checkpoint_linears
-from tests.tiny_models import save_tiny, tiny_model
+from tests.helpers.tiny_models import save_tiny, tiny_model
 
 IDS = torch.tensor([[5, 17, 33, 2, 71, 40, 9, 88, 12, 3]])
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)

@@ -9,11 +9,11 @@ import logging
 
 import pytest
 import torch
-from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.streamers import BaseStreamer, TextStreamer
 
 from quasar_hf.detect import plain_decoding
+from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])
 

@@ -17,7 +17,7 @@ import torch
 
 from quasar_hf.nn import RowStableLinear
 from quasar_hf.ops import rowstable_linear
-from tests.test_spec_smollm2 import bf16_ulp, first_divergence
+from tests.helpers.numerics import bf16_ulp, first_divergence
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,11 @@ import time
 
 import pytest
 import torch
-from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import GenerationConfig
 
 from quasar_hf.speculative.batcher import SHUTTING_DOWN, BatchRequest, RequestBatcher, batch_key
+from quasar_hf.speculative.left_padding import left_padded
+from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [40, 41, 42, 40, 41], [70, 71, 72, 73, 74, 75, 70, 71, 72, 73]]
 
@@ -208,11 +209,7 @@ def test_a_left_padded_long_prefill_gives_each_row_the_bits_it_gets_alone(tmp_pa
     SDPA on its own tokens, the call it makes alone, so served batches decode what single requests do."""
     model = quantize_tiny(make_tiny_checkpoint(tmp_path / "base"), dtype=dtype)
     prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in (70, 99, 130)]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :], mask[row, width - len(prompt) :] = prompt, 1
+    ids, mask = left_padded(prompts)
     with torch.no_grad():
         positions = (mask.cumsum(-1) - 1).clamp_min(0)  # what generate gives a left-padded row
         batched = model(ids, attention_mask=mask, position_ids=positions).logits[:, -1]

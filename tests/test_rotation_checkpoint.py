@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from quasar_hf import QuasarConfig
 from quasar_hf.hf.fusion import checkpoint_linears
 from quasar_hf.nn import RotatedW8A8Linear, W8A8Linear
-from tests.tiny_models import save_tiny
+from tests.helpers.tiny_models import save_tiny
 
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)
 
@@ -78,7 +78,7 @@ def test_a_paley_width_reloads(tmp_path):
     """intermediate 152 = 8 x 19: down_proj's rotation is H_76 (Paley II) x H_2, rebuilt at reload under Transformers' meta init."""
     from transformers import LlamaConfig
 
-    from tests.tiny_models import char_tokenizer
+    from tests.helpers.tiny_models import char_tokenizer
 
     config = LlamaConfig(
         hidden_size=64, intermediate_size=152, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=128

@@ -16,9 +16,9 @@ from quasar_hf.nn import RowStableLinear
 from quasar_hf.ops import rowstable_linear as kernel
 from quasar_hf.ops.reference import rowstable_linear_reference
 from quasar_hf.speculative.kv_state import RowAlignedCache
-from tests.tiny_models import assert_quasar_greedy_equals_plain, save_tiny
+from tests.helpers.tiny_models import assert_quasar_greedy_equals_plain, save_tiny
 
-needs_kernel = pytest.mark.skipif(not kernel.is_available(), reason=f"kernel unavailable: {kernel.unavailable_reason()}")
+needs_kernel = pytest.mark.kernels("rowstable_linear")
 DTYPES = [torch.float32, torch.bfloat16]
 # (M, K, N): decode, verification, row blocks of 6 plus a remainder, ragged K and a tail of N % 4
 SHAPES = [(1, 64, 12), (6, 576, 9), (7, 17, 5), (13, 100, 31), (1, 1, 1), (2, 15, 4)]

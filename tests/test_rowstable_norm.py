@@ -12,9 +12,8 @@ import torch._dynamo
 
 from quasar_hf.nn import NormFoldedW8A8Linear, RowStableRMSNorm
 from quasar_hf.nn.rowstable_norm import RMSNORM_FORMULAS, compiled_rms_norm
-from quasar_hf.ops import native
 from quasar_hf.ops.reference import rowstable_rms_norm_reference
-from tests.tiny_models import tiny_model
+from tests.helpers.tiny_models import tiny_model
 
 MODULES = {
     "LlamaRMSNorm": "llama",
@@ -57,7 +56,7 @@ def test_the_module_and_the_op_give_the_class_bits(name, dtype):
         assert bool(((op.float() - expected.float()).abs() <= step * expected.float().abs() + 1e-30).all())
 
 
-@pytest.mark.skipif(native.unavailable_reason("rms_norm") is not None, reason="the row-stable RMSNorm C kernel did not build")
+@pytest.mark.kernels("rms_norm")
 @pytest.mark.parametrize("width", [1, 7, 8, 9, 64, 576, 1001, 1027])  # 1001, 1027: past one 512-wide chunk, ragged tails
 @pytest.mark.parametrize("formula", [(1e-6, 0.0, False), (1e-6, 1.0, True)])
 def test_the_kernel_equals_its_reference_and_a_row_alone(width, formula):
@@ -99,7 +98,7 @@ def test_a_quasar_model_has_no_torch_rmsnorm_left(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from quasar_hf import QuasarConfig
-    from tests.test_arch_gemma_phi import save_tiny_arch
+    from tests.helpers.tiny_archs import save_tiny_arch
 
     src = save_tiny_arch(tmp_path / "gemma3", "gemma3")
     config = QuasarConfig(num_calibration_samples=2, calibration_seq_len=32, weight_rounding="nearest", alpha=0.5)

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quasar_hf import QuasarConfig, QuasarGenerationConfig
-from tests.tiny_models import char_tokenizer, tiny_model
+from tests.helpers.tiny_models import char_tokenizer, tiny_model
 
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import char_tokenizer, tiny_model
-from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from quasar_hf import QuasarConfig
 from quasar_hf.hf.quantize_on_load import find_quantizable_linears, quantize_model
@@ -13,36 +11,16 @@ from quasar_hf.hf.sequential import quantize_layers_sequentially, rotated_paths,
 from quasar_hf.nn import W8A8Linear
 from quasar_hf.smoothquant.calibration import CalibrationStats, capture_layer_inputs, collect_linear_input_stats, run_layer
 from quasar_hf.smoothquant.mappings import resolve_mappings
+from tests.helpers.tiny_archs import four_layer_gemma3, token_blocks
+from tests.helpers.tiny_models import char_tokenizer, tiny_model
 
 TEXTS = ["def add(a, b):\n    return a + b\n" * 4, "The quick brown fox jumps over the lazy dog. " * 4] * 4
 
 
-def _tiny_gemma3() -> torch.nn.Module:
-    """Sliding-window and global layers alternate: each layer type gets its own mask and rotary embeddings."""
-    config = Gemma3TextConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
-def _blocks(n: int = 3, t: int = 40) -> torch.Tensor:
-    return torch.randint(0, 96, (n, t), generator=torch.Generator().manual_seed(5))
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma3"])
 def test_captured_layer_calls_reproduce_every_hidden_state(arch: str) -> None:
-    model = _tiny_gemma3() if arch == "gemma3" else tiny_model(arch, layers=3)
-    blocks = _blocks()
+    model = four_layer_gemma3() if arch == "gemma3" else tiny_model(arch, layers=3)
+    blocks = token_blocks()
     layers = model.model.layers
     captured = capture_layer_inputs(model, layers, blocks, progress=False)
     assert all(layer.__dict__.get("forward") is None for layer in layers), "bypass bindings removed"
@@ -81,7 +59,7 @@ def _whole_model_reference(model, config: QuasarConfig, blocks: torch.Tensor) ->
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_float_inputs_match_whole_model_calibration_bit_for_bit(arch: str) -> None:
     config = QuasarConfig(alpha=0.5, backend="reference", weight_rounding="nearest")
-    blocks = _blocks()
+    blocks = token_blocks()
     reference, sequential = tiny_model(arch, layers=3), tiny_model(arch, layers=3)
     _whole_model_reference(reference, config, blocks)
     arch_map = resolve_mappings(sequential)
@@ -95,7 +73,7 @@ def test_float_inputs_match_whole_model_calibration_bit_for_bit(arch: str) -> No
 
 def test_quantized_inputs_calibrate_later_layers_on_quantized_activations() -> None:
     config = QuasarConfig(alpha=0.5, backend="reference", weight_rounding="nearest")
-    blocks = _blocks()
+    blocks = token_blocks()
     results = {}
     for mode in ("float", "quantized"):
         model = tiny_model("llama", layers=3)
@@ -111,7 +89,7 @@ def test_quantized_inputs_calibrate_later_layers_on_quantized_activations() -> N
 
 def test_quantize_model_swaps_every_linear_and_stays_close_to_float() -> None:
     model = tiny_model("llama", layers=3)
-    blocks = _blocks()
+    blocks = token_blocks()
     with torch.no_grad():
         reference = model(input_ids=blocks).logits
     config = QuasarConfig(

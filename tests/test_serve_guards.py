@@ -18,10 +18,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_hub_support import make_tiny_checkpoint, quantize_tiny
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks.serve.serve_clients import ServerProcess, free_port
+from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
+from tests.helpers.server_process import ServerProcess, free_port
 
 openai = pytest.importorskip("openai", reason="the server tests use the openai client (transformers[serving])")
 pytest.importorskip("fastapi", reason="serving needs transformers[serving]")

@@ -11,11 +11,11 @@ import copy
 
 import pytest
 import torch
-from tiny_models import tiny_model
 
 from quasar_hf.smoothquant.calibration import collect_linear_input_stats
 from quasar_hf.smoothquant.mappings import SmoothMapping, resolve_mappings
 from quasar_hf.smoothquant.smoothing import smooth_mapping
+from tests.helpers.tiny_models import tiny_model
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 MAPPINGS = {

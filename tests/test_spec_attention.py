@@ -16,7 +16,7 @@ from quasar_hf.ops import rowstable_attention
 from quasar_hf.ops.rowstable_attention import LONG_PREFILL_ROWS, QUASAR_ATTENTION, use_rowstable_attention
 from quasar_hf.speculative.attention import rowstable_attention_for, verification_attention
 from quasar_hf.speculative.kv_state import RowAlignedCache
-from tests.tiny_models import assert_quasar_greedy_equals_plain, save_tiny, tiny_model
+from tests.helpers.tiny_models import assert_quasar_greedy_equals_plain, save_tiny, tiny_model
 
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_spec_loop import repetitive_prompt, tiny_model
 
 from quasar_hf.speculative import NgramDrafter, QuasarGenerationConfig, speculative_generate
+from tests.helpers.prompts import repetitive_prompt
+from tests.helpers.spec_models import tiny_verifier
 
-VERIFIER_VOCAB = 256  # test_spec_loop's tiny models
+VERIFIER_VOCAB = 256  # tests.helpers.spec_models' tiny verifiers
 
 
 def count_forwards(*models) -> list[int]:
@@ -21,7 +22,7 @@ def count_forwards(*models) -> list[int]:
 
 def padded_assistant(extra_rows: int) -> torch.nn.Module:
     """A same-tokenizer assistant whose table has `extra_rows` padding rows that always win the argmax."""
-    assistant = tiny_model(seed=7, vocab=VERIFIER_VOCAB + extra_rows)
+    assistant = tiny_verifier(seed=7, vocab=VERIFIER_VOCAB + extra_rows)
     head = assistant.lm_head
     biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
     with torch.no_grad():
@@ -34,8 +35,8 @@ def padded_assistant(extra_rows: int) -> torch.nn.Module:
 
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_assistant_with_a_smaller_vocabulary_is_refused_before_any_forward(do_sample):
-    verifier = tiny_model()
-    assistant = tiny_model(seed=7, vocab=128)
+    verifier = tiny_verifier()
+    assistant = tiny_verifier(seed=7, vocab=128)
     calls = count_forwards(verifier, assistant)
     with pytest.raises(ValueError) as error:
         speculative_generate(
@@ -47,7 +48,7 @@ def test_assistant_with_a_smaller_vocabulary_is_refused_before_any_forward(do_sa
 
 
 def test_assistant_with_padding_rows_drafts_only_verifier_ids_greedy():
-    verifier, assistant = tiny_model(), padded_assistant(64)
+    verifier, assistant = tiny_verifier(), padded_assistant(64)
     prompt = repetitive_prompt(1)
     plain = verifier.generate(prompt, max_new_tokens=12, do_sample=False)
     out = speculative_generate(
@@ -58,7 +59,7 @@ def test_assistant_with_padding_rows_drafts_only_verifier_ids_greedy():
 
 
 def test_assistant_with_padding_rows_samples():
-    verifier, assistant = tiny_model(), padded_assistant(64)
+    verifier, assistant = tiny_verifier(), padded_assistant(64)
     out = speculative_generate(
         verifier,
         repetitive_prompt(2),
@@ -88,7 +89,7 @@ def test_drafter_value_is_validated(drafter, error, words):
 
 
 def test_an_empty_row_is_reported_as_empty_not_as_right_padding():
-    verifier = tiny_model()
+    verifier = tiny_verifier()
     prompt = repetitive_prompt(3)
     ids = torch.cat([prompt, prompt])
     mask = torch.ones_like(ids)
@@ -100,7 +101,7 @@ def test_an_empty_row_is_reported_as_empty_not_as_right_padding():
 
 @pytest.mark.parametrize("bad", [VERIFIER_VOCAB, 10**6, -1])
 def test_an_id_outside_the_vocabulary_is_one_clear_error_before_any_forward(bad):
-    verifier = tiny_model()
+    verifier = tiny_verifier()
     calls = count_forwards(verifier)
     ids = repetitive_prompt(3).clone()
     ids[0, 4] = bad

@@ -2,52 +2,23 @@
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from quasar_hf.hf import bind_quasar_methods
-from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION, use_rowstable_attention
+from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION
 from quasar_hf.speculative import NgramDrafter, QuasarGenerationConfig, speculative_generate
-
-ARCHS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
-VOCAB = 256
-
+from quasar_hf.speculative.left_padding import left_padded
+from tests.helpers.prompts import repetitive_prompt
+from tests.helpers.spec_models import ARCHS, tiny_verifier
 
 # Both ways verification rows are made equal to decode steps: SDPA one row at a time, and the
 # row-stable attention kernel that Quasar models get (quasar_hf.ops.rowstable_attention).
 ATTENTIONS = ["sdpa", QUASAR_ATTENTION]
 
 
-def tiny_model(arch="llama", seed=0, vocab=VOCAB, attention="sdpa", **overrides):
-    torch.manual_seed(seed)
-    config = ARCHS[arch](
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        **overrides,
-    )
-    model = AutoModelForCausalLM.from_config(config).float().eval()
-    if attention == QUASAR_ATTENTION:
-        assert use_rowstable_attention(model)
-    return model
-
-
-def repetitive_prompt(seed, length=24):
-    """Random tokens with a repeated span so the n-gram drafter finds matches."""
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randint(3, VOCAB, (length,), generator=g)
-    return torch.cat([base, base[: length // 2]])[None]
-
-
 def drafter_configs(verifier):
     return {
         "ngram": QuasarGenerationConfig(drafter="ngram"),
-        "assistant_other": QuasarGenerationConfig(drafter="assistant", assistant_model=tiny_model(seed=7)),
+        "assistant_other": QuasarGenerationConfig(drafter="assistant", assistant_model=tiny_verifier(seed=7)),
         "assistant_self": QuasarGenerationConfig(drafter="assistant", assistant_model=verifier),  # always accepted
     }
 
@@ -56,7 +27,7 @@ def drafter_configs(verifier):
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("drafter", ["ngram", "assistant_other", "assistant_self"])
 def test_greedy_equals_plain_generate(arch, drafter, attention):
-    model = tiny_model(arch, attention=attention)
+    model = tiny_verifier(arch, attention=attention)
     quasar = drafter_configs(model)[drafter]
     for seed in range(2):
         prompt = repetitive_prompt(seed)
@@ -65,25 +36,15 @@ def test_greedy_equals_plain_generate(arch, drafter, attention):
         assert torch.equal(spec, plain), f"{arch}/{drafter}/prompt {seed}"
 
 
-def left_padded_batch(prompts, pad=0):
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):
-        ids[row, width - p.shape[1] :] = p[0]
-        mask[row, width - p.shape[1] :] = 1
-    return ids, mask
-
-
 @pytest.mark.parametrize(
     "arch,drafter", [("llama", "ngram"), ("llama", "assistant_other"), ("llama", "assistant_self"), ("qwen3", "ngram")]
 )
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_batch_rows_equal_single_row_runs_and_plain_batched_generate(arch, drafter, attention):
-    model = tiny_model(arch, attention=attention)
+    model = tiny_verifier(arch, attention=attention)
     quasar = drafter_configs(model)[drafter]
     prompts = [repetitive_prompt(s, length) for s, length in [(0, 24), (1, 10), (2, 16), (3, 6)]]
-    ids, mask = left_padded_batch(prompts)
+    ids, mask = left_padded(prompts)
     singles = [speculative_generate(model, p, max_new_tokens=28, do_sample=False, quasar_config=quasar) for p in prompts]
     # An eos that some rows hit early makes rows finish at different steps.
     eos = int(singles[1][0, prompts[1].shape[1] + 5])
@@ -98,7 +59,7 @@ def test_batch_rows_equal_single_row_runs_and_plain_batched_generate(arch, draft
 
 def test_greedy_with_processors_matches_plain_generate():
     """Repetition penalty, no-repeat n-grams and min_new_tokens depend on each position's own prefix."""
-    model = tiny_model()
+    model = tiny_verifier()
     options = dict(max_new_tokens=30, do_sample=False, repetition_penalty=1.8, no_repeat_ngram_size=3, min_new_tokens=12)
     for drafter in ["ngram", "assistant_self"]:
         quasar = drafter_configs(model)[drafter]
@@ -111,7 +72,7 @@ def test_greedy_with_processors_matches_plain_generate():
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 6, 7, 13])
 def test_max_new_tokens_is_exact_even_when_every_draft_is_accepted(max_new_tokens):
-    model = tiny_model()
+    model = tiny_verifier()
     prompt = repetitive_prompt(0)
     quasar = QuasarGenerationConfig(drafter="assistant", assistant_model=model)
     out = speculative_generate(
@@ -122,7 +83,7 @@ def test_max_new_tokens_is_exact_even_when_every_draft_is_accepted(max_new_token
 
 
 def test_eos_inside_an_accepted_run_ends_the_row_there():
-    model = tiny_model()
+    model = tiny_verifier()
     prompt = repetitive_prompt(1)
     free = model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None)
     eos = int(free[0, prompt.shape[1] + 3])  # the 4th generated token
@@ -141,7 +102,7 @@ def test_stop_strings_match_plain_generate():
     from quasar_hf.models import smollm2_135m_instruct
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_135m_instruct())
-    model = tiny_model(vocab=len(tokenizer))
+    model = tiny_verifier(vocab=len(tokenizer))
     prompt = tokenizer("The cat sat on the mat. The cat sat on the mat. The cat", return_tensors="pt").input_ids
     free = model.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None)
     stop = tokenizer.decode(free[0, prompt.shape[1] + 5 : prompt.shape[1] + 7])
@@ -166,7 +127,7 @@ class RecordingStreamer:
 
 @pytest.mark.parametrize("drafter", ["ngram", "assistant_self"])
 def test_streamer_receives_exactly_the_returned_tokens(drafter):
-    model = tiny_model()
+    model = tiny_verifier()
     prompt = repetitive_prompt(2)
     streamer = RecordingStreamer()
     out = speculative_generate(
@@ -178,7 +139,7 @@ def test_streamer_receives_exactly_the_returned_tokens(drafter):
 
 
 def test_return_dict_and_stats_are_consistent():
-    model = tiny_model()
+    model = tiny_verifier()
     prompt = repetitive_prompt(0)
     out = speculative_generate(model, prompt, max_new_tokens=30, do_sample=False, eos_token_id=None, return_dict_in_generate=True)
     stats = out.quasar_stats
@@ -206,9 +167,9 @@ class CountingDrafter(NgramDrafter):
 
 
 def test_finished_rows_leave_the_batch():
-    model = tiny_model()
+    model = tiny_verifier()
     prompts = [repetitive_prompt(0), repetitive_prompt(1)]
-    ids, mask = left_padded_batch(prompts)
+    ids, mask = left_padded(prompts)
     drafter = CountingDrafter()
     out = speculative_generate(
         model,
@@ -238,7 +199,7 @@ def _stop_row0_after(first_token, length):
 
 
 def test_unsupported_options_raise_clear_errors():
-    model = tiny_model()
+    model = tiny_verifier()
     prompt = repetitive_prompt(0)
     with pytest.raises(ValueError, match="beam search"):
         speculative_generate(model, prompt, num_beams=2, max_new_tokens=4)
@@ -261,7 +222,7 @@ def test_unsupported_options_raise_clear_errors():
 
 
 def test_bound_generate_routes_quasar_models_and_refuses_plain_ones():
-    model = tiny_model()
+    model = tiny_verifier()
     prompt = repetitive_prompt(0)
     plain = model.generate(prompt, max_new_tokens=20, do_sample=False)
     with pytest.raises(ValueError, match="quasar"):  # a stock model: Transformers' own unused-kwarg error
@@ -273,7 +234,7 @@ def test_bound_generate_routes_quasar_models_and_refuses_plain_ones():
     out = model.generate(prompt, max_new_tokens=20, do_sample=False, quasar=True, return_dict_in_generate=True)
     assert torch.equal(out.sequences, plain) and out.quasar_stats.verify_steps > 0
     out = model.generate(
-        prompt, max_new_tokens=20, do_sample=False, assistant_model=tiny_model(seed=7), return_dict_in_generate=True
+        prompt, max_new_tokens=20, do_sample=False, assistant_model=tiny_verifier(seed=7), return_dict_in_generate=True
     )
     assert torch.equal(out.sequences, plain) and out.quasar_stats is not None  # assistant drafts, our verifier loop
     out = model.generate(prompt, max_new_tokens=20, do_sample=False, quasar={"drafter": "ngram", "num_draft_tokens": 3})
@@ -283,7 +244,7 @@ def test_bound_generate_routes_quasar_models_and_refuses_plain_ones():
 def test_batched_attention_mode_verifies_the_same_way_and_counts_the_same_steps():
     """rowstable_attention=False (one batched attention call per layer): on a float32 model the
     output still equals plain greedy here, and the drafts/acceptances it records are real."""
-    model = tiny_model("llama")
+    model = tiny_verifier("llama")
     for seed in range(2):
         prompt = repetitive_prompt(seed)
         plain = model.generate(prompt, max_new_tokens=32, do_sample=False)

@@ -9,7 +9,6 @@ which can move each bf16-rounded logit by at most one ulp, so a divergence is al
 the plain run's top-2 gap is at most 2 ulps of bf16 at the top logit (ulp(x) = 2**(floor(log2|x|) - 7)).
 """
 
-import math
 import os
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 
 from quasar_hf.nn import RowStableLinear
 from quasar_hf.ops import rowstable_linear
+from tests.helpers.numerics import bf16_ulp, first_divergence
 
 pytestmark = pytest.mark.slow
 
@@ -92,18 +92,6 @@ def drafters(checkpoint, dtype, limit):
         "assistant": ({"drafter": "assistant", "assistant_model": assistant}, min(ASSISTANT_PROMPTS, limit)),
         "self": ({"drafter": "self", "num_draft_tokens": 3}, min(SELF_PROMPTS, limit)),
     }
-
-
-def bf16_ulp(x: float) -> float:
-    return 2.0 ** (math.floor(math.log2(abs(x))) - 7) if x != 0 else 2.0**-133
-
-
-def first_divergence(a: torch.Tensor, b: torch.Tensor) -> int | None:
-    n = min(a.shape[0], b.shape[0])
-    diff = (a[:n] != b[:n]).nonzero()
-    if diff.numel():
-        return int(diff[0])
-    return None if a.shape[0] == b.shape[0] else n
 
 
 # The default attention in both dtypes; SDPA with row-by-row verification (what runs where the

@@ -12,36 +12,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from transformers import AutoModelForCausalLM, CompileConfig
+from transformers import CompileConfig
 
-from quasar_hf import QuasarConfig, speculative_generate
-from quasar_hf.ops import attention_cpu, native, rowstable_linear
+from quasar_hf import speculative_generate
+from quasar_hf.ops import native
 from quasar_hf.ops.rowstable_attention import _visible_keys
 from quasar_hf.speculative import static_cache
+from quasar_hf.speculative.left_padding import left_padded
 from quasar_hf.speculative.static_cache import KVCacheSlot, StaticVerifierCache, static_cache_slots
-from tests.test_arch_gemma_phi import save_tiny_arch
-from tests.tiny_models import save_tiny, tiny_model
+from tests.helpers.compiled_steps import AOT_EAGER
+from tests.helpers.prompts import repeating_prompt
+from tests.helpers.tiny_models import quasar_model, tiny_model
 
-needs_kernels = pytest.mark.skipif(
-    not (rowstable_linear.is_available() and attention_cpu.is_available()), reason="the row-stable CPU kernels did not build"
-)
-AOT_EAGER = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")  # Dynamo's graphs, eager kernels: seconds
-
-
-def repeating_prompt(seed: int, length: int = 30) -> torch.Tensor:
-    """A prompt that repeats itself, so n-gram drafts are proposed and partly accepted: [1, length]."""
-    base = torch.randint(0, 96, (length // 2 + 2,), generator=torch.Generator().manual_seed(seed))
-    return torch.cat([base, base])[None, :length]
-
-
-def quasar_model(tmp_path, arch: str, dtype: torch.dtype, with_source: bool = False):
-    """A tiny W8A8 model of `arch` (and, with_source, its float original: an assistant that agrees often)."""
-    src = save_tiny_arch(tmp_path / arch, arch) if arch in ("gemma3", "phi3") else save_tiny(tmp_path / arch, arch)
-    config = QuasarConfig(num_calibration_samples=4, calibration_seq_len=64, weight_rounding="nearest", alpha=0.5)
-    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=config, dtype=dtype).eval()
-    if not with_source:
-        return model
-    return model, AutoModelForCausalLM.from_pretrained(src, dtype=dtype).eval()
+needs_kernels = pytest.mark.kernels("rowstable_linear", "attention")
 
 
 def greedy(model, prompt, quasar=None, new_tokens: int = 24) -> torch.Tensor:
@@ -150,15 +133,6 @@ def test_rollback_moves_the_length_and_sizes_round_up():
         assert cache.length == 11 and int(cache.valid_len) == 11
         with pytest.raises(RuntimeError, match="cannot take"):
             cache.forward(torch.zeros(1, cache.max_cache_len, dtype=torch.long))
-
-
-def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts [1, T_i] -> ids, mask [B, max T] (left padding with token 0)."""
-    width = max(p.shape[1] for p in prompts)
-    ids, mask = torch.zeros(len(prompts), width, dtype=torch.long), torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - p.shape[1] :], mask[row, width - p.shape[1] :] = p[0], 1
-    return ids, mask
 
 
 def test_a_reused_cache_gives_the_logits_of_a_fresh_one():

@@ -9,9 +9,9 @@ from quasar_hf import QuasarGenerationConfig
 from quasar_hf.speculative import NgramDrafter, speculative_generate
 from quasar_hf.speculative.auto_drafter import AutoDrafter, auto_factory
 from quasar_hf.speculative.drafters import DraftSetup
+from quasar_hf.speculative.left_padding import left_padded
 from quasar_hf.speculative.step_gate import StepGate, frontier_progress
-from tests.test_spec_loop import left_padded_batch
-from tests.tiny_models import char_tokenizer, tiny_model
+from tests.helpers.tiny_models import char_tokenizer, tiny_model
 
 GREEDY = DraftSetup(False, None, None, torch.device("cpu"))
 
@@ -126,7 +126,7 @@ def test_a_gated_batch_equals_plain_greedy(tiny):
     """A gate that withholds every draft once it has measured the costs (min_gain 100), and one that
     never does: both give plain batched greedy's tokens."""
     prompts = [ids_of(t) for t in ("abcabcabcabc", "the cat sat on the mat; the cat", "xyz")]
-    ids, mask = left_padded_batch(prompts, pad=96)
+    ids, mask = left_padded(prompts, pad=96)
     plain = tiny.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=96)
     for gate in ({"min_gain": 100.0}, False):
         drafter = auto_factory(tiny, QuasarGenerationConfig(drafter="auto", drafter_kwargs={"gate": gate}))
@@ -148,7 +148,7 @@ def test_one_prompt_is_left_to_its_policy(tiny):
 
 def test_seeded_sampling_with_the_default_drafter_repeats(tiny):
     """Sampling decides nothing from a clock: the same seed gives the same tokens on every run."""
-    ids, mask = left_padded_batch([ids_of("abcabcabcabc"), ids_of("the cat sat")], pad=96)
+    ids, mask = left_padded([ids_of("abcabcabcabc"), ids_of("the cat sat")], pad=96)
     runs = [
         speculative_generate(
             tiny,

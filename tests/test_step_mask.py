@@ -8,10 +8,13 @@ import pytest
 import torch
 
 from quasar_hf.speculative import static_cache
+from quasar_hf.speculative.left_padding import left_padded
 from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
-from tests.test_arch_gemma_phi import save_tiny_arch
-from tests.test_static_steps import left_padded, needs_kernels, quasar_model, repeating_prompt
-from tests.tiny_models import tiny_model
+from tests.helpers.prompts import repeating_prompt
+from tests.helpers.tiny_archs import save_tiny_arch
+from tests.helpers.tiny_models import quasar_model, tiny_model
+
+needs_kernels = pytest.mark.kernels("rowstable_linear", "attention")
 
 CPU = torch.device("cpu")
 

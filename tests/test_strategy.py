@@ -17,7 +17,8 @@ import torch
 
 import quasar_hf
 from quasar_hf.speculative import QuasarGenerationConfig
-from tests.tiny_models import save_tiny, tiny_model
+from quasar_hf.speculative.left_padding import left_padded
+from tests.helpers.tiny_models import save_tiny, tiny_model
 
 HUB_FOLDER = Path(__file__).resolve().parents[1] / "hub" / "quasar-generate"
 
@@ -42,11 +43,7 @@ def test_callable_strategy_equals_plain_greedy_on_a_stock_model(quasar):
 def test_callable_strategy_takes_transformers_processors_and_batches():
     model = tiny_model()
     rows = [prompt(0), prompt(1, 12)]
-    width = max(r.shape[1] for r in rows)
-    ids = torch.full((2, width), 96, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, r in enumerate(rows):
-        ids[b, width - r.shape[1] :], mask[b, width - r.shape[1] :] = r[0], 1
+    ids, mask = left_padded(rows, pad=96)
     options = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, repetition_penalty=1.5, no_repeat_ngram_size=3)
     plain = model.generate(ids, **options)
     assert torch.equal(model.generate(ids, custom_generate=quasar_hf.generate, **options), plain)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hub_support import make_tiny_checkpoint
 from transformers import AutoModelForCausalLM, StaticCache
 
 import quasar_hf  # noqa: F401 - registers quant_method "quasar"
@@ -19,6 +18,7 @@ from quasar_hf import QuasarConfig
 from quasar_hf.cli import main
 from quasar_hf.commands.doctor import doctor_report
 from quasar_hf.ops import c_build, native
+from tests.helpers.hub import make_tiny_checkpoint
 
 FAST = dict(num_calibration_samples=2, calibration_seq_len=32)
 

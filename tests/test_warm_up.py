@@ -19,8 +19,13 @@ from torch._dynamo.utils import counters
 
 from quasar_hf import compat
 from quasar_hf.speculative import compiled_steps, step_compiler
+from quasar_hf.speculative.left_padding import left_padded
 from quasar_hf.speculative.warm_up import warm_up
-from tests.test_static_steps import AOT_EAGER, left_padded, needs_kernels, quasar_model, repeating_prompt
+from tests.helpers.compiled_steps import AOT_EAGER
+from tests.helpers.prompts import repeating_prompt
+from tests.helpers.tiny_models import quasar_model
+
+needs_kernels = pytest.mark.kernels("rowstable_linear", "attention")
 
 
 def graphs() -> int:
@@ -143,7 +148,7 @@ import json, sys, torch
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 import quasar_hf
-from tests.test_static_steps import repeating_prompt
+from tests.helpers.prompts import repeating_prompt
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
 report = quasar_hf.warm_up(model, batch_sizes=(1,), max_length=64, cache_folder=sys.argv[2], progress=False)
 ids = repeating_prompt(5, 24)
@@ -266,7 +271,7 @@ def test_the_cache_key_changes_with_the_source_and_transformers(tmp_path, monkey
 
     from transformers import CompileConfig
 
-    from tests.tiny_models import tiny_model
+    from tests.helpers.tiny_models import tiny_model
 
     model, config = tiny_model(), CompileConfig(fullgraph=True)
     key = compiled_steps.compile_cache_key(model, config)

@@ -36,6 +36,7 @@ from quasar_hf import QuasarConfig
 from quasar_hf.bench.fidelity import finalize_sums, next_token_sums, perplexity_ratio_interval
 from quasar_hf.bench.report import environment
 from quasar_hf.hub.model_card import record_measurements
+from quasar_hf.nn.weight_bytes import step_weight_bytes
 from quasar_hf.ops import native
 from quasar_hf.smoothquant.builtin_text import mix_texts, python_docs_texts
 from quasar_hf.smoothquant.data import build_calibration_blocks
@@ -149,19 +150,11 @@ def compare_many(models: list[torch.nn.Module], reference: torch.nn.Module, bloc
 
 
 def weight_bytes(model: torch.nn.Module) -> dict:
-    """Bytes of the decoder's int8 weights and of linears kept in float (keep_float), from the modules themselves."""
-    int8 = kept = 0
-    names = set(getattr(model.config.quantization_config, "quantized_modules", None) or [])
-    kept_names = set((getattr(model.config.quantization_config, "keep_float_info", None) or {}).get("modules", []))
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor):
-            continue
-        if weight.dtype == torch.int8 and (not names or name in names):
-            int8 += weight.numel()
-        elif name in kept_names:
-            kept += weight.numel() * weight.element_size()
-    return {"int8_weight_bytes": int8, "kept_float_bytes": kept}
+    """Bytes of the decoder's int8 weights and of linears kept in float (keep_float: the float linears
+    but the lm_head), from the modules themselves."""
+    weights = step_weight_bytes(model)
+    lm_head = model.get_output_embeddings().weight
+    return {"int8_weight_bytes": weights["int8"], "kept_float_bytes": weights["float"] - lm_head.numel() * lm_head.element_size()}
 
 
 def markdown(report: dict) -> str:

@@ -42,6 +42,7 @@ from benchmarks.gpu.gpu_profile import profile_step
 from benchmarks.gpu.gpu_report import check_targets, to_markdown
 from benchmarks.gpu.gpu_user_path import user_path
 from quasar_hf.bench.timing import median_time, sync
+from quasar_hf.nn.weight_bytes import step_read_bytes
 
 TINY_SHAPES = [("tiny.up 128x256", 128, 256), ("tiny.down 256x128", 256, 128)]  # (label, K, N) as benchmarks.kernels.kernels
 QWEN3_8B = dict(
@@ -187,15 +188,6 @@ def quantize_in_place(model: torch.nn.Module, backend: str) -> dict:
     }
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes read per forward: all parameters and buffers except the input embedding table."""
-    embed = model.get_input_embeddings().weight
-    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers()) if t is not embed}
-    if model.get_output_embeddings().weight is embed:
-        tensors[id(embed)] = embed
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 def _describe(model: torch.nn.Module) -> dict:
     """What the timing sections ran on: config dims and bytes read per forward."""
     c = model.config
@@ -205,7 +197,7 @@ def _describe(model: torch.nn.Module) -> dict:
         "intermediate": c.intermediate_size,
         "vocab": c.vocab_size,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "bytes_read_per_step_bf16": weight_bytes(model),
+        "bytes_read_per_step_bf16": step_read_bytes(model),
     }
 
 
@@ -218,7 +210,7 @@ def verify_latency(model: torch.nn.Module, device: str, tiny: bool, copy_gbps: f
     ids = torch.randint(0, config.vocab_size, (1, context + 9), device=device)
     _, cache = cached_forward(model, ids[:, :context], None)
     kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context * 2
-    floor_s = (weight_bytes(model) + kv_bytes) / (copy_gbps * 1e9)
+    floor_s = (step_read_bytes(model) + kv_bytes) / (copy_gbps * 1e9)
     rows = []
     for k in range(1, 9):
         if budget.left() < 20:
@@ -309,7 +301,7 @@ def _section(result: dict, out_dir: str, name: str, fn: Callable[[], Any], budge
 def compiled_sections(result: dict, out_dir: str, model, label: str, device: str, tiny: bool, copy_gbps: float, budget) -> None:
     """compiled_steps_<label> and compiled_end_to_end_<label> (one compile of two graphs), then a reset."""
     prompt = ngram_prompt(model.config.vocab_size, device, tiny)
-    steps = lambda: gpu_compiled.compiled_steps(model, device, tiny, weight_bytes(model), copy_gbps)  # noqa: E731
+    steps = lambda: gpu_compiled.compiled_steps(model, device, tiny, step_read_bytes(model), copy_gbps)  # noqa: E731
     _section(result, out_dir, f"compiled_steps_{label}", steps, budget, 60)
     e2e = lambda: gpu_compiled.compiled_end_to_end(model, prompt, device, tiny)  # noqa: E731
     _section(result, out_dir, f"compiled_end_to_end_{label}", e2e, budget, 30)
@@ -364,7 +356,7 @@ def run_gpu_check(
         )
         compiled_sections(result, out_dir, model, "bf16", device, tiny, copy_gbps, budget)
         if _section(result, out_dir, "quantized_linears", lambda: quantize_in_place(model, backend), budget, 20):
-            result["model"]["bytes_read_per_step_w8a8"] = weight_bytes(model)
+            result["model"]["bytes_read_per_step_w8a8"] = step_read_bytes(model)
             _section(result, out_dir, "verify_w8a8", lambda: verify_latency(model, device, tiny, copy_gbps, budget), budget, 30)
             _section(result, out_dir, "profile_w8a8", lambda: profile_step(model, device, tiny), budget, 10)
             quasar = _section(

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-call GPU check of quasar_hf (H200: torch 2.11, triton 3.6, transformers 5.17), < 10 minutes.
+# One-call GPU check of quasar_hf (H200: torch 2.11, triton 3.6, transformers 5.17), < 10 minutes, then (< 5 minutes) the
+# GPU regression tests (`pytest -m cuda`).
 #   benchmarks/gpu/gpu_check.sh [OUT_DIR] [extra args for python -m benchmarks gpu-check]
 # Runs from the source tree (no `pip install`: the GPU image has no network, and the package's
 # datasets/optimum requirements are not needed here). bitsandbytes is used when importable; to
@@ -21,6 +22,13 @@ tokenizer=()
 if [ -n "${QUASAR_TOKENIZER:-}" ]; then tokenizer=(--tokenizer "$QUASAR_TOKENIZER"); fi
 timeout 570 "$python" -m benchmarks gpu-check --out "$out" "${tokenizer[@]}" "$@"
 status=$?
+# The GPU regression checks (tests marked cuda: tests/test_cuda_regressions.py): W8A8 backends against the
+# reference, attention rows, quasar=True equal to plain greedy eager and compiled, compiled verify rows.
+if "$python" -c "import pytest" 2>/dev/null; then
+  (cd "$here" && timeout 300 "$python" -m pytest -q -p no:cacheprovider -m cuda tests) || { echo "pytest -m cuda failed"; status=1; }
+else
+  echo "GPU regression tests skipped: pytest is not importable"
+fi
 # Optional: where vLLM imports (CUDA image with vLLM) and QUASAR_CHECKPOINT=DIR names a saved
 # SmolLM2 Quasar checkpoint, run the vLLM check on it (export, greedy vs ours, n-gram, no server).
 # Writes OUT_DIR/vllm_check.{json,md}.

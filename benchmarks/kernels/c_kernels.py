@@ -9,18 +9,26 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import re
 
 import torch
 
 from quasar_hf.ops.c_build import CSRC, PORTABLE_CFLAGS, CompileUnit, build_library, find_compiler, missing_cpu_flags
-from quasar_hf.ops.native import kernel_build_table
+from quasar_hf.ops.native import ENTRY_POINTS, kernel_build_table
 
-_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-ARGTYPES = {  # entry point -> its C signature (csrc/qhf_entry_points.h)
-    "qhf_rowstable_attention": [_P, _I64, _I64, _I64] * 3 + [_P, _I64, _I64, _P] + [_I64] * 6 + [_F, _INT, _INT],
-    "qhf_rowstable_linear": [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _INT, _INT],
-    "qhf_hadamard_rows": [_P, _I64, _I64, _INT, _P, _I64, _I64, _I64, _P, _F, _INT],
-}
+_SCALARS = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}  # every pointer is a void *
+
+
+def entry_argtypes(entry: str) -> list:
+    """The ctypes argument types of `entry`, read from its declaration in csrc/qhf_entry_points.h (the one
+    place the kernels' C signatures are written): pointers as void *, int64_t, int and float as themselves."""
+    declaration = re.search(rf"\bint {re.escape(entry)}\(([^)]*)\);", ENTRY_POINTS.read_text())
+    if declaration is None:
+        raise KeyError(f"csrc/qhf_entry_points.h declares no entry point {entry}")
+    parameters = [" ".join(p.split()) for p in declaration.group(1).split(",")]
+    return [ctypes.c_void_p if "*" in p else _SCALARS[p.removeprefix("const ").rsplit(" ", 1)[0]] for p in parameters]
+
+
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -37,7 +45,7 @@ def load_entry(source: str, entry: str, flags: tuple[str, ...]):
     stem = os.path.basename(source).removesuffix(".c")
     path = build_library(f"bench_{stem}", [CompileUnit(source, (*PORTABLE_CFLAGS, *flags))], (), find_compiler())
     fn = getattr(ctypes.CDLL(str(path)), entry)
-    fn.restype, fn.argtypes = _INT, ARGTYPES[entry]
+    fn.restype, fn.argtypes = ctypes.c_int, entry_argtypes(entry)
     return fn
 
 

@@ -117,6 +117,8 @@ def server_commands(args, name: str, checkpoint: str, base: str, gguf: str | Non
             str(port),
             "--max-batch-size",
             str(max(args.levels)),
+            "--prompt-cache-gb",
+            "0",  # no reuse of earlier requests' keys and values: llama-server runs with cache_prompt false here
             *extra,
         ]
     if name == "bf16":
@@ -236,7 +238,7 @@ def measure_model(args, alias: str, gguf: str | None, out: Path) -> dict:
 
 def tiny_checkpoints(out: Path) -> tuple[str, str]:
     """A tiny float checkpoint and its Quasar quantization, both in `out` (nothing in the user's cache)."""
-    from tests.test_hub_support import make_tiny_checkpoint, quantize_tiny
+    from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 
     base, quantized = out / "tiny-base", out / "tiny-quasar"
     if not (base / "config.json").is_file():

@@ -137,16 +137,16 @@ def main(argv: list[str] | None = None) -> list[str]:
 
     import quasar_hf
     from benchmarks.kernels.kernels import measure_read_bandwidth
-    from benchmarks.speed.compiled_steps import floor_bytes
     from quasar_hf.commands.loading import resolve_model
     from quasar_hf.commands.serve import servable_checkpoint
+    from quasar_hf.nn.weight_bytes import step_read_bytes
 
     checkpoint = servable_checkpoint(resolve_model(args.model))
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     prompts = interleaved_prompts(tokenizer, args.requests)
     gbps = measure_read_bandwidth(torch.device("cpu"))
-    floor = {"bytes": floor_bytes(model), "read_gbps": round(gbps, 2), "ms": round(floor_bytes(model) / gbps / 1e6, 3)}
+    floor = {"bytes": step_read_bytes(model), "read_gbps": round(gbps, 2), "ms": round(step_read_bytes(model) / gbps / 1e6, 3)}
     modes = [m for m in args.modes.split(",") if m]
     if any("compiled" in m for m in modes):
         quasar_hf.warm_up(model, batch_sizes=[1], progress=False)

@@ -77,7 +77,7 @@ def load_model(name: str, checkpoint: str | None, tiny_dir: str | None) -> tuple
     from quasar_hf import models
 
     if tiny_dir is not None:
-        from tests.test_hub_support import make_tiny_checkpoint, quantize_tiny
+        from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 
         source = make_tiny_checkpoint(Path(tiny_dir) / "tiny")
         return quantize_tiny(source), AutoTokenizer.from_pretrained(source), {"source": "tiny random Llama"}

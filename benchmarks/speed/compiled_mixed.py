@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from quasar_hf.speculative.left_padding import left_padded
+
 WARM_UP = r"""
 import json, sys, torch
 import quasar_hf
@@ -87,15 +89,6 @@ def sequence(tokenizer, calls: int, seed: int, max_prompt: int = 2000) -> list[l
         batches.append(rows)
     rng.shuffle(batches)
     return batches
-
-
-def left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :], mask[i, width - len(row) :] = torch.tensor(row), 1
-    return ids, mask
 
 
 VARIANTS = {  # name: (quasar option, timed twice); run in this order for each call
@@ -194,7 +187,7 @@ def mixed_main(args) -> dict:
 
     import quasar_hf
     from benchmarks.kernels.kernels import measure_read_bandwidth
-    from benchmarks.speed.compiled_steps import floor_bytes
+    from quasar_hf.nn.weight_bytes import step_read_bytes
 
     bundles, kept = tempfile.mkdtemp(), tempfile.mkdtemp()
     report = {"checkpoint": args.quantized, "warm_up": warm_up_in_fresh_processes(args.quantized, args.max_length, bundles, kept)}
@@ -238,7 +231,11 @@ def mixed_main(args) -> dict:
     decode = {name: phase["total_s"] - phase["prefill_s"] for name, phase in report["phases"].items()}
     report["summary"]["compiled_over_eager_decode"] = round(decode["eager"] / decode["compiled"], 3)
     gbps = measure_read_bandwidth(torch.device("cpu"))
-    report["floor"] = {"bytes": floor_bytes(model), "read_gbps": round(gbps, 2), "ms": round(floor_bytes(model) / gbps / 1e6, 3)}
+    report["floor"] = {
+        "bytes": step_read_bytes(model),
+        "read_gbps": round(gbps, 2),
+        "ms": round(step_read_bytes(model) / gbps / 1e6, 3),
+    }
     report["decode_step_ms"] = round(decode_step_ms(model), 3)
     if args.llama_server and args.gguf:
         report["llamacpp"] = llamacpp_sequence(args.llama_server, args.gguf, batches, args.new_tokens, args.llama_modes)

@@ -38,7 +38,7 @@ from benchmarks.speed.op_overhead import op_overhead
 from quasar_hf import compat
 from quasar_hf.bench.report import write_json_and_markdown
 from quasar_hf.detect import plain_decoding
-from quasar_hf.nn import W8A8Linear
+from quasar_hf.nn.weight_bytes import step_read_bytes
 from quasar_hf.speculative import step_compiler
 from quasar_hf.speculative.config import DEFAULT_NUM_DRAFT_TOKENS
 from quasar_hf.speculative.kv_state import RowAlignedCache
@@ -46,12 +46,6 @@ from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache
 
 CACHE_TOKENS = 300
 STEP_TOKENS = (1, 6)
-
-
-def floor_bytes(model) -> int:
-    """Bytes a step must read: int8 weights of every W8A8 linear + the float lm_head."""
-    int8 = sum(m.weight.numel() for m in model.modules() if isinstance(m, W8A8Linear))
-    return int8 + model.lm_head.weight.numel() * model.lm_head.weight.element_size()
 
 
 def cache_prompt(model) -> torch.Tensor:
@@ -347,7 +341,7 @@ def main(argv: list[str] | None = None) -> list[str]:
 
     model = AutoModelForCausalLM.from_pretrained(args.quantized).eval()
     read_gbps = measure_read_bandwidth(torch.device("cpu"))
-    floor_ms = floor_bytes(model) / (read_gbps * 1e9) * 1e3
+    floor_ms = step_read_bytes(model) / (read_gbps * 1e9) * 1e3
     floors = {"model": floor_ms}
     if args.gguf:  # llama.cpp reads its whole file per step (Q8_0 weights, its output matrix, norms)
         floors["llamacpp_q8_0"] = os.path.getsize(args.gguf) / (read_gbps * 1e9) * 1e3
@@ -374,7 +368,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         "environment": environment(),
         "load_average_end": os.getloadavg(),
         "read_gbps": read_gbps,
-        "floor_bytes": floor_bytes(model),
+        "floor_bytes": step_read_bytes(model),
         "floor_ms": floor_ms,
         "llamacpp": _llamacpp_info(args.gguf, floors) if args.gguf else None,
         "compile": json.loads(json.dumps(compile_config.to_dict(), default=repr)),

@@ -38,6 +38,7 @@ from quasar_hf.bench.report import environment
 from quasar_hf.bench.suites import load_suite, render_prompt
 from quasar_hf.detect import plain_decoding
 from quasar_hf.models import smollm2_135m_instruct
+from quasar_hf.nn.weight_bytes import module_bytes
 from quasar_hf.self_draft.head import (
     attach_draft_head,
     draft_bytes_per_token,
@@ -45,7 +46,6 @@ from quasar_hf.self_draft.head import (
     special_token_ids,
     token_counts,
 )
-from quasar_hf.self_draft.path import module_bytes
 from quasar_hf.smoothquant.data import build_calibration_blocks, load_calibration_texts
 from quasar_hf.speculative import QuasarGenerationConfig
 from quasar_hf.speculative.auto_drafter import AutoDrafter, auto_factory

@@ -1,13 +1,15 @@
 """Where a verify step's time goes (a Quasar W8A8 checkpoint, CPU), against the bytes it must read.
 
 Times one forward of 1 and of 6 tokens over a 300-token cache (what decode and a 5-draft
-verification run), split into W8A8 linears (with the RMSNorms folded into them: NormFoldedW8A8Linear), attention,
-lm_head and the rest (other norms, rotary, residuals, cache updates, Python and module
-overhead), and compares the step with the floor `bytes read / read bandwidth` (int8 weights +
-BF16 lm_head; read bandwidth measured in the same process by reading a 512 MiB tensor once).
-Runs with all torch threads, then with one. The same steps with the projections unfused
-(hf/fusion.py: each norm alone, each projection its own W8A8) are timed interleaved with the fused ones, so the fusion's effect is a ratio
-measured side by side. Without --quantized, SmolLM2-135M is quantized with QuasarConfig().
+verification run), split into W8A8 linears (with the RMSNorms folded into them: NormFoldedW8A8Linear),
+attention (the function the model's layers call from Transformers' attention registry: for a Quasar
+model `rowstable_attention_forward`, with the C kernel or SDPA it picks), lm_head and the rest (other
+norms, rotary, residuals, cache updates, Python and module overhead), and compares the step with the
+floor `bytes read / read bandwidth` (int8 weights + BF16 lm_head, `nn.weight_bytes`; read bandwidth measured in the same
+process by reading a 512 MiB tensor once). Runs with all torch threads, then with one. The same steps
+with the projections unfused (hf/fusion.py: each norm alone, each projection its own W8A8) are timed
+interleaved with the fused ones, so the fusion's effect is a ratio measured side by side. Without
+--quantized, SmolLM2-135M is quantized with QuasarConfig().
 
 --gguf FILE (a Q8_0 GGUF of the same checkpoint; needs llama-cpp-python) also times llama.cpp's
 forward of the same token counts over a 300-token cache in the same process, against its own
@@ -17,39 +19,74 @@ floor (GGUF bytes / the same read bandwidth): the step a CPU user would otherwis
 """
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import quasar_hf  # noqa: F401
 from benchmarks.kernels.kernels import measure_copy_bandwidth, measure_read_bandwidth
-from quasar_hf import QuasarConfig
+from quasar_hf import QuasarConfig, compat
 from quasar_hf.hf.fusion import fuse_projections, unfuse_projections
 from quasar_hf.models import smollm2_135m_instruct
 from quasar_hf.nn import NormFoldedW8A8Linear, W8A8Linear
-from quasar_hf.ops import attention_cpu
+from quasar_hf.nn.weight_bytes import step_read_bytes, step_weight_bytes
 from quasar_hf.speculative.kv_state import RowAlignedCache
 
 
 class Timer:
-    """Accumulates wall time of wrapped calls (the wrapping is this script's only instrumentation)."""
+    """Accumulates wall time and count of wrapped calls (the wrapping is this script's only instrumentation)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.calls = 0
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
             start = time.perf_counter()
             out = fn(*args, **kwargs)
             self.seconds += time.perf_counter() - start
+            self.calls += 1
             return out
 
         return timed
+
+
+@contextlib.contextmanager
+def instrumented(model) -> Iterator[dict[str, Timer]]:
+    """Timers of the W8A8 linears (plain and norm-folded), the attention function the model's layers
+    call, and the lm_head, wrapped around them for the `with` block and removed after it."""
+    timers = {"w8a8_linears": Timer(), "attention": Timer(), "lm_head": Timer()}
+    attention_name = compat.attn_implementation(model)
+    if attention_name not in ALL_ATTENTION_FUNCTIONS:
+        raise SystemExit(f"the model's attention {attention_name!r} is not in Transformers' registry: nothing to time")
+    attention = ALL_ATTENTION_FUNCTIONS[attention_name]
+    forwards = {cls: cls.forward for cls in (W8A8Linear, NormFoldedW8A8Linear)}
+    lm_head_forward = model.lm_head.__dict__.get("forward")  # an instance's own forward (a hook's), if any
+    try:
+        for cls, forward in forwards.items():
+            cls.forward = timers["w8a8_linears"].wrap(forward)  # a norm and its stacked projections count as one
+        ALL_ATTENTION_FUNCTIONS[attention_name] = timers["attention"].wrap(attention)  # this registry only
+        model.lm_head.forward = timers["lm_head"].wrap(model.lm_head.forward)
+        yield timers
+    finally:
+        for cls, forward in forwards.items():
+            cls.forward = forward
+        ALL_ATTENTION_FUNCTIONS[attention_name] = attention
+        if lm_head_forward is None:
+            model.lm_head.__dict__.pop("forward", None)
+        else:
+            model.lm_head.forward = lm_head_forward
 
 
 def kv_cache_bytes(config, tokens: int) -> int:
@@ -97,52 +134,39 @@ def llamacpp_steps(gguf: str, thread_counts: list[int], steps: int, floor_ms: fl
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quantized", default=None, help="a saved Quasar checkpoint (default: quantize now)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--out", default="benchmarks/reports/step/verify_step_breakdown_cpu.json")
-    parser.add_argument("--gguf", default=None, help="a Q8_0 GGUF of the same checkpoint: time llama.cpp's step too")
-    args = parser.parse_args(argv)
-    if args.gguf and not os.path.isfile(args.gguf):
-        raise SystemExit(f"--gguf {args.gguf}: no such file (convert the checkpoint first: bench/llamacpp_peer.py)")
-    model = (
-        AutoModelForCausalLM.from_pretrained(args.quantized)
-        if args.quantized
-        else AutoModelForCausalLM.from_pretrained(
-            smollm2_135m_instruct(), quantization_config=QuasarConfig(), dtype=torch.bfloat16
-        )
+def load_model(quantized: str | None):
+    """The saved Quasar checkpoint, else SmolLM2-135M quantized now with QuasarConfig()."""
+    if quantized:
+        return AutoModelForCausalLM.from_pretrained(quantized).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_135m_instruct(), quantization_config=QuasarConfig(), dtype=torch.bfloat16
     ).eval()
-    copy_gbps = measure_copy_bandwidth(torch.device("cpu"))
-    w8a8 = [m for m in model.modules() if isinstance(m, W8A8Linear)]
-    int8_bytes = sum(m.weight.numel() for m in w8a8)
-    lm_head_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-    read_gbps = measure_read_bandwidth(torch.device("cpu"))
-    floor_ms = (int8_bytes + lm_head_bytes) / (read_gbps * 1e9) * 1e3
 
-    linears, attention, lm_head = Timer(), Timer(), Timer()
-    W8A8Linear.forward = linears.wrap(W8A8Linear.forward)  # instrumentation of this script only
-    NormFoldedW8A8Linear.forward = linears.wrap(NormFoldedW8A8Linear.forward)  # a norm and its stacked projections
-    attention_cpu.rowstable_attention = attention.wrap(attention_cpu.rowstable_attention)
-    model.lm_head.forward = lm_head.wrap(model.lm_head.forward)
-    rows, unfolded_rows = {}, {}
+
+def time_steps(model, cache_tokens: int, steps: int) -> tuple[dict, dict, int]:
+    """(folded rows, unfolded rows, norm folds): forwards of 1 and 6 tokens over a `cache_tokens`
+    cache, all threads then one, folded and unfolded interleaved (ROUNDS times). Each row holds the
+    milliseconds and the calls per forward of the step and of each timed part."""
     threads = torch.get_num_threads()
+    rows, unfolded_rows = {}, {}
     folds = set_folded(model, True)
-    kernel_calls = sum(isinstance(m, W8A8Linear) for m in model.modules())  # one op per (stacked) linear
+    per_round = max(1, steps // ROUNDS)
+    with instrumented(model) as timers, torch.no_grad():
 
-    def timed_steps(state, tokens: int, steps: int) -> dict:
-        for t in (linears, attention, lm_head):
-            t.seconds = 0.0
-        start = time.perf_counter()
-        for _ in range(steps):
-            state.forward(torch.randint(0, model.config.vocab_size, (1, tokens)))
-            state.keep_accepted(torch.tensor([0]), tokens)  # back to the same 300-token cache
-        parts = {"w8a8_linears_ms": linears.seconds, "attention_ms": attention.seconds, "lm_head_ms": lm_head.seconds}
-        return {"seconds": time.perf_counter() - start, **parts}
+        def timed(state, tokens: int, count: int) -> dict:
+            for timer in timers.values():
+                timer.reset()
+            start = time.perf_counter()
+            for _ in range(count):
+                state.forward(torch.randint(0, model.config.vocab_size, (1, tokens)))
+                state.keep_accepted(torch.tensor([0]), tokens)  # back to the same cache
+            out = {"seconds": time.perf_counter() - start}
+            for name, timer in timers.items():
+                out |= {f"{name}_ms": timer.seconds, f"{name}_calls": timer.calls / count}
+            return out
 
-    with torch.no_grad():
         state = RowAlignedCache(model, 1, torch.device("cpu"))
-        state.forward(torch.randint(0, model.config.vocab_size, (1, 300)))
+        state.forward(torch.randint(0, model.config.vocab_size, (1, cache_tokens)))
         for count in sorted({threads, 1}, reverse=True):
             torch.set_num_threads(count)
             for tokens in (1, 6):
@@ -150,23 +174,48 @@ def main(argv: list[str] | None = None) -> None:
                 for _ in range(ROUNDS):
                     for folded in (True, False) if folds else (True,):
                         set_folded(model, folded)
-                        timed_steps(state, tokens, 1)  # warm-up (binds the kernels after a toggle)
-                        got = timed_steps(state, tokens, max(1, args.steps // ROUNDS))
-                        for k, v in got.items():
+                        timed(state, tokens, 1)  # warm-up (binds the kernels after a toggle)
+                        for k, v in timed(state, tokens, per_round).items():
                             totals[folded][k] = totals[folded].get(k, 0.0) + v
                 set_folded(model, True)
-                n = ROUNDS * max(1, args.steps // ROUNDS)
                 for folded, out in ((True, rows), (False, unfolded_rows)):
-                    if not totals[folded]:
-                        continue
-                    total = totals[folded]
-                    step = total.pop("seconds") / n * 1e3
-                    parts = {k: v / n * 1e3 for k, v in total.items()}
-                    row = {"threads": count, "tokens": tokens, "step_ms": step, **parts}
-                    row.update(rest_ms=step - sum(parts.values()), x_floor=step / floor_ms)
-                    out[f"{count}x{tokens}"] = row
-                    print("folded" if folded else "unfolded", count, tokens, {k: round(v, 2) for k, v in row.items()})
+                    if totals[folded]:
+                        out[f"{count}x{tokens}"] = _row(totals[folded], count, tokens, ROUNDS * per_round)
+                        print("folded" if folded else "unfolded", count, tokens, out[f"{count}x{tokens}"])
         torch.set_num_threads(threads)
+    return rows, unfolded_rows, folds
+
+
+def _row(total: dict, threads: int, tokens: int, forwards: int) -> dict:
+    """Milliseconds per forward of the step and of each timed part, and the rest."""
+    step = total["seconds"] / forwards * 1e3
+    parts = {k: v / forwards * 1e3 for k, v in total.items() if k.endswith("_ms")}
+    calls = {k: v / ROUNDS for k, v in total.items() if k.endswith("_calls")}  # each round adds its calls per forward
+    return {"threads": threads, "tokens": tokens, "step_ms": step, **parts, "rest_ms": step - sum(parts.values()), **calls}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quantized", default=None, help="a saved Quasar checkpoint (default: quantize now)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--cache-tokens", type=int, default=300, help="tokens in the cache each step reads")
+    parser.add_argument("--bandwidth-mib", type=int, default=512, help="size of the tensor read to measure bandwidth")
+    parser.add_argument("--out", default="benchmarks/reports/step/verify_step_breakdown_cpu.json")
+    parser.add_argument("--gguf", default=None, help="a Q8_0 GGUF of the same checkpoint: time llama.cpp's step too")
+    args = parser.parse_args(argv)
+    if args.gguf and not os.path.isfile(args.gguf):
+        raise SystemExit(f"--gguf {args.gguf}: no such file (convert the checkpoint first: bench/llamacpp_peer.py)")
+    model = load_model(args.quantized)
+    copy_gbps = measure_copy_bandwidth(torch.device("cpu"), args.bandwidth_mib)
+    w8a8 = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+    weights = step_weight_bytes(model)  # int8 weights + the float lm_head (and any linear kept in float)
+    read_gbps = measure_read_bandwidth(torch.device("cpu"), args.bandwidth_mib)
+    floor_ms = step_read_bytes(model) / (read_gbps * 1e9) * 1e3
+    threads = torch.get_num_threads()
+    rows, unfolded_rows, folds = time_steps(model, args.cache_tokens, args.steps)
+    first = next(iter(rows.values()))
+    for row in (*rows.values(), *unfolded_rows.values()):
+        row["x_floor"] = row["step_ms"] / floor_ms
     llamacpp = None
     if args.gguf:
         gguf_bytes = os.path.getsize(args.gguf)
@@ -184,16 +233,17 @@ def main(argv: list[str] | None = None) -> None:
         "torch_threads": threads,
         "copy_gbps_read_plus_write": copy_gbps,
         "read_gbps": read_gbps,
-        "int8_weight_bytes": int8_bytes,
+        "int8_weight_bytes": weights["int8"],
         "w8a8_module_calls": len(w8a8),
-        "w8a8_kernel_calls": kernel_calls,
-        "lm_head_bytes": lm_head_bytes,
+        "w8a8_kernel_calls": round(first["w8a8_linears_calls"]),  # one op per (stacked) linear
+        "attention_calls": round(first["attention_calls"]),
+        "lm_head_bytes": weights["float"],  # the float linears: the lm_head, unless some are kept in float
         "floor_ms": floor_ms,
-        "cache_tokens": 300,
+        "cache_tokens": args.cache_tokens,
         "steps": ROUNDS * max(1, args.steps // ROUNDS),
         "norm_folds": folds,
         "tied_embeddings": bool(getattr(model.config, "tie_word_embeddings", False)),
-        "kv_cache_bytes": kv_cache_bytes(model.config, 300),
+        "kv_cache_bytes": kv_cache_bytes(model.config, args.cache_tokens),
         "layers": model.config.num_hidden_layers,
         "model_name": os.path.basename(os.path.normpath(args.quantized)) if args.quantized else "SmolLM2-135M-Instruct",
         "model": f"saved checkpoint {os.path.basename(os.path.normpath(args.quantized))}"
@@ -227,7 +277,8 @@ def to_markdown(d: dict) -> str:
         f"floor of **{d['floor_ms']:.1f} ms**.",
         "",
         f"| threads | tokens per forward | step (ms) | W8A8 linears ({d['w8a8_module_calls']} module calls, "
-        f"{d['w8a8_kernel_calls']} kernel calls) | attention ({d.get('layers', 30)} calls) | lm_head | rest | x floor |",
+        f"{d['w8a8_kernel_calls']} kernel calls) | attention ({d.get('attention_calls', d.get('layers', 30))} calls) | lm_head | "
+        "rest | x floor |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in d["rows"].values():

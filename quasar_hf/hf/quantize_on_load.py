@@ -17,6 +17,7 @@ from quasar_hf.hf.resume_state import ResumeState, fingerprint
 from quasar_hf.hf.sequential import DEFAULT_LAYER_INPUTS, quantize_layers_sequentially
 from quasar_hf.nn import RotatedW8A8Linear, RowStableLinear, RowStableRMSNorm, W8A8Linear
 from quasar_hf.nn.rowstable_norm import rms_norm_formula
+from quasar_hf.nn.weight_bytes import module_bytes
 from quasar_hf.ops.hadamard import ROTATION_CONSTRUCTION, rotation_layout
 from quasar_hf.self_draft.head import attach_draft_head_skeleton, build_draft_head
 from quasar_hf.self_draft.layer_search import (
@@ -26,7 +27,7 @@ from quasar_hf.self_draft.layer_search import (
     select_draft_layers,
     top1_agreement,
 )
-from quasar_hf.self_draft.path import attach_draft_layers, module_bytes
+from quasar_hf.self_draft.path import attach_draft_layers
 from quasar_hf.smoothquant.data import MIN_BLOCK_TOKENS, build_calibration_blocks, load_calibration_texts
 from quasar_hf.smoothquant.keep_float import KeepFloatSelector
 from quasar_hf.smoothquant.mappings import model_decoder_layers, resolve_mappings

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quasar_hf.self_draft.path import module_bytes, self_draft_model
+from quasar_hf.nn.weight_bytes import module_bytes
+from quasar_hf.self_draft.path import self_draft_model
 from quasar_hf.smoothquant.mappings import model_decoder_layers
 
 HEAD_ATTR = "quasar_draft_head"

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from quasar_hf import compat
-from quasar_hf.self_draft.path import build_draft_model, module_bytes, renumbered
+from quasar_hf.nn.weight_bytes import module_bytes
+from quasar_hf.self_draft.path import build_draft_model, renumbered
 from quasar_hf.smoothquant.mappings import model_decoder_layers
 
 MAX_DRAFT_TOKENS = 5  # the speculative loop's default draft length

@@ -95,7 +95,3 @@ def self_draft_model(model: nn.Module) -> nn.Module:
         copies = getattr(model, DRAFT_ATTR)
         layers = [copies[str(i)] for i in indices]
     return build_draft_model(model, indices, layers)
-
-
-def module_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))

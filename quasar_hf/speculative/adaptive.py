@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .drafters import Draft, Drafter, DraftSetup
+from .stats import decayed_average
 
 
 @dataclass
@@ -133,7 +134,7 @@ class AdaptivePolicy:
             self.paused_for -= 1
 
     def _observe_plain(self, verify_s: float) -> None:
-        self.plain_step_s = _ema(self.plain_step_s, verify_s, self.decay)
+        self.plain_step_s = decayed_average(self.plain_step_s, verify_s, self.decay)
 
     def observe_acceptance(self, drafted: list[int], accepted: list[int]) -> None:
         """Acceptance evidence only (also for drafts scored without being verified).
@@ -147,12 +148,12 @@ class AdaptivePolicy:
         self.trial_mass = self.decay * self.trial_mass + trials
 
     def _observe_costs(self, total_drafted: int, rows: int, draft_s: float, verify_s: float) -> None:
-        self.draft_s_per_token = _ema(self.draft_s_per_token, draft_s / total_drafted, self.decay)
+        self.draft_s_per_token = decayed_average(self.draft_s_per_token, draft_s / total_drafted, self.decay)
         if self.plain_step_s is None:
             self.plain_step_s = verify_s  # an overestimate until a plain step is seen: favours drafting, never pauses early
         per_row_drafts = total_drafted / rows
         extra = max(0.0, verify_s - self.plain_step_s) / per_row_drafts
-        self.verify_s_per_extra_token = _ema(self.verify_s_per_extra_token, extra, self.decay)
+        self.verify_s_per_extra_token = decayed_average(self.verify_s_per_extra_token, extra, self.decay)
 
     def _adapt_length(self, drafted: list[int], accepted: list[int]) -> None:
         """Transformers' heuristic: +2 when every row accepted its whole draft, else -1; or, with
@@ -192,10 +193,6 @@ class AdaptivePolicy:
             "plain_step_ms": None if self.plain_step_s is None else 1e3 * self.plain_step_s,
             "verify_ms_per_extra_token": None if self.verify_s_per_extra_token is None else 1e3 * self.verify_s_per_extra_token,
         }
-
-
-def _ema(old: float | None, new: float, decay: float) -> float:
-    return new if old is None else decay * old + (1.0 - decay) * new
 
 
 def empty_draft(batch: int, device: torch.device) -> Draft:

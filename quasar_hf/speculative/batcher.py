@@ -36,6 +36,7 @@ from quasar_hf import compat
 
 from .config import QuasarGenerationConfig
 from .defaults import FIELD, declined_reason
+from .left_padding import left_padded
 from .prompt_cache import PromptCache
 from .stats import QuasarStats
 
@@ -288,7 +289,7 @@ def decode_batch(
             _decode_plainly(model, request)
         return None
     config.return_dict_in_generate = True
-    input_ids, attention_mask = left_padded(batch, pad_token_id(model, config), compat.input_device(model))
+    input_ids, attention_mask = left_padded([r.input_ids for r in batch], pad_token_id(model, config), compat.input_device(model))
     prefixes, keep = None, None
     if prompt_cache is not None and quasar_config.cache_implementation != "static":
         hits = [prompt_cache.longest_prefix(r.input_ids, MIN_REUSED_TOKENS) for r in batch]
@@ -352,18 +353,6 @@ def request_quasar_config(
     elif setting not in (None, True):
         raise ValueError(f"generation_config.quasar must be true, false or an object of Quasar options, got {setting!r}")
     return QuasarGenerationConfig.from_value(options or True)
-
-
-def left_padded(batch: list[BatchRequest], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids and attention_mask [B, T], prompts right-aligned (decoder-only generation pads on the left)."""
-    width = max(len(r.input_ids) for r in batch)
-    ids = torch.full((len(batch), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, request in enumerate(batch):
-        n = len(request.input_ids)
-        ids[row, width - n :] = torch.tensor(request.input_ids, dtype=torch.long)
-        mask[row, width - n :] = 1
-    return ids.to(device), mask.to(device)
 
 
 def pad_token_id(model: torch.nn.Module, config: GenerationConfig) -> int:

@@ -19,6 +19,12 @@ _SUMMED = (
 )
 
 
+def decayed_average(old: float | None, new: float, decay: float) -> float:
+    """An exponential moving average: `new` at the first measurement (old None), else `decay` of `old`
+    plus the rest of `new` (the cost and timing estimates of speculative steps)."""
+    return new if old is None else decay * old + (1.0 - decay) * new
+
+
 @dataclass
 class QuasarStats:
     """Counters of one `speculative_generate` call, summed over batch rows.

@@ -36,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .stats import decayed_average
+
 PRIOR_FRACTION = 0.5  # a source's accepted fraction before it drafted: one pseudo-token, half accepted
 
 
@@ -55,8 +57,7 @@ class StepGate:
     def record(self, rows: int, width: int, seconds: float) -> None:
         """One verify step of `rows` rows at draft width `width` (0: plain) took `seconds`."""
         key = self._cost_key(rows, width)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else self.decay * old + (1.0 - self.decay) * seconds
+        self.seconds[key] = decayed_average(self.seconds.get(key), seconds, self.decay)
 
     def observe(self, source: str, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         """Rows of one step drafted by `source`: tokens drafted and accepted per row (or scored, if withheld)."""

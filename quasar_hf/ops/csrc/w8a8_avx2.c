@@ -154,19 +154,9 @@ static float quantize_row(const void *x, int dtype, const float *prescale, int64
 
 /* ---- GEMM micro-kernel with fused epilogue ------------------------------------------------- */
 
-typedef struct {
-    const int8_t *aq;     /* [M][Kp] activations q */
-    const float *a_scale; /* [M] */
-    const int8_t *w;      /* packed [Np/16][Kp/4][16][4] */
-    const float *w_scale; /* [N] fp32 */
-    const void *bias;     /* [N] or NULL */
-    int bias_dtype;
-    void *out; /* [M][out_stride] or NULL */
-    int out_dtype;
-    int64_t out_stride;
-    int32_t *acc_out; /* [M][N] exact accumulators, or NULL (debug / tests) */
-    int64_t M, N, Kp;
-} gemm_args;
+typedef int8_t act_t; /* q itself */
+
+#include "w8a8_gemm_args.h"
 
 /* 8 channels n .. n + 7 of row m: exact int32 -> epilogue -> stores. */
 static inline void epilogue8(const gemm_args *g, int64_t m, int64_t n, __m256i acc) {
@@ -231,20 +221,12 @@ static void gemm_range(const gemm_args *g, int64_t nb_begin, int64_t nb_end) {
 
 /* ---- the driver (w8a8_segments.h) and the entry points (the signatures of w8a8_vnni.c) ------- */
 
-typedef int8_t act_t; /* q itself */
-
-static inline gemm_args segment_args(const qhf_weight *w, void *out, int out_dtype, int64_t M, int64_t Kp) {
-    gemm_args g = {NULL, NULL, w->w_packed, w->w_scale, w->bias, (int)w->bias_dtype, out, out_dtype, w->N, NULL, M, w->N, Kp};
-    return g;
-}
-
 #include "w8a8_segments.h"
 
 int qhf_w8a8_linear(const void *x, int x_dtype, int64_t M, int64_t K, int64_t x_stride, const float *prescale,
                     const int8_t *w_packed, const int32_t *wsum128, int64_t N, int64_t Kp, const float *w_scale,
                     const void *bias, int bias_dtype, void *out, int out_dtype, int64_t out_stride,
                     int32_t *acc_out, int n_threads) {
-    (void)wsum128;
-    gemm_args g = {NULL, NULL, w_packed, w_scale, bias, bias_dtype, out, out_dtype, out_stride, acc_out, M, N, Kp};
+    gemm_args g = {NULL, NULL, w_packed, wsum128, w_scale, bias, bias_dtype, out, out_dtype, out_stride, acc_out, M, N, Kp};
     return run_segments(x, x_dtype, M, K, x_stride, prescale, -1.0f, Kp, &g, 1, n_threads);
 }

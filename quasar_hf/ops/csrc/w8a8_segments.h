@@ -2,10 +2,9 @@
  * then every weight's GEMM with the threads splitting the weights' channel
  * blocks as one range, and the entry points made of it. The including file defines, before it:
  *   act_t                    its activation byte (uint8_t q + 128 for VNNI, int8_t q for AVX2)
- *   gemm_args                with aq (const act_t *), a_scale and N
+ *   gemm_args, segment_args  by including w8a8_gemm_args.h (after act_t)
  *   quantize_row(...)        one row of x into act_t [Kp], returning its epilogue scale
  *   gemm_range(g, lo, hi)    channel blocks [lo, hi) of one weight, all rows
- *   segment_args(w, out, out_dtype, M, Kp)  a gemm_args for one qhf_weight
  * Every arithmetic step is in those functions: this file only orders calls, so both builds keep one
  * numerics. */
 #ifndef QHF_W8A8_SEGMENTS_H

@@ -126,20 +126,9 @@ static float quantize_row(const void *x, int dtype, const float *prescale, int64
 
 /* ---- GEMM micro-kernel with fused epilogue ------------------------------------------------- */
 
-typedef struct {
-    const uint8_t *aq;      /* [M][Kp] activations + 128 */
-    const float *a_scale;   /* [M] */
-    const int8_t *w;        /* packed [Np/16][Kp/4][16][4] */
-    const int32_t *wsum128; /* [Np] */
-    const float *w_scale;   /* [N] fp32 */
-    const void *bias;       /* [N] or NULL */
-    int bias_dtype;
-    void *out;              /* [M][out_stride] or NULL */
-    int out_dtype;
-    int64_t out_stride;
-    int32_t *acc_out;       /* [M][N] exact accumulators, or NULL (debug / tests) */
-    int64_t M, N, Kp;
-} gemm_args;
+typedef uint8_t act_t; /* q + 128 */
+
+#include "w8a8_gemm_args.h"
 
 /* acc[i][j] (row m0+i, channels 16*(nb0+j)..+15) -> exact int32 -> epilogue -> stores. */
 static inline void epilogue(const gemm_args *g, int64_t m, int64_t n, __m512i acc) {
@@ -205,14 +194,6 @@ static void gemm_range(const gemm_args *g, int64_t nb_begin, int64_t nb_end) {
 }
 
 /* ---- the driver (w8a8_segments.h) and the entry points --------------------------------------- */
-
-typedef uint8_t act_t; /* q + 128 */
-
-static inline gemm_args segment_args(const qhf_weight *w, void *out, int out_dtype, int64_t M, int64_t Kp) {
-    gemm_args g = {NULL, NULL, w->w_packed, w->wsum128, w->w_scale, w->bias, (int)w->bias_dtype, out, out_dtype, w->N,
-                   NULL, M, w->N, Kp};
-    return g;
-}
 
 #include "w8a8_segments.h"
 

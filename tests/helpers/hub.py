@@ -41,12 +41,11 @@ def make_tiny_checkpoint(path: Path, chat_template: bool = True, seed: int = 0) 
 
     torch.manual_seed(seed)
     tokenizer = byte_level_tokenizer(chat_template)
+    from tests.helpers.tiny_models import TINY_SHAPE
+
     config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
+        **TINY_SHAPE,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         vocab_size=len(tokenizer) + 1,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,

@@ -1,0 +1,1 @@
+"""Helpers shared by the test modules (tests import these, never another test module)."""
