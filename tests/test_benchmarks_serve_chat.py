@@ -20,11 +20,13 @@ def test_a_short_chat_run_reports_reuse_with_the_cache_only(tmp_path):
     base = make_tiny_checkpoint(tmp_path / "base")
     quantize_tiny(base).save_pretrained(checkpoint)
     AutoTokenizer.from_pretrained(base).save_pretrained(checkpoint)
-    argv = ["--model", str(checkpoint), "--turns", "3", "--words", "20", "--max-tokens", "8", "--clients", "2"]
+    argv = ["--model", str(checkpoint), "--turns", "2", "--words", "20", "--max-tokens", "8", "--clients", "2", "--waves", "2"]
     json_path, markdown_path = sorted(chat_turns.main([*argv, "--system-words", "40", "--out", str(tmp_path / "out")]))
     runs = json.loads(open(json_path).read())["runs"]
     with_cache, without = runs["cache"]["multi_turn"], runs["no_cache"]["multi_turn"]
-    assert [t["turn"] for t in with_cache] == [1, 2, 3] and with_cache[0]["reused"] == 0
+    assert [t["turn"] for t in with_cache] == [1, 2] and with_cache[0]["reused"] == 0
     assert all(t["reused"] > with_cache[0]["prompt_tokens"] for t in with_cache[1:])
-    assert all(t["reused"] == 0 for t in without) and runs["no_cache"]["shared_system_prompt"]["reused"] == 0
-    assert "| 3 |" in open(markdown_path).read()
+    assert all(t["reused"] == 0 for t in without) and all(w["reused"] == 0 for w in runs["no_cache"]["shared_system_prompt"])
+    first_wave, second_wave = runs["cache"]["shared_system_prompt"]
+    assert first_wave["reused"] == 0 and second_wave["reused"] > 0  # the second wave's rows continue from the first's
+    assert "| 2 |" in open(markdown_path).read()

@@ -275,11 +275,33 @@ def test_past_the_queue_limit_a_request_gets_429_with_retry_after(limited, check
     waiting.join(60)
 
 
-def test_sigterm_ends_running_rows_fails_waiting_requests_and_exits_within_10_s(checkpoint, tmp_path):
-    server = Server(checkpoint, tmp_path / "sigterm.log", "--max-batch-size", "1")
+def test_a_servers_life_503_while_loading_a_port_in_use_and_sigterm_within_10_s(checkpoint, tmp_path):
+    """/health is 503 until the model is ready; a second server on the port fails before loading; SIGTERM ends the
+    running row (its tokens so far), answers the waiting request 503 and exits within 10 s."""
+    port = free_port()
+    command = [sys.executable, "-m", "quasar_hf.cli", "serve", str(checkpoint), "--port", str(port), "--max-batch-size", "1"]
+    process = subprocess.Popen(command, stdout=(tmp_path / "serve.log").open("w"), stderr=subprocess.STDOUT)
+    seen: list[int] = []
     try:
-        client = server.client()
-        running = client.completions.create(model=str(checkpoint), prompt="abcabc", max_tokens=60000, temperature=0, stream=True)
+        deadline = time.monotonic() + 240
+        while (not seen or seen[-1] != 200) and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                    seen.append(response.status)
+            except urllib.error.HTTPError as error:
+                seen.append(error.code)
+            except OSError:
+                time.sleep(0.02)
+        assert 503 in seen and seen[-1] == 200
+        second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert second.returncode != 0 and f"{port}" in second.stderr and "--port" in second.stderr
+        assert "loaded" not in second.stderr
+
+        server = Server.__new__(Server)  # the running process, driven with this module's client helpers
+        server.port, server.process = port, process
+        running = server.client().completions.create(
+            model=str(checkpoint), prompt="abcabc", max_tokens=60000, temperature=0, stream=True
+        )
         chunks = iter(running)
         next(chunks)
         waiting: dict = {}
@@ -293,36 +315,14 @@ def test_sigterm_ends_running_rows_fails_waiting_requests_and_exits_within_10_s(
         while server.metrics()[("quasar_requests_waiting", ())] < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         began = time.monotonic()
-        os.kill(server.process.pid, signal.SIGTERM)
+        os.kill(process.pid, signal.SIGTERM)
         for _ in chunks:  # the running stream ends (its tokens so far)
             pass
-        server.process.wait(20)
+        process.wait(20)
         assert time.monotonic() - began < 10
         thread.join(10)
         assert waiting["reply"][0] == 503
     finally:
-        server.stop()
-
-
-def test_health_is_503_while_loading_and_a_port_in_use_fails_before_loading(checkpoint, tmp_path):
-    port = free_port()
-    command = [sys.executable, "-m", "quasar_hf.cli", "serve", str(checkpoint), "--port", str(port)]
-    process = subprocess.Popen(command, stdout=(tmp_path / "a.log").open("w"), stderr=subprocess.STDOUT)
-    seen: list[int] = []
-    try:
-        deadline = time.monotonic() + 240
-        while (not seen or seen[-1] != 200) and time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                    seen.append(response.status)
-            except urllib.error.HTTPError as error:
-                seen.append(error.code)
-            except OSError:
-                time.sleep(0.02)
-        assert 503 in seen and seen[-1] == 200
-        second = subprocess.run([*command], capture_output=True, text=True, timeout=120)
-        assert second.returncode != 0 and f"{port}" in second.stderr and "--port" in second.stderr
-        assert "loaded" not in second.stderr
-    finally:
-        process.terminate()
+        if process.poll() is None:
+            process.kill()
         process.wait(30)

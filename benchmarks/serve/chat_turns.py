@@ -22,6 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import torch
+
 from benchmarks.serve.serve_clients import ServerProcess, free_port, from_clients
 from quasar_hf.bench.report import write_json_and_markdown
 
@@ -55,10 +57,15 @@ def first_token_seconds(port: int, model: str, messages: list[dict], max_tokens:
 
 
 def reused_tokens(base: str) -> float:
-    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith("quasar_prompt_cache_tokens_reused_total "):
-                return float(line.split()[1])
+    """Our server's prompt-cache counter (0 for a server without it, such as llama-server)."""
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+            lines = response.read().decode().splitlines()
+    except OSError:
+        return 0.0
+    for line in lines:
+        if line.startswith("quasar_prompt_cache_tokens_reused_total "):
+            return float(line.split()[1])
     return 0.0
 
 
@@ -84,24 +91,30 @@ def multi_turn(server: ServerProcess, model: str, tokenizer, args) -> list[dict]
     return turns
 
 
-def shared_system_prompt(server: ServerProcess, model: str, args) -> dict:
+def shared_system_prompt(server: ServerProcess, model: str, args) -> list[dict]:
+    """--waves waves of --clients requests sent at once, each with the system prompt and a question of its own."""
     system = " ".join(held_out_words(args.system_words))
-    questions = [f"Question {i}: what is the main point of part {i + 1}?" for i in range(args.clients)]
-    ttfts: list[float] = [0.0] * args.clients
-    before = reused_tokens(server.base)
+    waves = []
+    for wave in range(args.waves):
+        questions = [f"Question {wave}.{i}: what is the main point of part {i + 1}?" for i in range(args.clients)]
+        ttfts: list[float] = [0.0] * args.clients
+        before = reused_tokens(server.base)
 
-    def ask(index: int) -> None:
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": questions[index]}]
-        ttfts[index] = first_token_seconds(server.port, model, messages, 32)[0]
+        def ask(index: int) -> None:
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": questions[index]}]
+            ttfts[index] = first_token_seconds(server.port, model, messages, 32)[0]
 
-    wall = from_clients(args.clients, args.clients, ask)
-    reused = reused_tokens(server.base) - before
-    return {
-        "ttft_mean_s": round(statistics.mean(ttfts), 3),
-        "ttft_max_s": round(max(ttfts), 3),
-        "wall_s": round(wall, 2),
-        "reused": reused,
-    }
+        wall = from_clients(args.clients, args.clients, ask)
+        waves.append(
+            {
+                "wave": wave + 1,
+                "ttft_mean_s": round(statistics.mean(ttfts), 3),
+                "ttft_max_s": round(max(ttfts), 3),
+                "wall_s": round(wall, 2),
+                "reused": reused_tokens(server.base) - before,
+            }
+        )
+    return waves
 
 
 def main(argv: list[str] | None = None) -> list[str]:
@@ -112,6 +125,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--system-words", type=int, default=700, help="about 1,000 tokens for SmolLM2's tokenizer")
+    parser.add_argument("--waves", type=int, default=3, help="waves of --clients requests behind the system prompt")
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server binary: run the same load on it (cache_prompt on)")
+    parser.add_argument("--gguf", help="the GGUF llama-server serves (the same model)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--name", default="serve_chat")
     args = parser.parse_args(argv)
@@ -125,10 +141,14 @@ def main(argv: list[str] | None = None) -> list[str]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = {}
-    for label, flags in (("cache", []), ("no_cache", ["--prompt-cache-gb", "0"])):
+    ours = [sys.executable, "-m", "quasar_hf.cli", "serve", checkpoint, "--port"]
+    servers = {"cache": (ours, []), "no_cache": (ours, ["--prompt-cache-gb", "0"])}
+    if args.llama_server and args.gguf:  # its slots keep their KV and reuse the longest shared prefix (cache_prompt)
+        threads = str(torch.get_num_threads())
+        servers["llama_server"] = ([args.llama_server, "-m", args.gguf, "-t", threads, "-np", "8", "-c", "32768", "--port"], [])
+    for label, (command, flags) in servers.items():
         port = free_port()
-        command = [sys.executable, "-m", "quasar_hf.cli", "serve", checkpoint, "--port", str(port), *flags]
-        with ServerProcess(command, port, out / f"{args.name}_{label}.log", timeout_s=900) as server:
+        with ServerProcess([*command, str(port), *flags], port, out / f"{args.name}_{label}.log", timeout_s=900) as server:
             runs[label] = {"multi_turn": multi_turn(server, checkpoint, tokenizer, args)}
             runs[label]["shared_system_prompt"] = shared_system_prompt(server, checkpoint, args)
     result = {
@@ -142,6 +162,7 @@ def main(argv: list[str] | None = None) -> list[str]:
 
 def to_markdown(result: dict) -> str:
     cache, plain = result["runs"]["cache"], result["runs"]["no_cache"]
+    llama = result["runs"].get("llama_server")
     lines = [
         "# Chat-shaped load: quasar-hf serve with its prompt cache and without",
         "",
@@ -149,20 +170,23 @@ def to_markdown(result: dict) -> str:
         "",
         "Multi-turn (one client, history resent every turn): time to first token, seconds",
         "",
-        "| turn | prompt tokens | with the cache | reused tokens | without |",
-        "|---|---|---|---|---|",
+        "| turn | prompt tokens | with the cache | reused tokens | without | llama-server |",
+        "|---|---|---|---|---|---|",
     ]
-    for on, off in zip(cache["multi_turn"], plain["multi_turn"]):
-        lines.append(f"| {on['turn']} | {on['prompt_tokens']} | {on['ttft_s']} | {on['reused']:g} | {off['ttft_s']} |")
+    peer = llama["multi_turn"] if llama else [None] * len(cache["multi_turn"])
+    for on, off, other in zip(cache["multi_turn"], plain["multi_turn"], peer):
+        theirs = other["ttft_s"] if other else "not run"
+        lines.append(f"| {on['turn']} | {on['prompt_tokens']} | {on['ttft_s']} | {on['reused']:g} | {off['ttft_s']} | {theirs} |")
     first, last = cache["multi_turn"][0]["ttft_s"], cache["multi_turn"][-1]["ttft_s"]
     lines += ["", f"Last turn over first, with the cache: {last / first:.2f}x.", ""]
-    on, off = cache["shared_system_prompt"], plain["shared_system_prompt"]
     lines += [
-        f"Shared system prompt ({result['settings']['clients']} clients at once): time to first token",
+        f"Shared system prompt ({result['settings']['clients']} clients at once, wave after wave): time to first token",
         "",
-        "| | mean s | largest s | wall s | reused tokens |",
-        "|---|---|---|---|---|",
-        f"| with the cache | {on['ttft_mean_s']} | {on['ttft_max_s']} | {on['wall_s']} | {on['reused']:g} |",
-        f"| without | {off['ttft_mean_s']} | {off['ttft_max_s']} | {off['wall_s']} | {off['reused']:g} |",
+        "| server | wave | mean s | largest s | wall s | reused tokens |",
+        "|---|---|---|---|---|---|",
     ]
+    for label, run in (("with the cache", cache), ("without", plain), ("llama-server", llama)):
+        for wave in (run or {}).get("shared_system_prompt", []):
+            row = f"| {label} | {wave['wave']} | {wave['ttft_mean_s']} | {wave['ttft_max_s']} | {wave['wall_s']} | {wave['reused']:g} |"
+            lines.append(row)
     return "\n".join(lines) + "\n"

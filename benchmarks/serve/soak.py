@@ -99,12 +99,19 @@ def summarize(rows: list[dict], window: int, wall_s: float) -> dict:
     }
 
 
-def server_counters(base: str) -> dict:
-    """The quasar_* counters and gauges of /metrics (no histogram buckets)."""
+def server_counters(base: str, settle_s: float = 30.0) -> dict:
+    """The quasar_* counters and gauges of /metrics (no histogram buckets), once no request is waiting or running
+    (a client that left has its row stopped at the next step: wait for it, at most `settle_s`)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
-        text = response.read().decode()
+    deadline = time.monotonic() + settle_s
+    while True:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        busy = [line for line in text.splitlines() if line.startswith(("quasar_requests_running ", "quasar_requests_waiting "))]
+        if all(float(line.split()[1]) == 0 for line in busy) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     counters = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
