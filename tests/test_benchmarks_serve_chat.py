@@ -6,20 +6,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
 from benchmarks.serve import chat_turns
-from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
+from tests.helpers.hub import saved_quasar_tiny
 
 pytest.importorskip("fastapi", reason="serving needs transformers[serving]")
 pytest.importorskip("prometheus_client", reason="/metrics needs prometheus_client")
 
 
 def test_a_short_chat_run_reports_reuse_with_the_cache_only(tmp_path):
-    checkpoint = tmp_path / "tiny-quasar"
-    base = make_tiny_checkpoint(tmp_path / "base")
-    quantize_tiny(base).save_pretrained(checkpoint)
-    AutoTokenizer.from_pretrained(base).save_pretrained(checkpoint)
+    checkpoint = saved_quasar_tiny(tmp_path / "tiny-quasar", tmp_path / "base")
     argv = ["--model", str(checkpoint), "--turns", "2", "--words", "20", "--max-tokens", "8", "--clients", "2", "--waves", "2"]
     json_path, markdown_path = sorted(chat_turns.main([*argv, "--system-words", "40", "--out", str(tmp_path / "out")]))
     runs = json.loads(open(json_path).read())["runs"]

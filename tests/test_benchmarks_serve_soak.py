@@ -6,20 +6,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
 from benchmarks.serve import soak
-from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
+from tests.helpers.hub import saved_quasar_tiny
 
 pytest.importorskip("fastapi", reason="serving needs transformers[serving]")
 pytest.importorskip("prometheus_client", reason="/metrics needs prometheus_client")
 
 
 def test_a_small_soak_reports_failures_rss_and_the_servers_counters(tmp_path):
-    checkpoint = tmp_path / "tiny-quasar"
-    base = make_tiny_checkpoint(tmp_path / "base")
-    quantize_tiny(base).save_pretrained(checkpoint)
-    AutoTokenizer.from_pretrained(base).save_pretrained(checkpoint)
+    checkpoint = saved_quasar_tiny(tmp_path / "tiny-quasar", tmp_path / "base")
     argv = ["--model", str(checkpoint), "--requests", "24", "--clients", "4", "--leave-every", "4", "--window", "6"]
     paths = soak.main([*argv, "--max-tokens", "3,40", "--out", str(tmp_path / "out")])
     json_path, markdown_path = sorted(paths)

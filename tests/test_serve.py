@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
+from tests.helpers.hub import saved_quasar_tiny
 from tests.helpers.server_process import ServerProcess, free_port
 
 openai = pytest.importorskip("openai", reason="the server tests use the openai client (transformers[serving])")
@@ -65,11 +65,7 @@ class Server(ServerProcess):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("served") / "tiny-quasar"
-    base = make_tiny_checkpoint(tmp_path_factory.mktemp("base"))
-    quantize_tiny(base).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
-    return folder
+    return saved_quasar_tiny(tmp_path_factory.mktemp("served") / "tiny-quasar", tmp_path_factory.mktemp("base"))
 
 
 @pytest.fixture(scope="module")

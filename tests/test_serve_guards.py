@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
+from tests.helpers.hub import saved_quasar_tiny
 from tests.helpers.server_process import ServerProcess, free_port
 
 openai = pytest.importorskip("openai", reason="the server tests use the openai client (transformers[serving])")
@@ -65,10 +65,7 @@ class Server(ServerProcess):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("served") / "tiny-quasar"
-    base = make_tiny_checkpoint(tmp_path_factory.mktemp("base"))
-    quantize_tiny(base).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
+    folder = saved_quasar_tiny(tmp_path_factory.mktemp("served") / "tiny-quasar", tmp_path_factory.mktemp("base"))
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
     return folder

@@ -169,3 +169,13 @@ class HubStandIn:
         data = files[filename]
         headers = {"ETag": f'"{hashlib.sha1(data).hexdigest()}"', "X-Repo-Commit": "0" * 40, "Content-Length": str(len(data))}
         return httpx2.Response(200, headers=headers, content=b"" if method == "HEAD" else data)
+
+
+def saved_quasar_tiny(folder: Path, work: Path) -> Path:
+    """A saved Quasar checkpoint of the tiny model, with its tokenizer, in `folder` (the float one in `work`)."""
+    from transformers import AutoTokenizer
+
+    base = make_tiny_checkpoint(work)
+    quantize_tiny(base).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
+    return folder
