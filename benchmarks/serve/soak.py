@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--max-tokens", type=lambda text: [int(v) for v in text.split(",")], default=[4, 8, 16, 32])
     parser.add_argument("--leave-every", type=int, default=10, help="every Nth request leaves mid-stream (0: none)")
     parser.add_argument("--window", type=int, default=500, help="requests in the first and last RSS windows")
+    parser.add_argument(
+        "--server-args", default="", help="more `quasar-hf serve` options, one string (e.g. '--prompt-cache-gb 0')"
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--name", default="serve_soak")
     args = parser.parse_args(argv)
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    command = [sys.executable, "-m", "quasar_hf.cli", "serve", checkpoint, "--port", str(port)]
+    command = [sys.executable, "-m", "quasar_hf.cli", "serve", checkpoint, "--port", str(port), *args.server_args.split()]
     with ServerProcess(command, port, out / f"{args.name}.log", timeout_s=900) as server:
         started = time.perf_counter()
         rows = run_soak(server, checkpoint, prompts, args)
