@@ -76,7 +76,8 @@ def multi_turn(server: ServerProcess, model: str, tokenizer, args) -> list[dict]
     for turn in range(args.turns):
         chunk = " ".join(words[turn * args.words : (turn + 1) * args.words])
         messages.append({"role": "user", "content": f"Summarize this in one sentence: {chunk}"})
-        prompt_tokens = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        prompt_tokens = len(rendered["input_ids"])
         before = reused_tokens(server.base)
         ttft, text = first_token_seconds(server.port, model, messages, args.max_tokens)
         turns.append(
