@@ -65,6 +65,14 @@ def cache_key_values(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
+def replace_cache_key_values(cache: Any, key_values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Make each layer of a dynamic KV cache hold these keys and values [B, H, S, D] (rows added or removed)."""
+    for layer, (keys, values) in zip(cache.layers, key_values):
+        if not layer.is_initialized:
+            layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+
+
 def is_full_attention_layer(cache_layer: Any) -> bool:
     """True for a plain full-attention dynamic KV layer (a sliding window counts slots, not tokens)."""
     from transformers.cache_utils import DynamicLayer

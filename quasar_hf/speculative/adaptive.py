@@ -245,3 +245,6 @@ class AdaptiveDrafter:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.inner.select_rows(rows)
+
+    def add_rows(self, prompts: list[torch.Tensor]) -> None:
+        self.inner.add_rows(prompts)

@@ -241,6 +241,13 @@ class AutoDrafter:
         if self.model_drafter is not None:
             self.model_drafter.select_rows(rows)
 
+    def add_rows(self, prompts: list[torch.Tensor]) -> None:
+        """Rows that joined the batch: the step gate prices the batch from now on."""
+        self.batched = True
+        for source in (self.ngram, self.model_drafter):
+            if source is not None:
+                source.add_rows(prompts)
+
     def summary(self) -> dict:
         """Which source drafted how often, and each policy's estimates."""
         return {

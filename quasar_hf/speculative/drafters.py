@@ -3,7 +3,8 @@
 A drafter sees each active row as a 1-D LongTensor of its real tokens (prompt without padding
 + tokens emitted so far) and returns a `Draft`. After verification the loop calls
 `on_accept(num_accepted)` so stateful drafters (an assistant model's KV cache) roll back what
-was rejected, and `select_rows(rows)` when finished rows leave the batch.
+was rejected, and `select_rows(rows)` when finished rows leave the batch. A drafter that can serve
+rows joining a running batch (the serving engine) also has `add_rows(prompts)`: new rows at the end.
 New drafters register a factory in DRAFTER_FACTORIES; the verifier never changes.
 """
 
@@ -50,7 +51,7 @@ class Drafter(Protocol):
     def select_rows(self, rows: torch.Tensor) -> None: ...
 
 
-def _pack(rows: list[torch.Tensor], device: torch.device) -> Draft:
+def pack_drafts(rows: list[torch.Tensor], device: torch.device) -> Draft:
     """Right-pad per-row draft lists into a Draft without probabilities."""
     k = max((len(r) for r in rows), default=0)
     tokens = torch.zeros(len(rows), k, dtype=torch.long, device=device)
@@ -78,7 +79,7 @@ class NgramDrafter:
 
     def propose(self, sequences: list[torch.Tensor], max_tokens: list[int]) -> Draft:
         rows = [self.lookup(seq, min(self.num_draft_tokens, budget)) for seq, budget in zip(sequences, max_tokens)]
-        return _pack(rows, self.device)
+        return pack_drafts(rows, self.device)
 
     def lookup(self, sequence: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Continuation [<= num_tokens] of the latest earlier match of the longest matching suffix."""
@@ -99,6 +100,16 @@ class NgramDrafter:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         pass
+
+    def add_rows(self, prompts: list[torch.Tensor]) -> None:
+        pass
+
+
+class NoDrafter(NgramDrafter):
+    """Drafts nothing: a request prefilled alone before it joins a running batch, whose drafter serves it from then on."""
+
+    def __init__(self) -> None:
+        super().__init__(num_draft_tokens=0)
 
 
 class AssistantDrafter:
@@ -136,7 +147,7 @@ class AssistantDrafter:
         k = max(budgets, default=0)
         batch = len(sequences)
         if k == 0:
-            return _pack([sequences[0].new_empty(0)] * batch, self.setup.device)
+            return pack_drafts([sequences[0].new_empty(0)] * batch, self.setup.device)
         logits = self._ingest(sequences)  # [B, V]: next-token logits after each row's last token
         prefixes = list(sequences)
         tokens, probs = [], []
@@ -195,6 +206,11 @@ class AssistantDrafter:
     def select_rows(self, rows: torch.Tensor) -> None:
         self.state.select_rows(rows)
         self.fed_drafts = self.fed_drafts[rows]
+
+    def add_rows(self, prompts: list[torch.Tensor]) -> None:
+        """New rows with nothing in this drafter's cache yet: their prompts are fed at their first draft."""
+        self.state.add_empty_rows(len(prompts))
+        self.fed_drafts = torch.cat([self.fed_drafts, self.fed_drafts.new_zeros(len(prompts))])
 
 
 def _vocabulary_sizes(model: torch.nn.Module) -> tuple[int, int]:

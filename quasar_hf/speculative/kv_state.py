@@ -61,6 +61,43 @@ class RowAlignedCache:
         slots = self.slot_mask[index].nonzero().squeeze(-1)
         return [(k[index : index + 1, :, slots], v[index : index + 1, :, slots]) for k, v in compat.cache_key_values(self.cache)]
 
+    def join(self, other: RowAlignedCache) -> None:
+        """Append `other`'s rows (their own keys, computed alone) below these. Both are right-aligned to the wider
+        one: the narrower side's missing slots are masked holes, which no row attends to."""
+        if self.has_sliding_layers or other.has_sliding_layers:
+            raise ValueError("rows join a running batch only over full-attention KV layers")
+        width = max(self.slot_mask.shape[1], other.slot_mask.shape[1])
+        mine, theirs = _filled_key_values(self.cache), _filled_key_values(other.cache)
+        template = mine or theirs
+        if template:
+            joined = []
+            for index, layer in enumerate(template):
+                joined.append(
+                    tuple(
+                        torch.cat(
+                            [
+                                _rows_at_width(mine, index, part, self.batch_size, width, layer[part]),
+                                _rows_at_width(theirs, index, part, other.batch_size, width, layer[part]),
+                            ]
+                        )
+                        for part in (0, 1)
+                    )
+                )
+            compat.replace_cache_key_values(self.cache, joined)
+        masks = [torch.nn.functional.pad(m, (width - m.shape[1], 0)) for m in (self.slot_mask, other.slot_mask)]
+        self.slot_mask = torch.cat(masks)
+        self.valid_len = torch.cat([self.valid_len, other.valid_len])
+
+    def add_empty_rows(self, count: int) -> None:
+        """Append `count` rows holding nothing yet (every slot a hole): their tokens come with the next forward."""
+        width = self.slot_mask.shape[1]
+        key_values = _filled_key_values(self.cache)
+        if key_values and width:
+            grown = [tuple(torch.cat([t, t.new_zeros(count, *t.shape[1:])]) for t in kv) for kv in key_values]
+            compat.replace_cache_key_values(self.cache, grown)
+        self.slot_mask = torch.cat([self.slot_mask, self.slot_mask.new_zeros(count, width)])
+        self.valid_len = torch.cat([self.valid_len, self.valid_len.new_zeros(count)])
+
     def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
         """Append tokens [B, n] (token_mask [B, n]: 1 = real token) and return fp32 logits [B, n or 1, V]."""
         if token_mask is None:
@@ -110,6 +147,7 @@ class RowAlignedCache:
         self.slot_mask = self.slot_mask[rows]
         self.valid_len = self.valid_len[rows]
         self._crop_empty_tail()
+        self._crop_empty_head()
 
     def check_holes_supported(self) -> None:
         """Masked holes need plain full-attention layers (a sliding window counts slots, not tokens)."""
@@ -121,6 +159,20 @@ class RowAlignedCache:
                 f"{kinds[0]}. Run one prompt at a time (batch size 1) for this model."
             )
 
+    def _crop_empty_head(self) -> None:
+        """Remove leading slots that no row uses any more (rows that left a long-lived batch), once they are at least
+        a quarter of the cache: each removal copies the cache once."""
+        used = self.slot_mask.any(dim=0)  # [S]
+        if used.numel() == 0 or bool(used[0]):
+            return
+        first_used = int(used.nonzero().min()) if used.any() else used.numel()
+        if first_used < max(16, used.numel() // 4):
+            return
+        key_values = _filled_key_values(self.cache)
+        if key_values:
+            compat.replace_cache_key_values(self.cache, [(k[:, :, first_used:], v[:, :, first_used:]) for k, v in key_values])
+        self.slot_mask = self.slot_mask[:, first_used:]
+
     def _crop_empty_tail(self) -> None:
         """Remove trailing slots that no row uses."""
         used = self.slot_mask.any(dim=0)  # [S]
@@ -131,6 +183,30 @@ class RowAlignedCache:
         if remove > 0:
             self.cache.crop(-remove)
             self.slot_mask = self.slot_mask[:, :last_used]
+
+
+def _filled_key_values(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's keys and values [B, H, S, D], or [] before the first forward filled them."""
+    if not all(getattr(layer, "is_initialized", False) for layer in cache.layers):
+        return []
+    key_values = compat.cache_key_values(cache)
+    return key_values if key_values and key_values[0][0].dim() == 4 else []
+
+
+def _rows_at_width(
+    key_values: list[tuple[torch.Tensor, torch.Tensor]], layer: int, part: int, rows: int, width: int, like: torch.Tensor
+) -> torch.Tensor:
+    """One side of a join at the joined width: its keys or values with holes before them, or all holes when empty."""
+    if key_values:
+        return _left_holes(key_values[layer][part], width)
+    return like.new_zeros(rows, like.shape[1], width, like.shape[3])
+
+
+def _left_holes(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, H, S, D] -> [B, H, width, D] with zeros (masked holes) before its slots."""
+    if tensor.shape[-2] == width:
+        return tensor
+    return torch.nn.functional.pad(tensor, (0, 0, width - tensor.shape[-2], 0))
 
 
 def _right_aligned(tensors: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -18,11 +18,11 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .drafters import Drafter, DraftSetup
+from .drafters import Draft, Drafter, DraftSetup, NgramDrafter, pack_drafts
 from .kv_state import RowAlignedCache
+from .row_rules import RowRules, accept, choose_first
 from .static_cache import StaticVerifierCache
 from .stats import QuasarStats
-from .verify import greedy_accept, speculative_sample_accept
 
 
 @dataclass
@@ -63,7 +63,10 @@ class PreparedGeneration:
 
 
 class SpeculativeRun:
-    """State of one call: per-row token lists, the verifier cache, pending tokens, stats."""
+    """State of one call: per-row token lists and rules, the verifier cache, pending tokens, stats.
+
+    `run()` decodes a whole `generate` call. The serving engine (engine.py) drives the same steps
+    itself: `prefill()` one request alone, `join()` it to the running batch, `step()` every row."""
 
     def __init__(
         self,
@@ -77,21 +80,33 @@ class SpeculativeRun:
         draft_width: int | None = None,
         cached_prefix: list[int] | None = None,
         keep_row_cache: RowCacheSink | None = None,
+        row_drafter: NgramDrafter | None = None,
     ) -> None:
         """`verifier` defaults to a RowAlignedCache; `draft_width` pads non-empty drafts to that many
         tokens (fixed step shapes for a static cache; the padding's logits are never read);
         `cached_prefix[b]`: the verifier already holds row b's first that many prompt tokens;
-        `keep_row_cache(tokens, key_values)`: receives each row's keys and values as it finishes (a RowAlignedCache's)."""
+        `keep_row_cache(tokens, key_values)`: receives each row's keys and values as it finishes (a RowAlignedCache's);
+        `row_drafter`: rows that may join later (the engine): a sampled row drafts its own n-gram lookups with it
+        and draws from its own generator, `drafter` drafts greedily for the greedy rows, finished rows are released."""
         self.model = model
         self.prepared = prepared
         self.drafter = drafter
         self.streamer = streamer
         self.generator = generator
         self.do_sample = bool(prepared.generation_config.do_sample)
+        self.row_drafter = row_drafter
         self.device = prepared.input_ids.device
         self.rows = list(prepared.input_ids)  # per row [T + generated]: the input_ids plain generate would see
         self.pad_lengths = (prepared.attention_mask == 0).sum(-1).tolist()
         self.active = list(range(len(self.rows)))  # original indices of unfinished rows
+        own = self.do_sample and row_drafter is not None
+        limit = row_drafter.num_draft_tokens if row_drafter is not None else None
+        self.rules = [
+            RowRules(processors, prepared.stopping_criteria, self.do_sample, generator, prepared.max_length, own, limit)
+            for processors in prepared.row_logits_processors
+        ]
+        self.shared_rules = True  # every row has the call's rules: the batch's processors apply to the batch
+        self.pending = prepared.input_ids[:, -1]  # [B_active] each row's chosen token not yet fed (set by prefill)
         self.cached_prefix = cached_prefix or [0] * len(self.rows)
         self.keep_row_cache = keep_row_cache
         self.stats = QuasarStats(prefill_tokens=int(prepared.attention_mask.sum()) - sum(self.cached_prefix))
@@ -103,17 +118,17 @@ class SpeculativeRun:
 
     def run(self) -> tuple[torch.Tensor, QuasarStats]:
         started = time.perf_counter()  # the prompt was streamed by generate
-        pending = self._prefill()
+        self.prefill()
         self._stream_columns()
         while self.active:
-            pending = self._verify_step(pending)
+            self.step()
             self._stream_columns()
         if self.streamer is not None:
             self.streamer.end()
         self.stats.total_time_s = time.perf_counter() - started
         return self._padded_sequences(), self.stats
 
-    def _prefill(self) -> torch.Tensor:
+    def prefill(self) -> None:
         """Verifier forward over the prompts; choose each row's first token like plain generate."""
         started = time.perf_counter()
         ids, mask = self._uncached_prompts()
@@ -121,11 +136,12 @@ class SpeculativeRun:
         if len(self.rows) > 1:
             self.verifier.check_holes_supported()
         scores = self._scores(self.active, self.rows, logits)  # [B, V]
-        first = scores.argmax(-1) if not self.do_sample else self._sample(scores)
-        self.drafter.start([r[p:] for r, p in zip(self.rows, self.pad_lengths)], self._draft_setup())
+        first = choose_first([self.rules[b] for b in self.active], scores)
+        drafted = self.drafter_rows()
+        self.drafter.start([self.rows[b][self.pad_lengths[b] :] for b in drafted], self._draft_setup())
         self.stats.prefill_time_s += time.perf_counter() - started
         finished = [self._emit(b, first[i : i + 1], scores[i : i + 1])[1] for i, b in enumerate(self.active)]
-        return self._drop_finished(first, finished)
+        self.pending = self._drop_finished(first, finished)
 
     def _uncached_prompts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Input ids and mask [B, W] of the prompt tokens past each row's cached prefix, left-padded."""
@@ -141,28 +157,22 @@ class SpeculativeRun:
             mask[b, width - part.shape[0] :] = 1
         return ids, mask
 
-    def _verify_step(self, pending: torch.Tensor) -> torch.Tensor:
+    def step(self) -> None:
         """Draft, verify [pending + drafts] in one forward, emit accepted tokens, roll caches back."""
         started = time.perf_counter()
-        real_rows = [self.rows[b][self.pad_lengths[b] :] for b in self.active]
-        budgets = [self.prepared.max_length - len(self.rows[b]) - 1 for b in self.active]
-        draft = self.drafter.propose(real_rows, budgets)
+        draft = self._propose()
         drafted = time.perf_counter()
         k = draft.tokens.shape[1]
-        chunk = torch.cat([pending[:, None], draft.tokens], dim=1)  # [B, k+1]
+        chunk = torch.cat([self.pending[:, None], draft.tokens], dim=1)  # [B, k+1]
         if self.draft_width is not None and 0 < k < self.draft_width:  # [B, width+1]: one verify shape
-            chunk = torch.cat([chunk, pending[:, None].expand(-1, self.draft_width - k)], dim=1)
+            chunk = torch.cat([chunk, self.pending[:, None].expand(-1, self.draft_width - k)], dim=1)
         logits = self.verifier.forward(chunk)[:, : k + 1]  # [B, k+1, V] fp32
         self.stats.forward_time_s += time.perf_counter() - drafted
         self.stats.verifier_forwards += 1
         scores = self._position_scores(draft.tokens, logits)  # [B, k+1, V]
-        if self.do_sample:
-            probs = torch.softmax(scores, dim=-1)
-            num_accepted, next_token = speculative_sample_accept(draft.tokens, draft.probs, probs, self.generator, draft.lengths)
-        else:
-            num_accepted, next_token = greedy_accept(draft.tokens, scores, draft.lengths)
+        num_accepted, next_token = accept([self.rules[b] for b in self.active], draft, scores)
         self.verifier.keep_accepted(num_accepted + 1, chunk.shape[1])  # pending token + accepted drafts
-        self.drafter.on_accept(num_accepted)
+        self.drafter.on_accept(num_accepted[self._drafter_index()])
         accepted_list = num_accepted.tolist()
         emitted, finished = [], []
         for i, b in enumerate(self.active):
@@ -174,11 +184,60 @@ class SpeculativeRun:
         self.stats.record_step(draft.lengths.tolist(), accepted_list, emitted)
         self.stats.draft_time_s += drafted - started
         self.stats.verify_time_s += time.perf_counter() - drafted
-        return self._drop_finished(next_token, finished)
+        self.pending = self._drop_finished(next_token, finished)
+
+    def _propose(self) -> Draft:
+        """Each active row's draft: the drafter's for its rows, a row's own n-gram lookup for the others."""
+        sequences = [self.rows[b][self.pad_lengths[b] :] for b in self.active]
+        budgets = []
+        for b in self.active:
+            budget, limit = self.rules[b].max_length - len(self.rows[b]) - 1, self.rules[b].draft_limit
+            budgets.append(budget if limit is None else min(budget, limit))
+        served = self._drafter_index()
+        if len(served) == len(self.active):
+            return self.drafter.propose(sequences, budgets)
+        parts: list[torch.Tensor] = [sequence.new_empty(0) for sequence in sequences]
+        if served:
+            draft = self.drafter.propose([sequences[i] for i in served], [budgets[i] for i in served])
+            if draft.probs is not None:
+                raise RuntimeError("rows that join a running batch take deterministic drafts (the drafter runs greedy)")
+            for j, i in enumerate(served):
+                parts[i] = draft.tokens[j, : int(draft.lengths[j])]
+        for i, b in enumerate(self.active):
+            if self.rules[b].own_drafts:
+                parts[i] = self.row_drafter.lookup(sequences[i], budgets[i])  # budget: its own draft_limit
+        return pack_drafts(parts, self.device)
+
+    def drafter_rows(self) -> list[int]:
+        """Original indices of the active rows the drafter serves (those without their own drafts), in batch order."""
+        return [b for b in self.active if not self.rules[b].own_drafts]
+
+    def _drafter_index(self) -> list[int]:
+        """Positions in the active batch of the rows the drafter serves."""
+        return [i for i, b in enumerate(self.active) if not self.rules[b].own_drafts]
+
+    def join(self, other: SpeculativeRun) -> int:
+        """Append another run's unfinished rows (a request prefilled alone) to this batch; the index its first row
+        has here. Both runs must have been made for joining (`row_drafter`) on RowAlignedCaches of one model."""
+        if self.row_drafter is None or other.row_drafter is None or not hasattr(self.drafter, "add_rows"):
+            raise ValueError("only runs made for joining (row_drafter=..., a drafter with add_rows) can be joined")
+        offset = len(self.rows)
+        self.rows += other.rows
+        self.pad_lengths += other.pad_lengths
+        self.cached_prefix += other.cached_prefix
+        self.rules += other.rules
+        self.verifier.join(other.verifier)
+        served = [other.rows[b][other.pad_lengths[b] :] for b in other.drafter_rows()]
+        if served:
+            self.drafter.add_rows(served)
+        self.active += [offset + b for b in other.active]
+        self.pending = torch.cat([self.pending, other.pending])
+        self.shared_rules = False
+        return offset
 
     def _position_scores(self, draft_tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Processed scores at every verified position, each with the prefix that position would have seen."""
-        if len(self.prepared.logits_processor) == 0:
+        if all(len(self.rules[b].processors) == 0 for b in self.active):
             return logits
         columns = []
         for j in range(logits.shape[1]):
@@ -188,23 +247,20 @@ class SpeculativeRun:
 
     def _scores(self, rows: list[int], prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
         """Apply the logits processors to logits [B, V] given each row's prefix (1-D, padded prompt + tokens)."""
-        processors = self.prepared.logits_processor
-        if len(processors) == 0:
+        if all(len(self.rules[b].processors) == 0 for b in rows):
             return logits
-        if len(rows) == len(self.rows) and len({p.shape[0] for p in prefixes}) == 1:
-            return processors(torch.stack(prefixes), logits.clone())  # the whole batch, as plain generate calls it
-        # Rows of different lengths (or a subset of rows): one call per row, with that row's processors.
-        per_row = self.prepared.row_logits_processors
-        return torch.cat([per_row[b](p[None], logits[i : i + 1].clone()) for i, (b, p) in enumerate(zip(rows, prefixes))])
+        if self.shared_rules and len(rows) == len(self.rows) and len({p.shape[0] for p in prefixes}) == 1:
+            return self.prepared.logits_processor(torch.stack(prefixes), logits.clone())  # as plain generate calls it
+        # Rows of different lengths, a subset of rows, or rows of several calls: one call per row, with its processors.
+        return torch.cat(
+            [self.rules[b].processors(p[None], logits[i : i + 1].clone()) for i, (b, p) in enumerate(zip(rows, prefixes))]
+        )
 
     def _draft_scores(self, prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
-        """Processed scores for a drafter, whose prefixes are the active rows without their left padding."""
-        padded = [torch.cat([self.rows[b][: self.pad_lengths[b]], p]) for b, p in zip(self.active, prefixes)]
-        return self._scores(self.active, padded, logits)
-
-    def _sample(self, scores: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        """Processed scores for the drafter, whose prefixes are its rows without their left padding."""
+        rows = self.drafter_rows()
+        padded = [torch.cat([self.rows[b][: self.pad_lengths[b]], p]) for b, p in zip(rows, prefixes)]
+        return self._scores(rows, padded, logits)
 
     def _emit(self, row: int, tokens: torch.Tensor, scores: torch.Tensor) -> tuple[int, bool]:
         """Append tokens to a row one at a time until a stopping criterion fires; stream them."""
@@ -212,7 +268,7 @@ class SpeculativeRun:
         for j in range(tokens.shape[0]):
             self.rows[row] = torch.cat([self.rows[row], tokens[j : j + 1]])
             count += 1
-            if bool(self.prepared.stopping_criteria(self.rows[row][None], scores[j : j + 1]).any()):
+            if bool(self.rules[row].stopping(self.rows[row][None], scores[j : j + 1]).any()):
                 done = True
                 break
         if self.streamer is not None and hasattr(self.streamer, "put_row"):  # a RowStreamer: it may stop the row
@@ -238,28 +294,37 @@ class SpeculativeRun:
         """Remove finished rows from the batch, the verifier cache and the drafter."""
         if not any(finished):
             return pending
+        served = self.drafter_rows()
         for i, done in enumerate(finished):
+            b = self.active[i]
             if done and self.keep_row_cache is not None and _holds_row_caches(self.verifier):
-                b, fed = self.active[i], int(self.verifier.valid_len[i])
+                fed = int(self.verifier.valid_len[i])
                 self.keep_row_cache(
                     self.rows[b][self.pad_lengths[b] : self.pad_lengths[b] + fed].tolist(), self.verifier.row_key_values(i)
                 )
             if done and hasattr(self.streamer, "end_row"):
-                self.streamer.end_row(self.active[i])
+                self.streamer.end_row(b)
         keep = [i for i, done in enumerate(finished) if not done]
+        gone = {self.active[i] for i, done in enumerate(finished) if done}
         self.active = [self.active[i] for i in keep]
+        if self.row_drafter is not None:  # rows of a long-lived batch: their tokens were streamed, free them
+            for b in gone:
+                self.rows[b] = self.rows[b][:0]
         if not keep:
             return pending[:0]
         keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.verifier.select_rows(keep_index, max(self.prepared.max_length - len(self.rows[b]) for b in self.active))
-        self.drafter.select_rows(keep_index)
+        self.verifier.select_rows(keep_index, max(self.rules[b].max_length - len(self.rows[b]) for b in self.active))
+        kept_served = [j for j, b in enumerate(served) if b not in gone]
+        if len(kept_served) < len(served):
+            self.drafter.select_rows(torch.tensor(kept_served, dtype=torch.long, device=self.device))
         return pending[keep_index]
 
     def _draft_setup(self) -> DraftSetup:
+        joinable = self.row_drafter is not None  # the drafter serves greedy rows only: sampled rows draft their own
         return DraftSetup(
-            do_sample=self.do_sample,
+            do_sample=self.do_sample and not joinable,
             score_fn=self._draft_scores,
-            generator=self.generator,
+            generator=None if joinable else self.generator,
             device=self.device,
             verify_width=self.draft_width,
         )

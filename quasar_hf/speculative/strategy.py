@@ -36,7 +36,7 @@ from .attention import verification_attention
 from .checks import INPUTS_EMBEDS_HELP, _check_inputs, _refuse_unsupported, as_long_ids
 from .compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for, model_context
 from .config import QuasarGenerationConfig
-from .drafters import make_drafter
+from .drafters import NgramDrafter, make_drafter
 from .kv_state import RowAlignedCache
 from .loop import PreparedGeneration, QuasarGenerateOutput, RowCacheSink, SpeculativeRun
 from .prompt_cache import KeyValues
@@ -85,9 +85,11 @@ def run_prepared(
     generator: torch.Generator | None = None,
     prefixes: list[KeyValues] | None = None,
     keep_row_cache: RowCacheSink | None = None,
-) -> torch.Tensor | QuasarGenerateOutput:
+    admit: bool = False,
+) -> torch.Tensor | QuasarGenerateOutput | SpeculativeRun:
     """Run the speculative loop on what `generate` prepared for this call; `prefixes[b]`: keys and values of
-    row b's first prompt tokens, computed earlier (a prompt cache's); `keep_row_cache`: see SpeculativeRun."""
+    row b's first prompt tokens, computed earlier (a prompt cache's); `keep_row_cache`: see SpeculativeRun.
+    `admit`: prefill only and return the run, made to join a running batch (the serving engine, engine.py)."""
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError(INPUTS_EMBEDS_HELP)
     input_ids = as_long_ids(input_ids)
@@ -102,6 +104,8 @@ def run_prepared(
     prefixes = [given] if given is not None else prefixes
     if prefixes is not None and (len(prefixes) != batch_size or quasar_config.cache_implementation == "static"):
         raise ValueError("cached prefixes need one prefix per row and the dynamic cache")
+    if admit and quasar_config.cache_implementation == "static":
+        raise ValueError("rows join a running batch on the dynamic cache only (not a static cache or compiled steps)")
     if attention_mask is None:  # generate drops an all-ones mask
         attention_mask = torch.ones_like(input_ids)
     prepared = PreparedGeneration(
@@ -124,9 +128,26 @@ def run_prepared(
             verifier = RowAlignedCache(model, batch_size, input_ids.device, verify_kwargs)
             verifier.seed(prefixes)
             lengths = [prefix[0][0].shape[-2] for prefix in prefixes]
+        row_drafter = None
+        if admit:
+            verifier = verifier or RowAlignedCache(model, batch_size, input_ids.device, verify_kwargs)
+            row_drafter = NgramDrafter(quasar_config.num_draft_tokens, quasar_config.max_ngram_size, quasar_config.min_ngram_size)
         run = SpeculativeRun(
-            model, prepared, drafter, streamer, generator, verify_kwargs, verifier, draft_width, lengths, keep_row_cache
+            model,
+            prepared,
+            drafter,
+            streamer,
+            generator,
+            verify_kwargs,
+            verifier,
+            draft_width,
+            lengths,
+            keep_row_cache,
+            row_drafter,
         )
+        if admit:
+            run.prefill()
+            return run
         sequences, stats = run.run()
     if generation_config.return_dict_in_generate:
         # one row on a dynamic cache: the cache holds exactly its tokens but the last, as plain generate's does
@@ -256,13 +277,15 @@ def generate_with_quasar(
     tokenizer: Any = None,
     quasar_prefixes: list[KeyValues] | None = None,
     quasar_keep_row_cache: RowCacheSink | None = None,
+    quasar_admit: bool = False,
     **kwargs: Any,
-) -> torch.Tensor | QuasarGenerateOutput:
+) -> torch.Tensor | QuasarGenerateOutput | SpeculativeRun:
     """Quasar generation with `generate`'s own arguments (positional order included), streamer and stop strings kept.
 
     `assistant_model` drafts for the speculative loop (drafter="assistant"); `quasar` chooses the
     drafter and its settings; `quasar_generator` seeds acceptance and sampling; `quasar_prefixes` and
-    `quasar_keep_row_cache` continue rows from a prompt cache and fill it (run_prepared).
+    `quasar_keep_row_cache` continue rows from a prompt cache and fill it, `quasar_admit` returns the prefilled run
+    (run_prepared).
     """
     refused = {
         "prefix_allowed_tokens_fn": prefix_allowed_tokens_fn,
@@ -307,6 +330,7 @@ def generate_with_quasar(
             quasar_generator,
             quasar_prefixes,
             quasar_keep_row_cache,
+            quasar_admit,
         )
 
     return type(model).generate(

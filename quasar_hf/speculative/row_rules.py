@@ -1,0 +1,81 @@
+"""How each row of a speculative batch chooses its tokens: its own processors, stopping rules, sampling and randomness.
+
+Rows of one `generate` call share one set of rules (one generator, drawn for the batch as a whole, as
+before). Rows that joined a running batch (the serving engine, speculative/engine.py) each keep the
+rules of the request they came from: a greedy row takes the argmax of its own scores, and a sampled
+row with its own generator draws only for itself, from its own draft only (`own_drafts`), so its
+random numbers, and so its text, do not depend on what else shares the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
+from .drafters import Draft
+from .verify import greedy_accept, speculative_sample_accept
+
+
+@dataclass
+class RowRules:
+    """One row's rules, as generate prepared them for the call the row came from."""
+
+    processors: LogitsProcessorList  # for calls on this row alone [1, ...]
+    stopping: StoppingCriteriaList
+    do_sample: bool
+    generator: torch.Generator | None
+    max_length: int  # prompt (with its left padding) + max_new_tokens
+    own_drafts: bool = False  # drafts n-gram lookups of its own tokens, whatever else shares the step
+    draft_limit: int | None = None  # at most this many draft tokens per step (0: Quasar off for this row)
+
+
+def sampling_groups(rules: list[RowRules]) -> list[tuple[list[int], RowRules]]:
+    """Indices of rows that choose together, in order: rows sharing a generator (one generate call) draw as one
+    batch; a row with its own draft draws alone; greedy rows form one group."""
+    groups: dict[object, list[int]] = {}
+    for i, rule in enumerate(rules):
+        key = ("own", i) if rule.own_drafts and rule.do_sample else (rule.do_sample, id(rule.generator))
+        groups.setdefault(key, []).append(i)
+    return [(indices, rules[indices[0]]) for indices in groups.values()]
+
+
+def choose_first(rules: list[RowRules], scores: torch.Tensor) -> torch.Tensor:
+    """The first token [B] of each row from its processed prefill scores [B, V]."""
+    first = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
+    for indices, rule in sampling_groups(rules):
+        index = torch.tensor(indices, device=scores.device)
+        part = scores[index]
+        if rule.do_sample:
+            chosen = torch.multinomial(torch.softmax(part, dim=-1), 1, generator=rule.generator).squeeze(1)
+        else:
+            chosen = part.argmax(-1)
+        first[index] = chosen
+    return first
+
+
+def accept(rules: list[RowRules], draft: Draft, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_accepted [B], next_token [B]) of each row from its scores [B, k+1, V]: greedy rows keep the drafts
+    their argmax agrees with; sampled rows run exact speculative sampling with their group's generator. A row
+    with its own draft is cut to its own length first, so it draws as many numbers as it would alone."""
+    batch = scores.shape[0]
+    if len({id(rule) for rule in rules}) == 1 or len(sampling_groups(rules)) == 1:
+        return _accept_group(rules[0], draft.tokens, draft.probs, scores, draft.lengths)
+    num_accepted = torch.zeros(batch, dtype=torch.long, device=scores.device)
+    next_token = torch.zeros(batch, dtype=torch.long, device=scores.device)
+    for indices, rule in sampling_groups(rules):
+        index = torch.tensor(indices, device=scores.device)
+        width = int(draft.lengths[index].max()) if rule.own_drafts and rule.do_sample else draft.tokens.shape[1]
+        probs = None if draft.probs is None else draft.probs[index, :width]
+        n, token = _accept_group(rule, draft.tokens[index, :width], probs, scores[index, : width + 1], draft.lengths[index])
+        num_accepted[index], next_token[index] = n, token
+    return num_accepted, next_token
+
+
+def _accept_group(
+    rule: RowRules, tokens: torch.Tensor, probs: torch.Tensor | None, scores: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not rule.do_sample:
+        return greedy_accept(tokens, scores, lengths)
+    return speculative_sample_accept(tokens, probs, torch.softmax(scores, dim=-1), rule.generator, lengths)
