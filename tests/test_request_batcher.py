@@ -1,5 +1,6 @@
-"""RequestBatcher: requests sent together decode as one batch, each row its own request's tokens, budget and
-cancellation; plain (Quasar off) and options the loop declines run too."""
+"""RequestBatcher: requests sent together decode in one running batch, each row its own request's tokens, budget
+and cancellation; plain (Quasar off) and options the loop declines run too. Rows joining and leaving a
+running batch: tests/test_decode_engine.py."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_requests_sent_together_run_as_one_batch_with_each_rows_own_budget(model
         collectors = [Collector() for _ in PROMPTS]
         budgets = [12, 5, 9]
         run_together(batcher, [(c.request(p, max_new_tokens=b), c) for c, p, b in zip(collectors, PROMPTS, budgets)])
-        assert batcher.batches_run == 1 and batcher.rows_run == 3
+        assert batcher.widest_step == 3 and batcher.rows_run == 3
         for collector, prompt, budget in zip(collectors, PROMPTS, budgets):
             assert collector.error is None
             assert collector.tokens == alone(model, prompt, budget, quasar=False)
@@ -63,7 +64,7 @@ def test_requests_sent_together_run_as_one_batch_with_each_rows_own_budget(model
         batcher.stop()
 
 
-def test_sampled_requests_run_one_at_a_time_with_their_own_generator(model):
+def test_sampled_requests_share_steps_and_each_draws_from_its_own_generator(model):
     batcher = RequestBatcher(model, gather_seconds=0.2)
     try:
         outputs = []
@@ -79,6 +80,7 @@ def test_sampled_requests_run_one_at_a_time_with_their_own_generator(model):
             outputs.append([c.tokens for c in collectors])
         assert outputs[0] == outputs[1] != outputs[2]  # a request's seed decides its tokens, whatever runs beside it
         assert outputs[0][0] == outputs[0][1]  # two requests with one seed, sent together: the same tokens
+        assert batcher.widest_step == 2
     finally:
         batcher.stop()
 
@@ -127,7 +129,7 @@ def test_a_failing_request_fails_alone_and_the_batcher_keeps_serving(model):
 
 
 def test_a_bad_row_fails_only_its_own_request_and_the_others_equal_alone(model):
-    """A token id past the vocabulary fails the batch's prefill; the batch is rerun one request at a time."""
+    """A token id past the vocabulary fails that request's prefill; the others decode."""
     batcher = RequestBatcher(model, gather_seconds=0.2)
     try:
         collectors = [Collector() for _ in range(3)]
@@ -155,7 +157,7 @@ def test_a_short_request_completes_while_a_long_one_in_its_batch_still_decodes(m
         short_request = short.request(PROMPTS[1], max_new_tokens=3)
         short_request.on_done = short_done
         run_together(batcher, [(short_request, short), (long.request(PROMPTS[0], max_new_tokens=60), long)])
-        assert batcher.batches_run == 1 and short.tokens == alone(model, PROMPTS[1], 3, quasar=False)
+        assert batcher.widest_step == 2 and short.tokens == alone(model, PROMPTS[1], 3, quasar=False)
         assert tokens_of_long_when_short_ended[0] < 60 and long.tokens == alone(model, PROMPTS[0], 60, quasar=False)
     finally:
         batcher.stop()
@@ -195,7 +197,8 @@ def test_stop_ends_the_running_rows_and_fails_the_waiting_requests(model):
     assert waiting.error == SHUTTING_DOWN and waiting.tokens == []
 
 
-def test_sampled_requests_never_share_a_batch():
+def test_sampled_requests_never_share_a_batched_call():
+    """Batched calls (compiled steps) run their rows to the end with one generator: a sampled request runs alone."""
     greedy = BatchRequest([1], GenerationConfig(max_new_tokens=4), print, print)
     other = BatchRequest([2, 3], GenerationConfig(max_new_tokens=9), print, print)
     sampled = BatchRequest([1], GenerationConfig(max_new_tokens=4, do_sample=True), print, print)

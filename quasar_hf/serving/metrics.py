@@ -41,7 +41,7 @@ class ServingMetrics:
         self.cache_tokens = Counter("quasar_prompt_cache_tokens_reused", "Prompt tokens not prefilled again", registry=r)
         self.cache_bytes = Gauge("quasar_prompt_cache_bytes", "Bytes of keys and values in the prompt cache", registry=r)
         self.batch_rows = Histogram(
-            "quasar_batch_rows", "Requests decoded together per batched call", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
+            "quasar_batch_rows", "Rows decoded together per step", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
         )
         self.queue_wait = Histogram(
             "quasar_queue_wait_seconds", "From arrival to decoding start", buckets=LATENCY_BUCKETS, registry=r
@@ -49,8 +49,9 @@ class ServingMetrics:
         self.latency = Histogram("quasar_request_seconds", "From arrival to the last token", buckets=LATENCY_BUCKETS, registry=r)
 
     def record_call(self, stats: QuasarStats, rows: int) -> None:
-        """One batched decoding call's speculative counters and its rows."""
-        self.batch_rows.observe(rows)
+        """The speculative counters of one step (or batched call) and its rows; of one prefill with rows 0."""
+        if rows:
+            self.batch_rows.observe(rows)
         self.drafted.inc(stats.drafted_tokens)
         self.accepted.inc(stats.accepted_tokens)
         self.row_steps.inc(stats.verify_steps)

@@ -7,7 +7,7 @@ chat templates, streaming and tool-call parsing are Transformers' own. What chan
   and applies OpenAI's sampling rule (a positive temperature samples);
 - the generation manager behind them, `QuasarGenerateManager`, gives each request a token budget
   within the context, a seeded generator when it samples, a deadline, and a place in the queue (429
-  past `max_queued`), and queues it to one RequestBatcher, so concurrent clients decode together, each
+  past `max_queued`), and queues it to one RequestBatcher, where it joins the running batch at the next step, each
   streamed as its tokens are accepted and completed as soon as its own row ends;
 - stop strings are cut from the text, as OpenAI's API does;
 - the model manager loads only the served checkpoint, with remote code off unless the operator allows it.

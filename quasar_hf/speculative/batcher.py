@@ -1,24 +1,25 @@
-"""RequestBatcher: concurrent requests decoded together, each row exactly its own speculative decoding.
+"""RequestBatcher: the serving scheduler. Requests join and leave one running batch at every step.
 
-A server hands requests to `submit` from any thread. One worker thread takes the requests waiting
-when it is free (after a short gather window, so clients that send together are batched together),
-groups those whose generation settings agree (everything but `max_new_tokens`), and runs each group
-as one batched call of the speculative loop: left-padded prompts, one verify forward per step for
-all rows, each row accepting its own drafts. Greedy rows are batched; a sampled request runs alone,
-so its seed reproduces it whatever else is being served. A request with Quasar off
-(`quasar: false` in its generation config) runs the same loop without drafts, which is plain
-decoding; the same compiled steps serve both.
+A server hands requests to `submit` from any thread. One worker thread loops: at each step boundary it
+admits the requests waiting, oldest first, up to `max_batch_size` rows, each prefilled alone and joined
+to the running batch (speculative/engine.py); then it runs one draft-verify step over every row. A row
+that ends completes its request at once and frees its place for the next one, so a short request never
+waits for a long one, and a request that arrives while others decode starts at the next step.
 
-Each row streams through a RowStreamer (speculative/loop.py): its tokens go to the request's
-callback as they are accepted, and the row stops at its own `max_new_tokens` or when the request is
-cancelled (a client that went away), without disturbing the other rows. Where a row's batch shape
-changes its bits (prefill padding), the difference is a near-tie; `benchmarks serve-load` proves it
-from the logits gap.
+Greedy and sampled rows, rows with different temperatures, penalties, stop strings, draft lengths or
+Quasar off (`quasar: false`: no drafts, which is plain decoding) share a step; each row decodes exactly
+as it would alone (a sampled row from its own generator). A request the running rows cannot take (other
+Quasar options, a model that holds one row at a time) waits until they finish; so do the requests behind
+it (first in, first out). A prompt is prefilled whole when it is admitted, and at most
+`prefill_tokens_per_step` prompt tokens are admitted at one boundary (at least one request), which bounds
+how long the running rows wait for prefills.
+
+Compiled steps (`compile`, a static cache) and generation options the speculative loop does not implement
+still run as batched calls: the requests waiting that agree in their settings decode together to the end.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import queue
@@ -26,83 +27,34 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from transformers import GenerationConfig
 
 from quasar_hf import compat
 
+from .batch_request import BatchRequest, RequestRows
 from .config import QuasarGenerationConfig
 from .defaults import FIELD, declined_reason
+from .engine import MIN_REUSED_TOKENS, DecodeEngine
 from .left_padding import left_padded
 from .prompt_cache import PromptCache
 from .stats import QuasarStats
 
 logger = logging.getLogger(__name__)
 
-MAX_BATCH_SIZE = 8  # rows of one batched call (compiled steps round up to a power of two)
-GATHER_SECONDS = 0.01  # how long a free worker waits for requests sent together with the first one
-MIN_REUSED_TOKENS = 16  # a shorter shared prefix is prefilled again (its copy costs about what it saves)
-# A batch reuses cached prefixes only when every row has one: a row without continues from nothing, which
-# is a plain prefill when alone, and its bits must be the ones it gets alone.
-
-
-@dataclass
-class BatchRequest:
-    """One request: its prompt, its settings, and where its tokens go (callbacks run on the worker thread).
-
-    on_tokens(token_ids) receives each batch of new tokens; on_done(error) ends it once (None: success),
-    as soon as its own row ends. `finish_reason` says why it ended: "stop" (EOS, a stop string, its
-    budget), "cancelled" (the client went away), "timeout" (past `deadline`, a time.monotonic()
-    value), "shutdown" (the server stopping), "error"."""
-
-    input_ids: list[int]
-    generation_config: GenerationConfig
-    on_tokens: Callable[[list[int]], None]
-    on_done: Callable[[str | None], None]
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    tokenizer: Any = None  # stop strings need it
-    generator: torch.Generator | None = None  # a sampled request's randomness (seeded by the caller)
-    emitted: int = 0
-    key: str | None = None  # batch_key, computed once
-    deadline: float | None = None
-    on_start: Callable[[], None] | None = None  # called once when its batch starts decoding
-    finish_reason: str | None = None
-    reused_tokens: int = 0  # prompt tokens whose keys and values came from the prompt cache
-    arrived: float = field(default_factory=time.monotonic)
-    _finished: bool = field(default=False, init=False, repr=False)
-
-    def cancel(self, reason: str = "cancelled") -> None:
-        if self.finish_reason is None:
-            self.finish_reason = reason
-        self.cancelled.set()
-
-    @property
-    def budget(self) -> int:
-        return int(self.generation_config.max_new_tokens or 0) - self.emitted
-
-    def finish(self, error: str | None = None) -> None:
-        """End the request once: its callback hears the error (None: success)."""
-        if self._finished:
-            return
-        self._finished = True
-        if self.finish_reason is None:
-            self.finish_reason = "error" if error is not None else "stop"
-        self.on_done(error)
-
-    def past_deadline(self) -> bool:
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            self.cancel("timeout")
-        return self.cancelled.is_set()
+MAX_BATCH_SIZE = 8  # rows decoding at once (compiled steps round up to a power of two)
+GATHER_SECONDS = 0.01  # how long a batched call waits for requests sent together with the first one
+PREFILL_TOKENS_PER_STEP = 2048  # prompt tokens admitted at one step boundary (the running rows wait for them)
+# A batched call reuses cached prefixes only when every row has one: a row without continues from nothing,
+# which is a plain prefill when alone, and its bits must be the ones it gets alone.
 
 
 SHUTTING_DOWN = "the server is shutting down"
 
 
 class RequestBatcher:
-    """The worker thread that batches and decodes requests for one model (see the module docstring)."""
+    """The worker thread that schedules and decodes requests for one model (see the module docstring)."""
 
     def __init__(
         self,
@@ -112,10 +64,12 @@ class RequestBatcher:
         quasar: dict | None = None,
         on_call: Callable[[QuasarStats, int], None] | None = None,
         prompt_cache: PromptCache | None = None,
+        prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP,
     ) -> None:
-        """`quasar`: Quasar options the server sets for every request (compiled steps), under each request's own;
-        `on_call`: receives each batched call's speculative counters and its rows (metrics); `prompt_cache`: keys and values
-        of finished requests that a request decoding alone continues from."""
+        """`quasar`: Quasar options the server sets for every request, under each request's own; `on_call`:
+        receives the speculative counters of each prefill (rows 0) and each step or batched call (its rows);
+        `prompt_cache`: keys and values of finished requests that a new one continues from; `gather_seconds`:
+        how long batched calls (compiled steps) wait for requests sent together with the first."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
@@ -124,13 +78,16 @@ class RequestBatcher:
         self.quasar = quasar
         self.on_call = on_call
         self.prompt_cache = prompt_cache
+        self.prefill_tokens_per_step = prefill_tokens_per_step
         self.fatal_error: BaseException | None = None
-        self.batches_run = 0
-        self.rows_run = 0
+        self.batches_run = 0  # batched calls (compiled steps) and steps of the running batch
+        self.rows_run = 0  # requests that started decoding
+        self.widest_step = 0  # the most rows one step (or batched call) decoded together
         self._waiting: queue.Queue[BatchRequest | None] = queue.Queue()
         self._held: list[BatchRequest] = []
-        self._running: list[BatchRequest] = []
         self._stopping = threading.Event()
+        self._engine: DecodeEngine | None = None
+        self._in_call: list[BatchRequest] = []  # the requests of a batched call running now
         self._thread = threading.Thread(target=self._work, name="quasar-batcher", daemon=True)
         self._thread.start()
 
@@ -147,9 +104,10 @@ class RequestBatcher:
         return self._waiting.qsize() + len(self._held)
 
     def stop(self, timeout: float | None = 5.0) -> None:
-        """End the rows decoding now (each with its tokens so far), fail the requests still waiting, end the worker."""
+        """End the rows decoding now (each with its tokens so far, at the next step boundary), fail the requests
+        still waiting, end the worker."""
         self._stopping.set()
-        for request in list(self._running):
+        for request in list(self._in_call):
             request.cancel("shutdown")
         self._waiting.put(None)
         self._thread.join(timeout)
@@ -160,30 +118,34 @@ class RequestBatcher:
 
     # ------------------------------------------------------------------ worker thread
     def _work(self) -> None:
-        while not self._stopping.is_set():
-            batch = self._next_batch()
-            if batch:
-                self._run(batch)
-        for request in [*self._held, *self._drain()]:
-            request.finish_reason = "shutdown"
-            request.finish(SHUTTING_DOWN)
+        self._engine = DecodeEngine(self.model, self.prompt_cache, self.on_call)
+        try:
+            while not self._stopping.is_set():
+                self._take_arrivals(block=self._engine.rows == 0 and not self._held)
+                if self._stopping.is_set():
+                    break
+                self._admit()
+                if self._engine.rows and not self._stopping.is_set():
+                    self._step()
+        finally:
+            for request in self._engine.requests:
+                request.cancel("shutdown")
+                request.finish(None)
+            for request in [*self._held, *(r for r in self._drain() if r is not None)]:
+                request.finish_reason = "shutdown"
+                request.finish(SHUTTING_DOWN)
+            self._held = []
+            self._engine.close()
 
-    def _next_batch(self) -> list[BatchRequest]:
-        """The requests to run next: the oldest waiting one and those that batch with it."""
-        if not self._held:
+    def _take_arrivals(self, block: bool) -> None:
+        """Move submitted requests to the held list (waiting for the first one when nothing else is to do)."""
+        if block:
             first = self._waiting.get()
             if first is None:
-                return []
+                self._stopping.set()
+                return
             self._held.append(first)
-            time.sleep(self.gather_seconds)
         self._held.extend(r for r in self._drain() if r is not None)
-        self._held = [r for r in self._held if not self._finish_if_cancelled(r)]
-        if not self._held or self._stopping.is_set():
-            return []
-        key = batch_key(self._held[0])
-        batch = [r for r in self._held if batch_key(r) == key][: self.max_batch_size]
-        self._held = [r for r in self._held if r not in batch]
-        return batch
 
     def _drain(self) -> list[BatchRequest | None]:
         items = []
@@ -197,33 +159,95 @@ class RequestBatcher:
             else:
                 items.append(item)
 
-    @staticmethod
-    def _finish_if_cancelled(request: BatchRequest) -> bool:
-        if request.past_deadline():
-            request.finish(None)
-            return True
-        return False
+    def _admit(self) -> None:
+        """Admit held requests, oldest first, while rows are free, the prefill budget lasts and the running rows
+        can take them; run the ones the engine cannot serve as batched calls once no row is running."""
+        admitted_tokens = 0
+        while self._held and self._engine.rows < self.max_batch_size and not self._stopping.is_set():
+            self._held = [r for r in self._held if not _finish_if_cancelled(r)]
+            if not self._held:
+                return
+            request = self._held[0]
+            try:
+                config = request_quasar_config(self.model, request.generation_config, self.quasar)
+            except Exception as failure:  # a bad `quasar` value: this request's fault only
+                self._held.pop(0)
+                request.finish(f"{type(failure).__name__}: {failure}")
+                continue
+            if config is None or config.cache_implementation == "static":
+                if self._engine.rows:
+                    return  # batched calls run once the rows decoding now finish
+                self._run(self._batch_with(request))
+                continue
+            if not self._engine.can_join(config):
+                return
+            if admitted_tokens and admitted_tokens + len(request.input_ids) > self.prefill_tokens_per_step:
+                return
+            self._held.pop(0)
+            admitted_tokens += len(request.input_ids)
+            self._start(request, config)
+            self._take_arrivals(block=False)
+
+    def _start(self, request: BatchRequest, config: QuasarGenerationConfig) -> None:
+        self.rows_run += 1
+        if request.on_start is not None:
+            request.on_start()
+        try:
+            self._engine.add(request, config)
+        except Exception as failure:  # its own fault (a bad setting, a bad token): it fails alone
+            logger.exception("quasar_hf: a request failed to start")
+            request.finish(f"{type(failure).__name__}: {failure}")
+        except BaseException as failure:  # noqa: B036 - the worker is gone: say so to every caller
+            self._die(failure, [request])
+            raise
+
+    def _step(self) -> None:
+        self.batches_run += 1
+        self.widest_step = max(self.widest_step, self._engine.rows)
+        try:
+            self._engine.step()
+        except Exception as failure:
+            logger.exception("quasar_hf: a step of %d row(s) failed", self._engine.rows)
+            self._engine.fail_all(f"{type(failure).__name__}: {failure}")
+        except BaseException as failure:  # noqa: B036
+            self._die(failure, self._engine.requests)
+            raise
+
+    def _die(self, failure: BaseException, requests: list[BatchRequest]) -> None:
+        self.fatal_error = failure
+        for request in requests:
+            request.finish(f"the decoding worker died: {failure!r}")
+
+    def _batch_with(self, first: BatchRequest) -> list[BatchRequest]:
+        """`first` and the held requests that decode in one batched call with it (compiled steps)."""
+        if len(self._held) < self.max_batch_size:
+            time.sleep(self.gather_seconds)
+            self._take_arrivals(block=False)
+        key = batch_key(first)
+        batch = [r for r in self._held if batch_key(r) == key][: self.max_batch_size]
+        self._held = [r for r in self._held if r not in batch]
+        return batch
 
     def _run(self, batch: list[BatchRequest]) -> None:
-        self._running = batch
+        """One batched call to the end (compiled steps, or options the engine does not implement)."""
         self.batches_run += 1
         self.rows_run += len(batch)
+        self.widest_step = max(self.widest_step, len(batch))
         for request in batch:
             if request.on_start is not None:
                 request.on_start()
+        self._in_call = batch
         try:
             stats = decode_batch(self.model, batch, self.quasar, self.prompt_cache)
             error = None
         except Exception as failure:  # a request's own fault (bad settings, a bad row) fails its batch, not the server
             logger.exception("quasar_hf: a batch of %d request(s) failed", len(batch))
             stats, error = None, f"{type(failure).__name__}: {failure}"
-        except BaseException as failure:  # noqa: B036 - the worker is gone: say so to every caller
-            self.fatal_error = failure
-            for request in batch:
-                request.finish(f"the decoding worker died: {failure!r}")
+        except BaseException as failure:  # noqa: B036
+            self._die(failure, batch)
             raise
         finally:
-            self._running = []
+            self._in_call = []
         if error is not None and len(batch) > 1 and not any(r.emitted for r in batch):
             for request in batch:  # nothing was sent yet: each request alone, so only the faulty one fails
                 self._run([request])
@@ -232,6 +256,13 @@ class RequestBatcher:
             self.on_call(stats, len(batch))
         for request in batch:
             request.finish(error)
+
+
+def _finish_if_cancelled(request: BatchRequest) -> bool:
+    if request.past_deadline():
+        request.finish(None)
+        return True
+    return False
 
 
 def batch_key(request: BatchRequest) -> str:
@@ -245,34 +276,6 @@ def batch_key(request: BatchRequest) -> str:
     return request.key
 
 
-class _RowStreamer:
-    """The loop's RowStreamer for one batch: row i's tokens go to batch[i], capped at its own budget and deadline;
-    a row that ends completes its request at once, whatever the other rows still decode."""
-
-    def __init__(self, batch: list[BatchRequest]) -> None:
-        self.batch = batch
-
-    def put(self, value: torch.Tensor) -> None:
-        """The prompt, streamed by generate before decoding: not new tokens."""
-
-    def put_row(self, row: int, token_ids: list[int]) -> bool:
-        request = self.batch[row]
-        if request.cancelled.is_set():
-            return True
-        token_ids = token_ids[: max(request.budget, 0)]
-        if token_ids:
-            request.emitted += len(token_ids)
-            request.on_tokens(token_ids)
-        return request.budget <= 0 or request.past_deadline()
-
-    def end_row(self, row: int) -> None:
-        """Row `row` decodes no more: its request is complete."""
-        self.batch[row].finish(None)
-
-    def end(self) -> None:
-        pass
-
-
 def decode_batch(
     model: torch.nn.Module, batch: list[BatchRequest], quasar: dict | None = None, prompt_cache: PromptCache | None = None
 ) -> QuasarStats | None:
@@ -281,7 +284,7 @@ def decode_batch(
     has one) and leave their own keys and values there."""
     from .strategy import generate_with_quasar
 
-    config = _runnable(batch[0].generation_config)
+    config = batch[0].runnable_config()
     config.max_new_tokens = max(int(r.generation_config.max_new_tokens or 0) for r in batch)
     quasar_config = request_quasar_config(model, config, quasar)
     if quasar_config is None:  # options the loop does not implement: plain generate, one request at a time
@@ -304,7 +307,7 @@ def decode_batch(
             input_ids,
             attention_mask=attention_mask,
             generation_config=config,
-            streamer=_RowStreamer(batch),
+            streamer=RequestRows(dict(enumerate(batch))),
             quasar=quasar_config,
             quasar_generator=batch[0].generator,
             tokenizer=batch[0].tokenizer,
@@ -314,21 +317,12 @@ def decode_batch(
     return getattr(out, "quasar_stats", None)
 
 
-def _runnable(config: GenerationConfig) -> GenerationConfig:
-    """A copy to decode with: Transformers' continuous batching turns use_cache off; every path here keeps a cache."""
-    config = copy.deepcopy(config)
-    config.use_cache = True
-    return config
-
-
 def _decode_plainly(model: torch.nn.Module, request: BatchRequest) -> None:
     """Plain generate of one request (its options are ones the speculative loop does not implement)."""
     ids = torch.tensor([request.input_ids], dtype=torch.long, device=compat.input_device(model))
     with torch.no_grad():
-        out = model.generate(
-            ids, generation_config=_runnable(request.generation_config), tokenizer=request.tokenizer, quasar=False
-        )
-    _RowStreamer([request]).put_row(0, out[0, ids.shape[1] :].tolist())
+        out = model.generate(ids, generation_config=request.runnable_config(), tokenizer=request.tokenizer, quasar=False)
+    RequestRows({0: request}).put_row(0, out[0, ids.shape[1] :].tolist())
 
 
 SERVER_OPTIONS = ("compile", "cache_implementation")  # a request cannot change these: they decide what the server compiled

@@ -4,8 +4,8 @@ manager interface (the part `transformers serve --continuous-batching` uses) ove
 Transformers' own continuous batching runs paged attention, which the row-stable attention of a
 Quasar model is not (it answered every request with HTTP 500). Here the same calls (`start`,
 `add_request`, `register_result_handler`, `cancel_request`, `stop`) queue requests to a
-RequestBatcher: requests that arrive together decode as one batched Quasar call, each row exact
-speculative decoding of its own request, streamed token by token to its result handler.
+RequestBatcher: each request joins the running batch at the next step and leaves it when it ends, each
+row exact speculative decoding of its own request, streamed token by token to its result handler.
 
 Transformers' serving passes each request's `max_new_tokens` and `eos_token_id` only; the other
 settings (temperature, Quasar options) come from the generation config the manager was made with,

@@ -35,8 +35,9 @@ def byte_level_tokenizer(chat_template: bool = True):
     return tokenizer
 
 
-def make_tiny_checkpoint(path: Path, chat_template: bool = True, seed: int = 0) -> Path:
-    """Save a random 2-layer Llama (hidden 64, vocab 260) + tokenizer to `path`."""
+def make_tiny_checkpoint(path: Path, chat_template: bool = True, seed: int = 0, initializer_range: float = 0.02) -> Path:
+    """Save a random 2-layer Llama (hidden 64, vocab 260) + tokenizer to `path`; a larger `initializer_range` makes
+    its greedy text vary more (the default one repeats a token or two)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
@@ -51,6 +52,7 @@ def make_tiny_checkpoint(path: Path, chat_template: bool = True, seed: int = 0) 
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
+        initializer_range=initializer_range,
     )
     model = AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(path)
