@@ -92,6 +92,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "benchmarks.serve.chat_turns:main",
         "quasar-hf serve with its prompt cache on and off: a growing conversation, clients behind one system prompt",
     ),
+    "serve-shapes": (
+        "benchmarks.serve.load_shapes:main",
+        "quasar-hf serve (and llama-server) under three load shapes: short among long, steady arrivals, sampled",
+    ),
     "serve-profile": (
         "benchmarks.serve.serve_profile:main",
         "where one client's time goes: the serve-load prompts offline per mode, prefill / draft / forwards / loop",
