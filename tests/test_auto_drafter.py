@@ -245,3 +245,18 @@ def test_displaced_ngram_drafts_are_scored_against_the_emitted_tokens():
     drafter.propose([torch.tensor([1, 2, 3, 1, 2, 3, 1, 9])], [3])  # n-gram had proposed [3, 1, 2]
     assert drafter.ngram_policy.accepted_mass == pytest.approx(0.5 * before[0] + 2)  # 3, 1 agree
     assert drafter.ngram_policy.trial_mass == pytest.approx(0.5 * before[1] + 3)  # then 2 != 9: one failure
+
+
+def test_a_new_call_forgets_the_last_calls_rows():
+    """The serving engine keeps one drafter across batches: a draft displaced in a batch of two rows is not scored
+    against row 1 of the next call, which has one row."""
+    from quasar_hf.speculative.drafters import DraftSetup
+
+    drafter = AutoDrafter(NgramDrafter(3), FixedModelDrafter(), 3, policy={"prior_weight": 0.0})
+    drafter.ngram_policy.draft_s_per_token, drafter.ngram_policy.plain_step_s = 0.0, 1.0
+    setup = DraftSetup(False, None, None, torch.device("cpu"))
+    drafter.start([torch.tensor([1, 2]), torch.tensor([1, 2])], setup)
+    drafter.propose([torch.tensor([1, 2, 3, 1, 2]), torch.tensor([4, 5, 6, 4, 5])], [3, 3])  # both displaced
+    assert set(drafter._shadows) == {0, 1}
+    drafter.start([torch.tensor([7, 8])], setup)
+    drafter.propose([torch.tensor([7, 8, 7])], [3])

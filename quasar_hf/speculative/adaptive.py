@@ -221,6 +221,7 @@ class AdaptiveDrafter:
 
     def start(self, prompts: list[torch.Tensor], setup: DraftSetup) -> None:
         self.device = setup.device
+        self._pending = None
         self.inner.start(prompts, setup)
 
     def propose(self, sequences: list[torch.Tensor], max_tokens: list[int]) -> Draft:

@@ -89,6 +89,7 @@ class AutoDrafter:
 
     def start(self, prompts: list[torch.Tensor], setup: DraftSetup) -> None:
         self.setup, self.device = setup, setup.device
+        self._shadows, self._step = {}, None  # rows of an earlier call (the serving engine keeps its drafter)
         self.batched = len(prompts) > 1  # one prompt's draft widens only its own step: its policy prices that
         self.gate.padded_width = setup.verify_width
         if setup.do_sample:  # no decision from a clock: a seeded call draws the same tokens every run
