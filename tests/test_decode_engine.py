@@ -18,6 +18,7 @@ from quasar_hf.speculative.batch_request import BatchRequest
 from quasar_hf.speculative.batcher import RequestBatcher, request_quasar_config
 from quasar_hf.speculative.engine import DecodeEngine
 from quasar_hf.speculative.kv_state import RowAlignedCache
+from quasar_hf.speculative.row_rules import OwnDraftPolicy
 from quasar_hf.speculative.verify import speculative_sample_accept
 from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 from tests.helpers.sampling_stats import VOCAB, chi_square_p_value, exact_joint, grounded_prompt, peaked_model
@@ -276,3 +277,20 @@ def test_sampled_rows_of_a_mixed_batch_follow_the_target_distribution(monkeypatc
     monkeypatch.setattr(row_rules_module, "speculative_sample_accept", accept_everything)
     wrong, _ = sampled_in_mixed_batches(model, prompt, options, 1200)
     assert chi_square_p_value(wrong, target) < 1e-8
+
+
+def test_a_sampled_rows_own_drafts_pause_when_they_miss_and_resume():
+    """The policy sees only its own row's drafts: it pauses 1, 2, 4 ... steps after misses, and a hit resets it."""
+    policy = OwnDraftPolicy()
+    assert policy.length(5) == 5
+    policy.record(5, 0)  # decayed rate 1.0 -> 0.5
+    policy.record(5, 0)  # -> 0.25: still drafting
+    assert policy.length(5) == 5
+    policy.record(5, 0)  # -> 0.125 < 0.25: pause one step
+    assert [policy.length(5) for _ in range(2)] == [0, 5]
+    policy.record(5, 0)  # another miss: two steps
+    assert [policy.length(5) for _ in range(3)] == [0, 0, 5]
+    policy.record(4, 4)  # a whole draft kept: drafting goes on, and pauses start again from one step
+    assert policy.length(5) == 5 and policy.misses == 0
+    policy.record(0, 0)  # no draft: nothing learned
+    assert policy.length(3) == 3

@@ -169,11 +169,14 @@ class SpeculativeRun:
         logits = self.verifier.forward(chunk)[:, : k + 1]  # [B, k+1, V] fp32
         self.stats.forward_time_s += time.perf_counter() - drafted
         self.stats.verifier_forwards += 1
-        scores = self._position_scores(draft.tokens, logits)  # [B, k+1, V]
+        scores = self._position_scores(draft, logits)  # [B, k+1, V]
         num_accepted, next_token = accept([self.rules[b] for b in self.active], draft, scores)
         self.verifier.keep_accepted(num_accepted + 1, chunk.shape[1])  # pending token + accepted drafts
         self.drafter.on_accept(num_accepted[self._drafter_index()])
         accepted_list = num_accepted.tolist()
+        for i, (b, length) in enumerate(zip(self.active, draft.lengths.tolist())):
+            if self.rules[b].own_drafts:
+                self.rules[b].own_policy.record(length, accepted_list[i])
         emitted, finished = [], []
         for i, b in enumerate(self.active):
             n = accepted_list[i]
@@ -204,8 +207,8 @@ class SpeculativeRun:
             for j, i in enumerate(served):
                 parts[i] = draft.tokens[j, : int(draft.lengths[j])]
         for i, b in enumerate(self.active):
-            if self.rules[b].own_drafts:
-                parts[i] = self.row_drafter.lookup(sequences[i], budgets[i])  # budget: its own draft_limit
+            if self.rules[b].own_drafts:  # budget: its own draft_limit; length: its own policy
+                parts[i] = self.row_drafter.lookup(sequences[i], self.rules[b].own_policy.length(budgets[i]))
         return pack_drafts(parts, self.device)
 
     def drafter_rows(self) -> list[int]:
@@ -235,14 +238,23 @@ class SpeculativeRun:
         self.shared_rules = False
         return offset
 
-    def _position_scores(self, draft_tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Processed scores at every verified position, each with the prefix that position would have seen."""
+    def _position_scores(self, draft: Draft, logits: torch.Tensor) -> torch.Tensor:
+        """Processed scores at every position a row verified (up to its own draft length; past it, logits nobody
+        reads), each with the prefix that position would have seen."""
         if all(len(self.rules[b].processors) == 0 for b in self.active):
             return logits
+        lengths = draft.lengths.tolist()
         columns = []
         for j in range(logits.shape[1]):
-            prefixes = [torch.cat([self.rows[b], draft_tokens[i, :j]]) for i, b in enumerate(self.active)]
-            columns.append(self._scores(self.active, prefixes, logits[:, j]))
+            needed = [i for i, n in enumerate(lengths) if n >= j]
+            prefixes = [torch.cat([self.rows[self.active[i]], draft.tokens[i, :j]]) for i in needed]
+            if len(needed) == len(lengths):
+                columns.append(self._scores(self.active, prefixes, logits[:, j]))
+                continue
+            column = logits[:, j].clone()
+            if needed:
+                column[needed] = self._scores([self.active[i] for i in needed], prefixes, logits[needed, j])
+            columns.append(column)
         return torch.stack(columns, dim=1)
 
     def _scores(self, rows: list[int], prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:

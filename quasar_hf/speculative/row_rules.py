@@ -19,6 +19,40 @@ from .verify import greedy_accept, speculative_sample_accept
 
 
 @dataclass
+class OwnDraftPolicy:
+    """How much a sampled row with its own drafts drafts: a function of its own past only (no clock, no other row),
+    so it drafts, and draws random numbers, the same alone as in any batch. Its n-gram drafts are verified in
+    full while they pay; when the decayed fraction of its drafted tokens accepted falls below `min_rate`, it
+    pauses for 1, 2, 4, ... up to `max_pause` steps (plain steps), then tries again."""
+
+    min_rate: float = 0.25
+    max_pause: int = 16
+    decay: float = 0.5
+    rate: float = 1.0
+    pause: int = 0
+    misses: int = 0
+
+    def length(self, budget: int) -> int:
+        """This step's draft length (0 while paused)."""
+        if self.pause > 0:
+            self.pause -= 1
+            return 0
+        return budget
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verified draft of `drafted` tokens, `accepted` of them kept."""
+        if drafted <= 0:
+            return
+        self.rate = self.decay * self.rate + (1 - self.decay) * accepted / drafted
+        if self.rate >= self.min_rate:
+            self.misses = 0
+            return
+        self.pause = min(self.max_pause, 2**self.misses)
+        self.misses += 1
+        self.rate = self.min_rate  # after the pause, one good draft brings it back over
+
+
+@dataclass
 class RowRules:
     """One row's rules, as generate prepared them for the call the row came from."""
 
@@ -29,6 +63,11 @@ class RowRules:
     max_length: int  # prompt (with its left padding) + max_new_tokens
     own_drafts: bool = False  # drafts n-gram lookups of its own tokens, whatever else shares the step
     draft_limit: int | None = None  # at most this many draft tokens per step (0: Quasar off for this row)
+    own_policy: OwnDraftPolicy | None = None  # when a row with its own drafts drafts (own_drafts only)
+
+    def __post_init__(self) -> None:
+        if self.own_drafts and self.own_policy is None:
+            self.own_policy = OwnDraftPolicy()
 
 
 def sampling_groups(rules: list[RowRules]) -> list[tuple[list[int], RowRules]]:
