@@ -8,6 +8,7 @@ sampled rows of a mixed batch follow the target distribution (chi-square, as tes
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -294,3 +295,36 @@ def test_a_sampled_rows_own_drafts_pause_when_they_miss_and_resume():
     assert policy.length(5) == 5 and policy.misses == 0
     policy.record(0, 0)  # no draft: nothing learned
     assert policy.length(3) == 3
+
+
+def test_running_rows_keep_stepping_while_a_long_prompt_is_prefilled(model, monkeypatch):
+    """A prompt with more new tokens than background_prefill_tokens, arriving while a row decodes, is prefilled in
+    the prefill thread (slowed down here) while that row keeps stepping; both give their tokens alone."""
+    original = DecodeEngine.prefill
+    timeline: list[tuple[str, int]] = []
+
+    def slow_prefill(self, request, config, prefix):
+        run = original(self, request, config, prefix)
+        if len(request.input_ids) > 40:
+            timeline.append(("prefill starts", len(running.tokens)))
+            time.sleep(1.0)
+            timeline.append(("prefill ends", len(running.tokens)))
+        return run
+
+    monkeypatch.setattr(DecodeEngine, "prefill", slow_prefill)
+    batcher = RequestBatcher(model, background_prefill_tokens=40)
+    try:
+        running, long = Row(prompts(1, seed=10)[0], 300), Row(prompts(1, seed=11)[0] * 4, 12)
+        started = threading.Event()
+        on_tokens = running.request.on_tokens
+        running.request.on_tokens = lambda tokens: (on_tokens(tokens), started.set())
+        batcher.submit(running.request)
+        assert started.wait(60)
+        batcher.submit(long.request)
+        assert long.done.wait(60) and running.done.wait(120)
+        (_, before), (_, after) = timeline
+        assert after > before, "the running row waited for the long prompt's prefill"
+        assert long.error is None and long.tokens == alone(model, long.request.input_ids, 12)
+        assert running.tokens == alone(model, running.request.input_ids, 300)
+    finally:
+        batcher.stop()

@@ -20,13 +20,15 @@ still run as batched calls: the requests waiting that agree in their settings de
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from transformers import GenerationConfig
@@ -46,6 +48,7 @@ logger = logging.getLogger(__name__)
 MAX_BATCH_SIZE = 8  # rows decoding at once (compiled steps round up to a power of two)
 GATHER_SECONDS = 0.01  # how long a batched call waits for requests sent together with the first one
 PREFILL_TOKENS_PER_STEP = 2048  # prompt tokens admitted at one step boundary (the running rows wait for them)
+BACKGROUND_PREFILL_TOKENS = 256  # a prompt with more new tokens is prefilled beside the running rows' steps
 # A batched call reuses cached prefixes only when every row has one: a row without continues from nothing,
 # which is a plain prefill when alone, and its bits must be the ones it gets alone.
 
@@ -65,6 +68,7 @@ class RequestBatcher:
         on_call: Callable[[QuasarStats, int], None] | None = None,
         prompt_cache: PromptCache | None = None,
         prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP,
+        background_prefill_tokens: int = BACKGROUND_PREFILL_TOKENS,
     ) -> None:
         """`quasar`: Quasar options the server sets for every request, under each request's own; `on_call`:
         receives the speculative counters of each prefill (rows 0) and each step or batched call (its rows);
@@ -79,6 +83,7 @@ class RequestBatcher:
         self.on_call = on_call
         self.prompt_cache = prompt_cache
         self.prefill_tokens_per_step = prefill_tokens_per_step
+        self.background_prefill_tokens = background_prefill_tokens
         self.fatal_error: BaseException | None = None
         self.batches_run = 0  # batched calls (compiled steps) and steps of the running batch
         self.rows_run = 0  # requests that started decoding
@@ -88,6 +93,8 @@ class RequestBatcher:
         self._stopping = threading.Event()
         self._engine: DecodeEngine | None = None
         self._in_call: list[BatchRequest] = []  # the requests of a batched call running now
+        self._prefill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quasar-prefill")
+        self._prefilling: tuple[BatchRequest, QuasarGenerationConfig, Future] | None = None  # a long prompt's prefill
         self._thread = threading.Thread(target=self._work, name="quasar-batcher", daemon=True)
         self._thread.start()
 
@@ -121,13 +128,18 @@ class RequestBatcher:
         self._engine = DecodeEngine(self.model, self.prompt_cache, self.on_call)
         try:
             while not self._stopping.is_set():
-                self._take_arrivals(block=self._engine.rows == 0 and not self._held)
+                self._take_arrivals(block=self._engine.rows == 0 and not self._held and self._prefilling is None)
                 if self._stopping.is_set():
                     break
+                self._join_prefilled(wait=self._engine.rows == 0)
                 self._admit()
                 if self._engine.rows and not self._stopping.is_set():
                     self._step()
         finally:
+            if self._prefilling is not None:
+                self._prefilling[0].cancel("shutdown")
+                self._prefilling[0].finish(None)
+            self._prefill_thread.shutdown(wait=False)
             for request in self._engine.requests:
                 request.cancel("shutdown")
                 request.finish(None)
@@ -164,6 +176,8 @@ class RequestBatcher:
         can take them; run the ones the engine cannot serve as batched calls once no row is running."""
         admitted_tokens = 0
         while self._held and self._engine.rows < self.max_batch_size and not self._stopping.is_set():
+            if self._prefilling is not None:
+                return  # the requests behind a long prompt wait for its prefill (first in, first out)
             self._held = [r for r in self._held if not _finish_if_cancelled(r)]
             if not self._held:
                 return
@@ -189,12 +203,34 @@ class RequestBatcher:
             self._take_arrivals(block=False)
 
     def _start(self, request: BatchRequest, config: QuasarGenerationConfig) -> None:
+        """Prefill the request and join it; a long prompt beside running rows is prefilled in the prefill thread
+        while they keep stepping (it joins at a later step boundary)."""
         self.rows_run += 1
         if request.on_start is not None:
             request.on_start()
+        with self._failing_alone(request):
+            prefix = self._engine.cached_prefix(request)
+            if self._engine.rows and len(request.input_ids) - request.reused_tokens > self.background_prefill_tokens:
+                future = self._prefill_thread.submit(self._engine.prefill, request, config, prefix)
+                self._prefilling = (request, config, future)
+                return
+            self._engine.join(request, config, self._engine.prefill(request, config, prefix))
+
+    def _join_prefilled(self, wait: bool) -> None:
+        """Join the long prompt prefilled in the prefill thread once it is done (or wait for it: nothing else runs)."""
+        if self._prefilling is None or not (wait or self._prefilling[2].done()):
+            return
+        request, config, future = self._prefilling
+        self._prefilling = None
+        with self._failing_alone(request):
+            self._engine.join(request, config, future.result())
+
+    @contextlib.contextmanager
+    def _failing_alone(self, request: BatchRequest) -> Iterator[None]:
+        """A request's own fault (a bad setting, a bad token) fails it alone; anything worse stops the worker."""
         try:
-            self._engine.add(request, config)
-        except Exception as failure:  # its own fault (a bad setting, a bad token): it fails alone
+            yield
+        except Exception as failure:
             logger.exception("quasar_hf: a request failed to start")
             request.finish(f"{type(failure).__name__}: {failure}")
         except BaseException as failure:  # noqa: B036 - the worker is gone: say so to every caller

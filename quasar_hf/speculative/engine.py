@@ -35,7 +35,7 @@ from .config import QuasarGenerationConfig
 from .drafters import Drafter, NoDrafter, make_drafter
 from .kv_state import RowAlignedCache
 from .loop import SpeculativeRun
-from .prompt_cache import PromptCache
+from .prompt_cache import KeyValues, PromptCache
 from .stats import QuasarStats
 
 MIN_REUSED_TOKENS = 16  # a shorter shared prefix is prefilled again (its copy costs about what it saves)
@@ -89,21 +89,56 @@ class DecodeEngine:
     def add(self, request: BatchRequest, config: QuasarGenerationConfig) -> None:
         """Prefill `request` alone and join it to the running rows (the caller checked `can_join`). Its first token
         is streamed here; a request that ends with it is complete when this returns."""
+        self.join(request, config, self.prefill(request, config, self.cached_prefix(request)))
+
+    def cached_prefix(self, request: BatchRequest) -> KeyValues | None:
+        """The prompt cache's keys and values of the longest prefix of the request's prompt (None: none long enough)."""
+        if self.prompt_cache is None:
+            return None
+        hit = self.prompt_cache.longest_prefix(request.input_ids, MIN_REUSED_TOKENS)
+        if hit is None:
+            return None
+        request.reused_tokens = hit.tokens
+        return hit.layers
+
+    def prefill(self, request: BatchRequest, config: QuasarGenerationConfig, prefix: KeyValues | None) -> SpeculativeRun:
+        """The request's row after its prefill alone (continuing from `prefix`), its first token streamed. Reads and
+        changes nothing of the running rows, so it may run in another thread while they step."""
+        from .strategy import generate_with_quasar
+
+        started = time.perf_counter()
+        ids = torch.tensor([request.input_ids], dtype=torch.long, device=compat.input_device(self.model))
+        with torch.no_grad():
+            run = generate_with_quasar(
+                self.model,
+                ids,
+                attention_mask=torch.ones_like(ids),  # a prompt holding the pad token id is still all prompt
+                generation_config=request.runnable_config(),
+                streamer=RequestRows({0: request}),
+                quasar=dataclasses.replace(config, drafter=NoDrafter()),  # the batch's drafter serves it once joined
+                quasar_generator=request.generator,
+                tokenizer=request.tokenizer,
+                quasar_prefixes=None if prefix is None else [prefix],
+                quasar_admit=True,
+            )
+        run.rules[0].draft_limit = config.num_draft_tokens
+        run.stats.prefill_time_s = time.perf_counter() - started
+        return run
+
+    def join(self, request: BatchRequest, config: QuasarGenerationConfig, run: SpeculativeRun) -> None:
+        """Join a prefilled row (`prefill`) to the running rows, or start the batch with it."""
         if not self.can_join(config):
             raise ValueError("this request's Quasar options cannot join the running rows; add it once they finish")
-        key = join_key(config)
-        joining = self.rows > 0
-        drafter = NoDrafter() if joining else self._drafter(key, config)
-        streamer = RequestRows({0: request})
-        run = self._prefilled(request, dataclasses.replace(config, drafter=drafter), streamer)
-        run.rules[0].draft_limit = config.num_draft_tokens
         if self.on_stats is not None:
             self.on_stats(run.stats, 0)
         run.stats = QuasarStats()
         if not run.active:
             return
-        if not joining:
-            self.run, self.streamer, self.key = run, streamer, key
+        if self.rows == 0:
+            key = join_key(config)
+            run.use_drafter(self._drafter(key, config))
+            run.keep_row_cache = None if self.prompt_cache is None else self.prompt_cache.store
+            self.run, self.streamer, self.key = run, run.streamer, key
             self.single_row = not _holds_ragged_rows(run.verifier)
             return
         offset = self.run.join(run)
@@ -137,35 +172,6 @@ class DecodeEngine:
         if key not in self._drafters:
             self._drafters[key] = make_drafter(self.model, config)
         return self._drafters[key]
-
-    def _prefilled(self, request: BatchRequest, config: QuasarGenerationConfig, streamer: RequestRows) -> SpeculativeRun:
-        """The request's row after its prefill: a one-row run made to join a running batch."""
-        from .strategy import generate_with_quasar
-
-        prefixes = None
-        keep = None if self.prompt_cache is None else self.prompt_cache.store
-        if self.prompt_cache is not None:
-            hit = self.prompt_cache.longest_prefix(request.input_ids, MIN_REUSED_TOKENS)
-            if hit is not None:
-                prefixes, request.reused_tokens = [hit.layers], hit.tokens
-        started = time.perf_counter()
-        ids = torch.tensor([request.input_ids], dtype=torch.long, device=compat.input_device(self.model))
-        with torch.no_grad():
-            run = generate_with_quasar(
-                self.model,
-                ids,
-                attention_mask=torch.ones_like(ids),  # a prompt holding the pad token id is still all prompt
-                generation_config=request.runnable_config(),
-                streamer=streamer,
-                quasar=config,
-                quasar_generator=request.generator,
-                tokenizer=request.tokenizer,
-                quasar_prefixes=prefixes,
-                quasar_keep_row_cache=keep,
-                quasar_admit=True,
-            )
-        run.stats.prefill_time_s = time.perf_counter() - started
-        return run
 
 
 def _holds_ragged_rows(verifier: object) -> bool:

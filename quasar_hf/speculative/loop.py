@@ -219,6 +219,11 @@ class SpeculativeRun:
         """Positions in the active batch of the rows the drafter serves."""
         return [i for i, b in enumerate(self.active) if not self.rules[b].own_drafts]
 
+    def use_drafter(self, drafter: Drafter) -> None:
+        """Draft with `drafter` from now on (a row prefilled alone becoming a batch: the batch's drafter)."""
+        self.drafter = drafter
+        drafter.start([self.rows[b][self.pad_lengths[b] :] for b in self.drafter_rows()], self._draft_setup())
+
     def join(self, other: SpeculativeRun) -> int:
         """Append another run's unfinished rows (a request prefilled alone) to this batch; the index its first row
         has here. Both runs must have been made for joining (`row_drafter`) on RowAlignedCaches of one model."""
