@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicLayer
 
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
-from quasar_hf import QuasarConfig, compat
+from quasar_hf import QuasarConfig
+from quasar_hf.compat import transformers_cache
 from quasar_hf.speculative.kv_state import RowAlignedCache
 from tests.helpers.tiny_models import save_tiny, tiny_model
 
@@ -38,7 +39,7 @@ def assert_same(a, b):
 
 
 def test_decode_verify_and_rollback_match_concatenation(w8a8_model, monkeypatch):
-    monkeypatch.setattr(compat._append_in_place_layer_class(), "spare_slots", 3)  # grow often
+    monkeypatch.setattr(transformers_cache._append_in_place_layer_class(), "spare_slots", 3)  # grow often
     g = torch.Generator().manual_seed(0)
     states = pair(w8a8_model)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Layering rules: private Transformers names only in quasar_hf/compat.py; no upward imports between subpackages;
+"""Layering rules: private Transformers names only in quasar_hf/compat/; no upward imports between subpackages;
 no import cycle between modules anywhere in the package.
 
 The private-name scan reads every module's AST and flags
@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "quasar_hf"
-ALLOWED_FILES = {PACKAGE / "compat.py"}
+ALLOWED_DIR = PACKAGE / "compat"
 # torch's own private names a module may use (tensor version counters): not Transformers API.
 TORCH_PRIVATE_OK = {"_version", "_apply"}  # torch.nn.Module._apply: behind .to(), bound by hf/binding.py
 CACHE_LAYER_SUFFIXES = ("Layer",)
@@ -83,9 +83,9 @@ def private_transformers_uses(source: str, filename: str = "<snippet>") -> list[
 def test_only_compat_reaches_private_transformers_names():
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path not in ALLOWED_FILES:
+        if ALLOWED_DIR not in path.parents:
             found += private_transformers_uses(path.read_text(encoding="utf-8"), str(path.relative_to(REPO)))
-    assert not found, "private Transformers names outside quasar_hf/compat.py:\n" + "\n".join(found)
+    assert not found, "private Transformers names outside quasar_hf/compat/:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize(
