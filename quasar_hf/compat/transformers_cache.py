@@ -8,7 +8,6 @@ Cache layer classes (DynamicLayer, StaticLayer and their fields: `keys`, `values
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,90 +29,24 @@ def replace_cache_key_values(cache: Any, key_values: list[tuple[torch.Tensor, to
 
 
 def is_full_attention_layer(cache_layer: Any) -> bool:
-    """True for a plain full-attention dynamic KV layer (a sliding window counts slots, not tokens)."""
+    """True for a plain full-attention dynamic KV layer (a sliding window counts slots, not tokens), or a
+    layer class of ours that stores one differently and says so (`quasar_full_attention`, AppendInPlaceLayer)."""
     from transformers.cache_utils import DynamicLayer
 
-    return type(cache_layer) in (DynamicLayer, _append_in_place_layer_class())
+    return type(cache_layer) is DynamicLayer or getattr(type(cache_layer), "quasar_full_attention", False) is True
 
 
-def append_kv_in_place(cache: Any) -> bool:
-    """Make a fresh cache's full-attention layers append by writing into storage with spare room
-    instead of concatenating (`_append_in_place_layer_class`). False (cache untouched) when it
-    holds any other or already filled layer."""
+def append_kv_in_place(cache: Any, layer_class: type) -> bool:
+    """Make a fresh cache's full-attention layers `layer_class()`: a DynamicLayer that appends by writing
+    into storage with spare room instead of concatenating (speculative/append_in_place.py). False (cache
+    untouched) when it holds any other or already filled layer."""
     from transformers.cache_utils import DynamicLayer
 
     layers = getattr(cache, "layers", None)
     if not layers or any(type(layer) is not DynamicLayer or layer.is_initialized for layer in layers):
         return False
-    layer_class = _append_in_place_layer_class()
     layers[:] = [layer_class() for _ in layers]
     return True
-
-
-@functools.lru_cache(maxsize=1)
-def _append_in_place_layer_class() -> type:
-    from transformers.cache_utils import DynamicLayer
-
-    class AppendInPlaceLayer(DynamicLayer):
-        """DynamicLayer whose update copies the new K/V into storage [B, H, capacity, D] and keeps
-        `keys`/`values` as views [B, H, :length, D] of it: the same values as concatenation, without
-        re-copying the whole cache every step. The first fill returns the states themselves (what a
-        concatenation onto nothing equals); later calls return the strided views."""
-
-        spare_slots = 256  # room added when the storage grows: at least this, or a quarter more
-
-        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            super().lazy_initialization(key_states, value_states)
-            self._storage = self._views = None
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            old = self.get_seq_length()
-            new = old + key_states.shape[-2]
-            if not self._fits(new, key_states):
-                self._grow(old, new, key_states)
-            keys, values = self._storage
-            keys[:, :, old:new].copy_(key_states)
-            values[:, :, old:new].copy_(value_states)
-            self.keys, self.values = keys[:, :, :new], values[:, :, :new]
-            self._views = (self.keys, self.values)
-            return (key_states, value_states) if old == 0 else (self.keys, self.values)
-
-        def _fits(self, new: int, key_states: torch.Tensor) -> bool:
-            """The storage holds these keys (nobody replaced them) and has room for `new` slots."""
-            if self._storage is None or self._views is None or self._views[0] is not self.keys:
-                return False
-            if self._views[1] is not self.values:
-                return False
-            stored = self._storage[0]
-            return (
-                stored.shape[2] >= new
-                and stored.shape[:2] == key_states.shape[:2]
-                and stored.shape[3] == key_states.shape[3]
-                and stored.dtype == key_states.dtype
-                and stored.device == key_states.device
-            )
-
-        def _grow(self, old: int, new: int, key_states: torch.Tensor) -> None:
-            batch, heads, _, dim = key_states.shape
-            capacity = new + max(self.spare_slots, new // 4)
-            keys = key_states.new_empty(batch, heads, capacity, dim)
-            values = key_states.new_empty(batch, heads, capacity, dim)
-            if old:
-                keys[:, :, :old].copy_(self.keys)
-                values[:, :, :old].copy_(self.values)
-            self._storage = (keys, values)
-
-        def crop(self, tokens_to_remove: int) -> None:
-            super().crop(tokens_to_remove)  # slices keys/values: still views of the storage
-            self._views = (self.keys, self.values)
-
-        def reset(self) -> None:
-            super().reset()
-            self._storage = self._views = None
-
-    return AppendInPlaceLayer
 
 
 def full_attention_static_cache(model: nn.Module, max_cache_len: int) -> tuple[Any, bool]:
