@@ -25,7 +25,16 @@ from .accelerate_hooks import (
     move_accelerate_hook,
     state_dict_values,
 )
-from .torch_dynamo import default_compile_config, precompile_supported, step_context
+from .torch_dynamo import (
+    default_compile_config,
+    dynamo_cache_hits,
+    graphs_built,
+    precompile_supported,
+    precompiled_folder,
+    recompile_limit_error,
+    skip_dynamo_names_taken,
+    step_context,
+)
 from .torch_modules import shallow_module_copy
 from .transformers_cache import (
     append_kv_in_place,
@@ -60,9 +69,11 @@ __all__ = [
     "clear_static_cache",
     "copy_static_cache_rows",
     "default_compile_config",
+    "dynamo_cache_hits",
     "detach_accelerate_hook",
     "dispatch_resident",
     "full_attention_static_cache",
+    "graphs_built",
     "has_accelerate_hook",
     "input_device",
     "is_full_attention_layer",
@@ -71,7 +82,9 @@ __all__ = [
     "output_cache",
     "pad_token_id",
     "precompile_supported",
+    "precompiled_folder",
     "quiet_config_type_warning",
+    "recompile_limit_error",
     "register_attention_function",
     "replace_cache_key_values",
     "rust_tokenizer",
@@ -79,6 +92,7 @@ __all__ = [
     "set_generation_field",
     "set_static_cache_length",
     "shallow_module_copy",
+    "skip_dynamo_names_taken",
     "state_dict_values",
     "static_cache_filled",
     "static_cache_first_rows",
