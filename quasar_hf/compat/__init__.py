@@ -10,7 +10,10 @@ only; `tests/test_layering.py` fails when another module reaches such a name. Su
                               argument and output names, GenerationConfig fields, where a model came from
   transformers_cache.py       dynamic and static KV cache layers: their keys and values, write position, rows
   transformers_serving.py     `transformers serve`'s stream error and Rust tokenizer, the config-type log filter
-  torch_dynamo.py             the CompileConfig of compiled steps, Dynamo's settings in a context of their own
+  transformers_serving_app.py the `transformers serve` app's classes serving/ builds on (not re-exported here:
+                              they load FastAPI; `from quasar_hf.compat.transformers_serving_app import ...`)
+  torch_dynamo.py             the CompileConfig of compiled steps, Dynamo's settings in a context of their own,
+                              its counters, recompile-limit error, disk cache folder and generated-name counter
   torch_modules.py            shallow module copies (torch.nn.Module's child table)
   accelerate_hooks.py         Accelerate's dispatch and offload hooks, offloaded tensors read from them
 """
