@@ -9,6 +9,7 @@ from transformers.cache_utils import DynamicLayer
 
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from quasar_hf import QuasarConfig, compat
+from quasar_hf.speculative.append_in_place import AppendInPlaceLayer
 from quasar_hf.speculative.kv_state import RowAlignedCache
 from tests.helpers.tiny_models import save_tiny, tiny_model
 
@@ -38,7 +39,7 @@ def assert_same(a, b):
 
 
 def test_decode_verify_and_rollback_match_concatenation(w8a8_model, monkeypatch):
-    monkeypatch.setattr(compat._append_in_place_layer_class(), "spare_slots", 3)  # grow often
+    monkeypatch.setattr(AppendInPlaceLayer, "spare_slots", 3)  # grow often
     g = torch.Generator().manual_seed(0)
     states = pair(w8a8_model)
     with torch.no_grad():
@@ -83,3 +84,14 @@ def test_other_attention_paths_keep_concatenation():
     model = tiny_model(dtype=torch.bfloat16)  # SDPA: may read a strided cache another way
     state = RowAlignedCache(model, 1, torch.device("cpu"))
     assert all(type(layer) is DynamicLayer for layer in state.cache.layers)
+
+
+def test_in_place_layers_count_as_full_attention_layers():
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    class OtherDynamicLayer(DynamicLayer):
+        pass
+
+    assert compat.is_full_attention_layer(DynamicLayer()) and compat.is_full_attention_layer(AppendInPlaceLayer())
+    assert not compat.is_full_attention_layer(DynamicSlidingWindowLayer(sliding_window=4))
+    assert not compat.is_full_attention_layer(OtherDynamicLayer())  # a subclass may store its keys its own way

@@ -1,7 +1,8 @@
 """`transformers serve`'s own OpenAI app, with every request of a Quasar model decoded by a RequestBatcher.
 
-This is the one module that touches `transformers.cli.serving` (its handlers, model manager and app
-factory change between releases; tested with Transformers 5.24). The OpenAI-compatible endpoints,
+This is the one module that builds on `transformers.cli.serving` (its handlers, model manager and app
+factory change between releases; tested with Transformers 5.24), imported through
+compat/transformers_serving_app.py. The OpenAI-compatible endpoints,
 chat templates, streaming and tool-call parsing are Transformers' own. What changes:
 - each handler first checks the request body (`request_checks`: 400 naming the field, never a 500)
   and applies OpenAI's sampling rule (a positive temperature samples);
@@ -23,16 +24,20 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig
-from transformers.cli.serving.chat_completion import ChatCompletionHandler
-from transformers.cli.serving.completion import CompletionHandler
-from transformers.cli.serving.model_manager import ModelManager
-from transformers.cli.serving.response import ResponseHandler
-from transformers.cli.serving.server import build_server
-from transformers.cli.serving.systemone import SystemOneHandler
-from transformers.cli.serving.transcription import TranscriptionHandler
-from transformers.cli.serving.utils import BaseGenerateManager, DirectStreamer, GenerationState
 
 from quasar_hf import compat
+from quasar_hf.compat.transformers_serving_app import (
+    BaseGenerateManager,
+    ChatCompletionHandler,
+    CompletionHandler,
+    DirectStreamer,
+    GenerationState,
+    ModelManager,
+    ResponseHandler,
+    SystemOneHandler,
+    TranscriptionHandler,
+    build_server,
+)
 from quasar_hf.speculative.batcher import SHUTTING_DOWN, BatchRequest, RequestBatcher
 from quasar_hf.speculative.prompt_cache import PromptCache
 

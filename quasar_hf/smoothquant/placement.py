@@ -16,7 +16,7 @@ turn (its prescales, kept float weights) comes back home with `to_home`.
 
 A layer that accelerate offloaded (device_map "cpu" beside a GPU, or "disk": its weights on the meta
 device, held by its hook) is materialized for its turn and stays resident on the CPU afterwards,
-dispatched there by a plain accelerate hook (compat.py owns those names): the W8A8 layer is half the
+dispatched there by a plain accelerate hook (compat/accelerate_hooks.py owns those names): the W8A8 layer is half the
 bytes of the float one it replaces.
 """
 

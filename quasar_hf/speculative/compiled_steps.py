@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from quasar_hf import compat
 from quasar_hf.ops.rowstable_attention import decide_kernels
 
 from . import step_compiler
@@ -143,7 +144,7 @@ class CompiledSteps:
         step = self._ensure(key)
         try:
             outputs = step(*args, **kwargs)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
+        except compat.recompile_limit_error():
             # Raised while checking guards, before anything ran: a fresh function has an empty budget.
             outputs = self._replace(key, in_call=True)(*args, **kwargs)
         except Exception as error:

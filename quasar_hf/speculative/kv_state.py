@@ -16,6 +16,8 @@ from transformers import DynamicCache
 
 from quasar_hf import compat
 
+from .append_in_place import AppendInPlaceLayer
+
 
 class RowAlignedCache:
     """KV cache + slot mask [B, S] + real-token count [B] for one causal LM."""
@@ -32,7 +34,7 @@ class RowAlignedCache:
         if self.has_sliding_layers:
             self.cache = DynamicCache()
         elif _reads_strided_cache(model, device):
-            compat.append_kv_in_place(self.cache)  # appends write into spare room: no concatenation per step
+            compat.append_kv_in_place(self.cache, AppendInPlaceLayer)  # appends write into spare room: no concatenation per step
         self.slot_mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, S]
         self.valid_len = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters

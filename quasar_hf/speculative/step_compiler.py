@@ -9,7 +9,6 @@ loaded from disk.
 from __future__ import annotations
 
 import collections  # noqa: F401  (read by the steps' generated code: _call_with_own_code)
-import re
 import types
 from collections.abc import Callable
 from typing import Any
@@ -58,9 +57,9 @@ def compiled_step(
     options = compile_config.to_dict()
     if precompile and compat.precompile_supported() and options.get("mode") is None:  # torch takes a mode or options
         options["options"] = {**(options.get("options") or {}), "guard_filter_fn": _guards_a_later_process_can_check}
-    hits = torch._dynamo.utils.counters["dynamo_cache"]["dynamo_cache_hit"]
+    hits = compat.dynamo_cache_hits()
     compiled = settings.run(torch.compile, call, **options)  # loads a cached entry, if any
-    loaded = torch._dynamo.utils.counters["dynamo_cache"]["dynamo_cache_hit"] > hits
+    loaded = compat.dynamo_cache_hits() > hits
     if loaded:
         _skip_dynamo_names_taken_by_loaded_code()
 
@@ -96,22 +95,15 @@ def discard_precompiled(step: Callable) -> None:
     """Delete the on-disk traced code of a compiled step (a later step of the same name traces afresh)."""
     import shutil
 
-    from torch._dynamo.package import CompilePackage, DynamoCache
-
     call = getattr(step, "__wrapped__", step)
-    shutil.rmtree(f"{DynamoCache.path_prefix()}/{CompilePackage.source_id_from_fn(call)}", ignore_errors=True)
+    shutil.rmtree(compat.precompiled_folder(call), ignore_errors=True)
 
 
 def _skip_dynamo_names_taken_by_loaded_code() -> None:
     """Loaded traced code installs the globals it reads in this module, some named by a counter of the
     process that traced it (`__builtins_dict___0`); Dynamo names the globals of a later trace here by
     this process's counter and refuses a name already taken. Move that counter past the loaded names."""
-    from torch._dynamo.bytecode_transformation import unique_id
-
-    counted = r"__(?:builtins_dict__|warnings_warn_wrapper|gen_rand_values)_(\d+)"  # Dynamo's install_global names
-    taken = [int(match.group(1)) for key in globals() if (match := re.fullmatch(counted, key))]
-    while taken and int(unique_id("quasar").rsplit("_", 1)[1]) < max(taken):
-        pass
+    compat.skip_dynamo_names_taken(globals())
 
 
 def _call_with_own_code(module: torch.nn.Module, name: str) -> Callable:

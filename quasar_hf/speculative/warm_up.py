@@ -85,7 +85,7 @@ def warm_up(
     bundle = _bundle_path(model, config, shapes, num_draft_tokens, cache_folder)
     if bundle is not None:
         report.cache_file, report.cache = str(bundle), load_bundle(bundle)
-    graphs_before = _graphs_built()
+    graphs_before = compat.graphs_built()
     table = compiled_steps_for(model, config)
     if bundle is not None:
         table.cache_key = table.cache_key or compile_cache_key(model, config)  # steps' traced code kept on disk
@@ -94,11 +94,11 @@ def warm_up(
     failed_loads = table.failed_loads
     run_each_step = functools.partial(_run_each_step, model, table, shapes, max(num_draft_tokens, 1), progress)
     run_each_step()
-    if bundle is not None and report.cache == "loaded" and _graphs_built() > graphs_before:
+    if bundle is not None and report.cache == "loaded" and compat.graphs_built() > graphs_before:
         report.cache = "rebuilt: it did not hold every step"  # rewritten whole, not with the new steps alone
         table.trace_afresh(shapes)
         run_each_step()
-    report.graphs_compiled = _graphs_built() - graphs_before
+    report.graphs_compiled = compat.graphs_built() - graphs_before
     if bundle is not None and table.failed_loads > failed_loads:  # its traced code failed: never loaded again
         report.cache = "rebuilt: a step loaded from it failed"
         bundle.unlink(missing_ok=True)
@@ -126,10 +126,6 @@ def _run_each_step(model: torch.nn.Module, table: Any, shapes: list, width: int,
                 cache.forward(torch.ones(rows, 2, dtype=torch.long, device=device), last_only=True)  # the eager prefill
                 cache.forward(torch.ones(rows, 1, dtype=torch.long, device=device))  # decode graph [rows, 1]
                 cache.forward(torch.ones(rows, width + 1, dtype=torch.long, device=device))  # verify graph
-
-
-def _graphs_built() -> int:
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def _bundle_path(model: torch.nn.Module, config: Any, shapes: list, width: int, folder: Any) -> Path | None:
