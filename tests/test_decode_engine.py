@@ -18,7 +18,7 @@ import quasar_hf.speculative.row_rules as row_rules_module
 from quasar_hf.speculative.batch_request import BatchRequest
 from quasar_hf.speculative.batcher import RequestBatcher, request_quasar_config
 from quasar_hf.speculative.engine import DecodeEngine
-from quasar_hf.speculative.kv_state import RowAlignedCache
+from quasar_hf.speculative.row_aligned_cache import RowAlignedCache
 from quasar_hf.speculative.row_rules import OwnDraftPolicy
 from quasar_hf.speculative.verify import speculative_sample_accept
 from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny

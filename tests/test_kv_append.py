@@ -10,7 +10,7 @@ from transformers.cache_utils import DynamicLayer
 import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from quasar_hf import QuasarConfig, compat
 from quasar_hf.speculative.append_in_place import AppendInPlaceLayer
-from quasar_hf.speculative.kv_state import RowAlignedCache
+from quasar_hf.speculative.row_aligned_cache import RowAlignedCache
 from tests.helpers.tiny_models import save_tiny, tiny_model
 
 pytestmark = pytest.mark.kernels("attention")

@@ -32,7 +32,7 @@ def test_greedy_quasar_equals_plain_w8a8_bf16(name):
 
     from quasar_hf import QuasarConfig, models
     from quasar_hf.bench.suites import load_suite, render_prompt
-    from quasar_hf.speculative.attention import QUASAR_ATTENTION
+    from quasar_hf.speculative.verify_attention import QUASAR_ATTENTION
 
     source = getattr(models, BUILDERS[name])()
     tokenizer = AutoTokenizer.from_pretrained(source)

@@ -15,7 +15,7 @@ from quasar_hf import QuasarConfig
 from quasar_hf.nn import RowStableLinear
 from quasar_hf.ops import rowstable_linear as kernel
 from quasar_hf.ops.reference import rowstable_linear_reference
-from quasar_hf.speculative.kv_state import RowAlignedCache
+from quasar_hf.speculative.row_aligned_cache import RowAlignedCache
 from tests.helpers.tiny_models import assert_quasar_greedy_equals_plain, save_tiny
 
 needs_kernel = pytest.mark.kernels("rowstable_linear")

@@ -3,7 +3,7 @@
 This is the property behind "greedy quasar=True equals plain greedy generate": the cache a
 (k+1)-token verification writes must equal the cache k+1 one-token decode steps write. Checked for
 both ways of getting it (quasar_hf.ops.rowstable_attention, chosen per call by
-quasar_hf.speculative.attention): the row-stable kernel Quasar models load with, and SDPA one row at a time.
+quasar_hf.speculative.verify_attention): the row-stable kernel Quasar models load with, and SDPA one row at a time.
 """
 
 import pytest
@@ -14,8 +14,8 @@ import quasar_hf  # noqa: F401  (registers quant_method "quasar")
 from quasar_hf import QuasarConfig
 from quasar_hf.ops import rowstable_attention
 from quasar_hf.ops.rowstable_attention import LONG_PREFILL_ROWS, QUASAR_ATTENTION, use_rowstable_attention
-from quasar_hf.speculative.attention import rowstable_attention_for, verification_attention
-from quasar_hf.speculative.kv_state import RowAlignedCache
+from quasar_hf.speculative.row_aligned_cache import RowAlignedCache
+from quasar_hf.speculative.verify_attention import rowstable_attention_for, verification_attention
 from tests.helpers.tiny_models import assert_quasar_greedy_equals_plain, save_tiny, tiny_model
 
 FAST = dict(num_calibration_samples=4, calibration_seq_len=64)

@@ -19,7 +19,7 @@ from quasar_hf.ops import native
 from quasar_hf.ops.rowstable_attention import _visible_keys
 from quasar_hf.speculative import static_cache
 from quasar_hf.speculative.left_padding import left_padded
-from quasar_hf.speculative.static_cache import KVCacheSlot, StaticVerifierCache, static_cache_slots
+from quasar_hf.speculative.static_cache import StaticCacheBuffer, StaticVerifierCache, static_cache_slots
 from tests.helpers.compiled_steps import AOT_EAGER
 from tests.helpers.prompts import repeating_prompt
 from tests.helpers.tiny_models import quasar_model, tiny_model
@@ -140,7 +140,7 @@ def test_a_reused_cache_gives_the_logits_of_a_fresh_one():
     slot the last call wrote, so the next call reads what a new cache would give it."""
     model = tiny_model().eval()
     slots = static_cache_slots(40)
-    kv = KVCacheSlot.fresh(model, slots)
+    kv = StaticCacheBuffer.fresh(model, slots)
     with torch.no_grad():
         first = StaticVerifierCache(model, 1, torch.device("cpu"), slots, kv=kv)
         first.forward(repeating_prompt(5, 36), last_only=True)
@@ -406,7 +406,7 @@ def test_rows_that_pad_a_batch_take_no_prefill_and_rows_keep_their_bits(tmp_path
         return original(*args, **kwargs)
 
     with torch.no_grad():
-        kv = KVCacheSlot.fresh(model, slots)
+        kv = StaticCacheBuffer.fresh(model, slots)
         runs = []
         for _ in range(2):  # first: a fresh cache (all 4 rows prefill); then the same cache reused
             cache = StaticVerifierCache(model, 4, torch.device("cpu"), slots, batch_size=3, kv=kv)

@@ -168,7 +168,7 @@ def measure(folder: Path, steps: int, num_calibration_samples: int | None = None
     from quasar_hf import QuasarConfig
     from quasar_hf.nn import W8A8Linear
     from quasar_hf.ops import native
-    from quasar_hf.speculative.kv_state import RowAlignedCache
+    from quasar_hf.speculative.row_aligned_cache import RowAlignedCache
 
     native.is_available()  # build or load the C kernels first: a first build is not part of the quantize time
     overrides = {"num_calibration_samples": num_calibration_samples} if num_calibration_samples else {}

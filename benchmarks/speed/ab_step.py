@@ -31,7 +31,7 @@ WORKER = r"""
 import json, sys, time, torch
 from transformers import AutoModelForCausalLM
 import quasar_hf
-from quasar_hf.speculative.kv_state import RowAlignedCache
+from quasar_hf.speculative.row_aligned_cache import RowAlignedCache
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
 steps, vocab, compiled = int(sys.argv[2]), model.config.vocab_size, sys.argv[3] == "compiled"
 cpu = torch.device("cpu")

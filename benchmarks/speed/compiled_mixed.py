@@ -247,9 +247,9 @@ def mixed_main(args) -> dict:
 def decode_step_ms(model, steps: int = 30) -> float:
     """One compiled [1, 1] decode step over a warm 4096-slot cache: the median of `steps` calls."""
     from quasar_hf import compat
-    from quasar_hf.speculative.attention import verification_attention
     from quasar_hf.speculative.compiled_steps import compiled_cache_slots, compiled_steps_for, model_context
     from quasar_hf.speculative.static_cache import StaticVerifierCache
+    from quasar_hf.speculative.verify_attention import verification_attention
 
     config = compat.default_compile_config(torch.device("cpu"))
     slots = compiled_cache_slots(1, model_context(model))

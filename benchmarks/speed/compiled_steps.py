@@ -41,7 +41,7 @@ from quasar_hf.detect import plain_decoding
 from quasar_hf.nn.weight_bytes import step_read_bytes
 from quasar_hf.speculative import step_compiler
 from quasar_hf.speculative.config import DEFAULT_NUM_DRAFT_TOKENS
-from quasar_hf.speculative.kv_state import RowAlignedCache
+from quasar_hf.speculative.row_aligned_cache import RowAlignedCache
 from quasar_hf.speculative.static_cache import StaticVerifierCache, static_cache_slots
 
 CACHE_TOKENS = 300

@@ -38,7 +38,7 @@ from quasar_hf.hf.fusion import fuse_projections, unfuse_projections
 from quasar_hf.models import smollm2_135m_instruct
 from quasar_hf.nn import NormFoldedW8A8Linear, W8A8Linear
 from quasar_hf.nn.weight_bytes import step_read_bytes, step_weight_bytes
-from quasar_hf.speculative.kv_state import RowAlignedCache
+from quasar_hf.speculative.row_aligned_cache import RowAlignedCache
 
 
 class Timer:

@@ -38,7 +38,7 @@ from quasar_hf.bench.summary import (  # re-exported: part of the runner's resul
 )
 from quasar_hf.bench.timing import timed
 from quasar_hf.bench.variants import Generate, greedy_generate
-from quasar_hf.speculative.attention import rowstable_attention_for
+from quasar_hf.speculative.verify_attention import rowstable_attention_for
 
 DEFAULT_VARIANTS = ("bf16_generate", "bf16_prompt_lookup", "bf16_verify_ngram", "quasar_ngram")
 COMPILED_VARIANTS = {  # name -> the `quasar=` option of model.generate

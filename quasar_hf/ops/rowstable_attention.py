@@ -172,7 +172,7 @@ def _prompt_attention(module, query, key, value, dropout=0.0, scaling=None, **kw
     return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def _sdpa_prefill_by_row(module, query, key, value, pads, **kwargs):
+def _prefill_each_row(module, query, key, value, pads, **kwargs):
     """A left-padded batch's long prefill as each row's own call on its unpadded tokens: the call a
     request alone makes (mask None, causal: the prompt attention, or the row-stable kernel for a row of
     at most LONG_PREFILL_ROWS tokens), so a batched row gets that request's bits. Padding rows out: 0."""
@@ -200,7 +200,7 @@ def rowstable_attention_forward(
     if q_len == kv_len and q_len > LONG_PREFILL_ROWS and not torch.compiler.is_compiling():
         pads = _left_padding(query, key, attention_mask, kwargs)
         if pads is not None:
-            return _sdpa_prefill_by_row(module, query, key, value, pads, dropout=dropout, scaling=scaling, **kwargs)
+            return _prefill_each_row(module, query, key, value, pads, dropout=dropout, scaling=scaling, **kwargs)
     if not (q_len == kv_len and q_len > LONG_PREFILL_ROWS):
         kernel, visible = _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs)
         if kernel is not None:

@@ -1,6 +1,6 @@
 """AppendInPlaceLayer: a dynamic KV cache layer whose appends write into storage with spare room instead
 of concatenating, so a decode step does not re-copy the whole cache (the same keys and values, bit for bit:
-tests/test_kv_append.py). RowAlignedCache (kv_state.py) installs it in a fresh cache's full-attention
+tests/test_kv_append.py). RowAlignedCache (row_aligned_cache.py) installs it in a fresh cache's full-attention
 layers through `compat.append_kv_in_place`.
 
 It subclasses Transformers' DynamicLayer (a cache layer class, whose set changes between releases): the

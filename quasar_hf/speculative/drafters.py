@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from .kv_state import RowAlignedCache
+from .row_aligned_cache import RowAlignedCache
 
 
 @dataclass

@@ -9,7 +9,7 @@ The steps are those of `generate(quasar=True)`'s own loop (`SpeculativeRun`: pre
 offline and served decoding cannot drift apart. Each row keeps the rules of its own request (processors,
 stopping criteria, sampling, generator, draft length: row_rules.py). Its bits do not depend on the
 batch: its prompt is prefilled alone, verification runs the row-stable attention (ops/rowstable_attention.py),
-and rows of other requests are masked holes in its cache (kv_state.py). So a greedy row gives the tokens
+and rows of other requests are masked holes in its cache (row_aligned_cache.py). So a greedy row gives the tokens
 it gives alone, and a sampled row with a seed the same text, whatever else is served.
 
 What the engine cannot mix waits for the batch to drain: a request whose Quasar options need another
@@ -29,14 +29,14 @@ import torch
 
 from quasar_hf import compat
 
-from .attention import verification_attention
 from .batch_request import BatchRequest, RequestRows
 from .config import QuasarGenerationConfig
 from .drafters import Drafter, NoDrafter, make_drafter
-from .kv_state import RowAlignedCache
 from .loop import SpeculativeRun
 from .prompt_cache import KeyValues, PromptCache
+from .row_aligned_cache import RowAlignedCache
 from .stats import QuasarStats
+from .verify_attention import verification_attention
 
 MIN_REUSED_TOKENS = 16  # a shorter shared prefix is prefilled again (its copy costs about what it saves)
 

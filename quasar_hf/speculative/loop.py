@@ -19,7 +19,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .drafters import Draft, Drafter, DraftSetup, NgramDrafter, pack_drafts
-from .kv_state import RowAlignedCache
+from .row_aligned_cache import RowAlignedCache
 from .row_rules import RowRules, accept, choose_first
 from .static_cache import StaticVerifierCache
 from .stats import QuasarStats

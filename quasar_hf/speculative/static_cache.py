@@ -36,7 +36,7 @@ BOOL_MASK_ATTENTION = ("sdpa", QUASAR_ATTENTION, QUASAR_SDPA)  # read a 4D bool 
 
 
 # (unfinished rows, rows allocated) -> (rows, step, KV cache) of a smaller batch to continue in, or None
-Shrink = Callable[[int, int], "tuple[int, Callable, KVCacheSlot] | None"]
+Shrink = Callable[[int, int], "tuple[int, Callable, StaticCacheBuffer] | None"]
 
 
 def static_cache_slots(tokens: int) -> int:
@@ -45,7 +45,7 @@ def static_cache_slots(tokens: int) -> int:
 
 
 @dataclass
-class KVCacheSlot:
+class StaticCacheBuffer:
     """A Transformers StaticCache that outlives one call (compiled steps keep one per shape), and how many of
     its slots the last call wrote: what the next call clears before it starts."""
 
@@ -54,7 +54,7 @@ class KVCacheSlot:
     written: int = 0
 
     @classmethod
-    def fresh(cls, model: torch.nn.Module, slots: int) -> KVCacheSlot:
+    def fresh(cls, model: torch.nn.Module, slots: int) -> StaticCacheBuffer:
         return cls(*compat.full_attention_static_cache(model, slots))
 
     def reset(self) -> None:
@@ -75,7 +75,7 @@ class StaticVerifierCache:
         step: Callable | None = None,
         verify_kwargs: dict | None = None,
         batch_size: int | None = None,
-        kv: KVCacheSlot | None = None,
+        kv: StaticCacheBuffer | None = None,
         shrink: Shrink | None = None,
     ) -> None:
         """`rows` rows are allocated; the first `batch_size` (default: all) are the prompts' and the
@@ -86,7 +86,7 @@ class StaticVerifierCache:
         self.step = step if step is not None else model
         self.shrink = shrink
         self.verify_kwargs = verify_kwargs or {}
-        self.kv = kv if kv is not None else KVCacheSlot.fresh(model, max_cache_len)
+        self.kv = kv if kv is not None else StaticCacheBuffer.fresh(model, max_cache_len)
         self.kv.reset()
         self.cache, self.has_sliding_layers = self.kv.cache, self.kv.has_sliding_layers
         batch_size = rows if batch_size is None else batch_size
@@ -227,7 +227,7 @@ class StaticVerifierCache:
             if smaller is not None:
                 self._move_rows_to(*smaller)
 
-    def _move_rows_to(self, rows: int, step: Callable, kv: KVCacheSlot) -> None:
+    def _move_rows_to(self, rows: int, step: Callable, kv: StaticCacheBuffer) -> None:
         """Continue in `kv`, a cache of `rows` rows run by `step`: the unfinished rows' keys, values and slot
         masks move to its first rows (in order), so a step stops computing the finished rows. Each row's
         tokens, positions and visible keys stay what they were: row-stable steps give it the same bits."""

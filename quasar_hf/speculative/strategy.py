@@ -32,15 +32,15 @@ from transformers import (
 
 from quasar_hf import compat
 
-from .attention import verification_attention
 from .checks import INPUTS_EMBEDS_HELP, _check_inputs, _refuse_unsupported, as_long_ids
 from .compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for, model_context
 from .config import QuasarGenerationConfig
 from .drafters import NgramDrafter, make_drafter
-from .kv_state import RowAlignedCache
 from .loop import PreparedGeneration, QuasarGenerateOutput, RowCacheSink, SpeculativeRun
 from .prompt_cache import KeyValues
-from .static_cache import KVCacheSlot, StaticVerifierCache, static_cache_slots
+from .row_aligned_cache import RowAlignedCache
+from .static_cache import StaticCacheBuffer, StaticVerifierCache, static_cache_slots
+from .verify_attention import verification_attention
 
 # model_kwargs that Transformers' generate prepares itself; anything else is a model input we refuse.
 _PREPARED_MODEL_KWARGS = ("attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache", "past_key_values")
@@ -185,16 +185,16 @@ def verifier_cache(
     widths = {1, width + 1} if config.num_draft_tokens else {1}
     with contextlib.ExitStack() as caches:
 
-        def shrink(unfinished: int, allocated: int) -> tuple[int, Any, KVCacheSlot] | None:
+        def shrink(unfinished: int, allocated: int) -> tuple[int, Any, StaticCacheBuffer] | None:
             """A smaller batch's steps and cache for the unfinished rows, where its steps have run (no compile)."""
             smaller = batch_bucket(unfinished)
             if smaller >= allocated or not table.ready(smaller, slots, widths):
                 return None
             table.shrinks += 1
-            kv = caches.enter_context(table.kv_cache(smaller, slots, lambda: KVCacheSlot.fresh(model, slots)))
+            kv = caches.enter_context(table.kv_cache(smaller, slots, lambda: StaticCacheBuffer.fresh(model, slots)))
             return smaller, table.step_for(smaller, slots), kv
 
-        kv = caches.enter_context(table.kv_cache(rows, slots, lambda: KVCacheSlot.fresh(model, slots)))
+        kv = caches.enter_context(table.kv_cache(rows, slots, lambda: StaticCacheBuffer.fresh(model, slots)))
         yield StaticVerifierCache(model, rows, device, slots, step, verify_kwargs, batch_size, kv, shrink), width
 
 

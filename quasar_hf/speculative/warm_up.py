@@ -43,10 +43,10 @@ from quasar_hf.atomic_folder import write_bytes_atomically
 from quasar_hf.locking import cache_root
 
 from . import step_compiler
-from .attention import verification_attention
 from .compiled_steps import batch_bucket, compile_cache_key, compiled_cache_slots, compiled_steps_for, model_context
 from .config import DEFAULT_NUM_DRAFT_TOKENS
-from .static_cache import KVCacheSlot, StaticVerifierCache
+from .static_cache import StaticCacheBuffer, StaticVerifierCache
+from .verify_attention import verification_attention
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def _run_each_step(model: torch.nn.Module, table: Any, shapes: list, width: int,
     with torch.no_grad(), verification_attention(model, True) as verify_kwargs:
         for rows, cache_slots in tqdm(shapes, desc="Quasar compiling steps", unit="shape", disable=not progress):
             step = table.step_for(rows, cache_slots, in_call=False)
-            with table.kv_cache(rows, cache_slots, lambda: KVCacheSlot.fresh(model, cache_slots)) as kv:  # kept for calls
+            with table.kv_cache(rows, cache_slots, lambda: StaticCacheBuffer.fresh(model, cache_slots)) as kv:  # kept for calls
                 cache = StaticVerifierCache(model, rows, device, cache_slots, step, verify_kwargs, kv=kv)
                 cache.forward(torch.ones(rows, 2, dtype=torch.long, device=device), last_only=True)  # the eager prefill
                 cache.forward(torch.ones(rows, 1, dtype=torch.long, device=device))  # decode graph [rows, 1]

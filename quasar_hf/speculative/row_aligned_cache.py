@@ -24,7 +24,7 @@ class RowAlignedCache:
 
     def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device, verify_kwargs: dict | None = None) -> None:
         self.model = model
-        self.verify_kwargs = verify_kwargs or {}  # forward keywords of multi-token calls over the cache (attention.py)
+        self.verify_kwargs = verify_kwargs or {}  # forward keywords of multi-token calls over the cache (verify_attention.py)
         self.cache = DynamicCache(config=model.config)
         # Sliding-window layers (Gemma 3, Mistral-style windows) drop keys that leave the window, after
         # which rejected drafts cannot be cropped away. Keep full layers instead: the model's sliding
