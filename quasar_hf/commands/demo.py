@@ -9,17 +9,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+# Spelling correction of a given paragraph: the answer mostly copies the prompt, so n-gram drafts pay,
+# and SmolLM2-135M does it well (all three typos fixed; BF16 and W8A8 greedy texts are identical).
 DEMO_PROMPT = (
-    "Here is a short Python function:\n\n"
-    "def moving_average(values, window):\n"
-    "    if window <= 0:\n"
-    "        raise ValueError('window must be positive')\n"
-    "    averages = []\n"
-    "    for start in range(len(values) - window + 1):\n"
-    "        chunk = values[start:start + window]\n"
-    "        averages.append(sum(chunk) / window)\n"
-    "    return averages\n\n"
-    "Rewrite this function exactly, with a docstring added at the top of its body."
+    "Fix the spelling mistakes in this text:\n\n"
+    "I beleive the goverment should do more to protect the enviroment. Many people agree, but nothing "
+    "has changed yet. Our city could plant more trees, build safer bike lanes and make public transport "
+    "cheaper. These changes would make the air cleaner and the streets quieter for everyone."
 )
 QUANTIZED_NAME = "SmolLM2-135M-Instruct-quasar-w8a8"
 
