@@ -185,7 +185,7 @@ class RequestBatcher:
                 return
             request = self._held[0]
             try:
-                config = request_quasar_config(self.model, request.generation_config, self.quasar, request.tokenizer)
+                config = request_quasar_config(self.model, request.runnable_config(), self.quasar, request.tokenizer)
             except Exception as failure:  # a bad `quasar` value: this request's fault only
                 self._held.pop(0)
                 request.finish(f"{type(failure).__name__}: {failure}")
