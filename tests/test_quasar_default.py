@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.streamers import BaseStreamer, TextStreamer
 
 from quasar_hf.detect import plain_decoding
+from quasar_hf.speculative.defaults import log_declined
 from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])
@@ -69,6 +70,7 @@ def test_a_checkpoint_saved_with_quasar_off_decodes_plainly(model, tmp_path):
     ids=["output_scores", "beam_search"],
 )
 def test_unsupported_options_fall_back_by_default_and_raise_when_asked(model, options, caplog):
+    log_declined.cache_clear()  # logged once per reason and process: an earlier test may have logged it
     with caplog.at_level(logging.INFO, logger="quasar_hf.speculative.defaults"):
         out = model.generate(IDS, max_new_tokens=6, do_sample=False, **options)
     sequences = out.sequences if hasattr(out, "sequences") else out

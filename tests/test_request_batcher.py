@@ -97,6 +97,21 @@ def test_quasar_off_and_declined_options_run_plain_decoding(model):
         batcher.stop()
 
 
+def test_requests_with_use_cache_off_still_join_the_running_batch(model):
+    """Transformers' continuous batching sends use_cache=False (it keeps a paged cache of its own); every path here
+    keeps a cache (BatchRequest.runnable_config), so such requests join the running batch step by step, as the
+    batched call they would otherwise wait for would decode them with the loop anyway."""
+    batcher = RequestBatcher(model, gather_seconds=0.2)
+    try:
+        collectors = [Collector(), Collector()]
+        run_together(batcher, [(c.request(p, use_cache=False), c) for c, p in zip(collectors, PROMPTS)])
+        assert batcher.widest_step == 2 and batcher.batches_run > 1  # steps of the running batch, not one call
+        for collector, prompt in zip(collectors, PROMPTS):
+            assert collector.error is None and collector.tokens == alone(model, prompt, quasar=False)
+    finally:
+        batcher.stop()
+
+
 def test_a_cancelled_row_stops_and_the_others_finish(model):
     batcher = RequestBatcher(model, gather_seconds=0.2)
     try:

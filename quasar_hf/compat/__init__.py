@@ -6,8 +6,9 @@ Accelerate's hooks) moves between releases. The rest of the package calls the sm
 only; `tests/test_layering.py` fails when another module reaches such a name. Supported: Transformers
 5.17 - 5.24.
 
-  transformers_generation.py  attention implementation and registries, pad token, the KV cache's
-                              argument and output names, GenerationConfig fields, where a model came from
+  transformers_generation.py  attention implementation and registries, pad token, a call's merged generation
+                              config, the KV cache's argument and output names, GenerationConfig fields, where
+                              a model came from
   transformers_cache.py       dynamic and static KV cache layers: their keys and values, write position, rows
   transformers_serving.py     `transformers serve`'s stream error and Rust tokenizer, the config-type log filter
   transformers_serving_app.py the `transformers serve` app's classes serving/ builds on (not re-exported here:
@@ -54,6 +55,7 @@ from .transformers_cache import (
 from .transformers_generation import (
     attn_implementation,
     cache_argument_name,
+    merged_generation_config,
     name_or_path,
     output_cache,
     pad_token_id,
@@ -80,6 +82,7 @@ __all__ = [
     "has_accelerate_hook",
     "input_device",
     "is_full_attention_layer",
+    "merged_generation_config",
     "move_accelerate_hook",
     "name_or_path",
     "output_cache",

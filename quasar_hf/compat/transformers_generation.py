@@ -1,9 +1,11 @@
 """Transformers' generation internals quasar_hf reads: the attention implementation a model runs and
-the registries that take new ones, the pad token `generate` settled on, the name of the forward's KV
-cache argument (and output field), a GenerationConfig field its save keeps, where a model was loaded from.
+the registries that take new ones, the pad token `generate` settled on, the generation config a call
+decodes with, the name of the forward's KV cache argument (and output field), a GenerationConfig field
+its save keeps, where a model was loaded from.
 
 Each name moved or changed between 5.x releases (`_attn_implementation`, `_pad_token_tensor`,
-`cache` vs `past_key_values`, `_from_model_config`, `_name_or_path`); callers use these functions.
+`_prepare_generation_config`, `cache` vs `past_key_values`, `_from_model_config`, `_name_or_path`);
+callers use these functions.
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ def pad_token_id(generation_config: Any) -> int | None:
     if isinstance(pad, torch.Tensor):
         pad = pad.reshape(-1)[0]
     return None if pad is None else int(pad)
+
+
+def merged_generation_config(model: nn.Module, generation_config: Any, kwargs: dict) -> tuple[Any, dict]:
+    """The GenerationConfig a `generate(generation_config=..., **kwargs)` call decodes with, and the keyword
+    arguments it does not absorb (model inputs), merged as generate merges them: the passed config (else a
+    default one), the model's generation config under it, the keyword arguments over both. Raises what generate
+    raises for them (a model config that sets generation options)."""
+    return model._prepare_generation_config(generation_config, **kwargs)
 
 
 def cache_argument_name(model: nn.Module) -> str:

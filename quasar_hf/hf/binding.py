@@ -165,18 +165,20 @@ def to_dtype(self: Any, dtype: torch.dtype, *args: Any) -> Any:
 
 def quasar_generate(self: Any, *args: Any, quasar: Any = None, **kwargs: Any) -> Any:
     """`generate` of a Quasar model: Quasar decoding by default (the generation config's `quasar` field,
-    speculative/defaults.py), plain decoding with `quasar=False` or where a default meets an option the
-    speculative loop does not implement; `quasar=...` or `assistant_model=` ask for Quasar explicitly."""
-    from quasar_hf.speculative.defaults import declined_reason, default_quasar, log_declined
+    speculative/defaults.py), plain decoding with `quasar=False` or where a default meets a call the
+    speculative loop does not run (speculative/call_rules.py, the reason logged once); `quasar=...` or
+    `assistant_model=` ask for Quasar explicitly."""
+    from quasar_hf.speculative.call_rules import check_call, generate_arguments
+    from quasar_hf.speculative.defaults import default_quasar, log_declined
     from quasar_hf.speculative.strategy import generate_with_quasar
 
     if quasar is False:
         return type(self).generate(self, *args, **kwargs)
-    if quasar is None and _assistant_model(generate_with_quasar, self, args, kwargs) is not None:
+    if quasar is None and generate_arguments(args, kwargs).get("assistant_model") is not None:
         quasar = True  # an assistant's drafts, verified by the W8A8 model: explicit
     elif quasar is None:
         quasar = default_quasar(self, args, kwargs) if is_quasar_model(self) else False
-        reason = None if quasar is False else declined_reason(self, args, kwargs)
+        reason = None if quasar is False else check_call(self, args, kwargs)
         if reason is not None:
             log_declined(reason)
         if quasar is False or reason is not None:
@@ -184,13 +186,6 @@ def quasar_generate(self: Any, *args: Any, quasar: Any = None, **kwargs: Any) ->
     if not is_quasar_model(self):
         raise ValueError(NOT_QUANTIZED_HELP)
     return generate_with_quasar(self, *args, quasar=quasar, **kwargs)
-
-
-def _assistant_model(entry: Any, model: Any, args: tuple, kwargs: dict) -> Any:
-    """The assistant_model of a generate call, given positionally or by keyword."""
-    if "assistant_model" in kwargs:
-        return kwargs["assistant_model"]
-    return inspect.signature(entry).bind_partial(model, *args).arguments.get("assistant_model") if args else None
 
 
 def save_pretrained_with_card(self: Any, save_directory: Any, *args: Any, **kwargs: Any) -> Any:

@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 from transformers import GenerationConfig
@@ -36,8 +37,9 @@ from transformers import GenerationConfig
 from quasar_hf import compat
 
 from .batch_request import BatchRequest, RequestRows
+from .call_rules import check_call
 from .config import QuasarGenerationConfig
-from .defaults import FIELD, declined_reason
+from .defaults import FIELD, log_declined
 from .engine import MIN_REUSED_TOKENS, DecodeEngine
 from .left_padding import left_padded
 from .prompt_cache import PromptCache
@@ -183,7 +185,7 @@ class RequestBatcher:
                 return
             request = self._held[0]
             try:
-                config = request_quasar_config(self.model, request.generation_config, self.quasar)
+                config = request_quasar_config(self.model, request.runnable_config(), self.quasar, request.tokenizer)
             except Exception as failure:  # a bad `quasar` value: this request's fault only
                 self._held.pop(0)
                 request.finish(f"{type(failure).__name__}: {failure}")
@@ -322,7 +324,7 @@ def decode_batch(
 
     config = batch[0].runnable_config()
     config.max_new_tokens = max(int(r.generation_config.max_new_tokens or 0) for r in batch)
-    quasar_config = request_quasar_config(model, config, quasar)
+    quasar_config = request_quasar_config(model, config, quasar, batch[0].tokenizer)
     if quasar_config is None:  # options the loop does not implement: plain generate, one request at a time
         for request in batch:
             _decode_plainly(model, request)
@@ -365,12 +367,15 @@ SERVER_OPTIONS = ("compile", "cache_implementation")  # a request cannot change 
 
 
 def request_quasar_config(
-    model: torch.nn.Module, config: GenerationConfig, override: dict | None
+    model: torch.nn.Module, config: GenerationConfig, override: dict | None, tokenizer: Any = None
 ) -> QuasarGenerationConfig | None:
     """The loop's settings for a request: the server's options (`override`), then its generation config's
     `quasar` field (else the model's); Quasar off is the loop without drafts (plain decoding). None when the
-    loop declines the request's generation options."""
-    if declined_reason(model, (), {"generation_config": config}) is not None:
+    loop declines the request's generation options (call_rules.check_call, the reason logged once); `tokenizer`:
+    the request's, which its stop strings need."""
+    reason = check_call(model, (), {"generation_config": config, "tokenizer": tokenizer})
+    if reason is not None:
+        log_declined(reason)
         return None
     setting = getattr(config, FIELD, None)
     if setting is None:

@@ -10,62 +10,28 @@ the passed config) and the field, at the first call that reads it and at save_pr
 
 The keyword `quasar=` is an explicit request: options the speculative loop does not implement
 raise, naming the option. A default is not: a call with such options (beam search, output_scores,
-a KV cache passed in, ...) runs plain decoding instead (`declined_reason` says why, logged once
-at info level).
+a KV cache passed in, ...) runs plain decoding instead (`call_rules.check_call` says why, `log_declined`
+logs it once at info level).
 """
 
 from __future__ import annotations
 
-import copy
 import functools
-import inspect
 import logging
 from typing import Any
 
-from transformers import GenerationConfig
-
-from .checks import _refuse_unsupported
+from .call_rules import generate_arguments
 
 logger = logging.getLogger(__name__)
 
 FIELD = "quasar"  # the GenerationConfig attribute (generation_config.json key) holding the default
-# generate() arguments that are not model inputs: what a merged config does not absorb is checked as model input
-_GENERATE_ARGUMENTS = (
-    "inputs",
-    "input_ids",
-    "generation_config",
-    "logits_processor",
-    "stopping_criteria",
-    "prefix_allowed_tokens_fn",
-    "synced_gpus",
-    "assistant_model",
-    "streamer",
-    "negative_prompt_ids",
-    "negative_prompt_attention_mask",
-    "custom_generate",
-    "tokenizer",
-    "quasar_generator",
-    "stop_strings",
-    "attention_mask",
-    "use_model_defaults",
-    "assistant_tokenizer",
-    "compile_config",
-)
-
-
-def passed_generation_config(args: tuple, kwargs: dict) -> GenerationConfig | None:
-    """The GenerationConfig given to generate (keyword, or second positional argument), if any."""
-    config = kwargs.get("generation_config")
-    if config is None and len(args) > 1 and isinstance(args[1], GenerationConfig):
-        config = args[1]
-    return config
 
 
 def default_quasar(model: Any, args: tuple, kwargs: dict) -> Any:
     """The `quasar` setting a call without `quasar=` runs with: the passed GenerationConfig's field, else
     the model's, else True (a Quasar checkpoint that says nothing). False means plain decoding. A value
     that is none of these raises a ValueError naming where it came from (checked_setting)."""
-    passed = passed_generation_config(args, kwargs)
+    passed = generate_arguments(args, kwargs).get("generation_config")
     value = getattr(passed, FIELD, None)
     if value is not None:
         return checked_setting(value, f'the generation_config passed to generate: its field "{FIELD}"')
@@ -101,45 +67,6 @@ def checked_setting(value: Any, where: str) -> Any:
         f'{{"num_draft_tokens": 4}}): true decodes with Quasar (the default), false decodes plainly. Fix it there, or '
         f"set model.generation_config.{FIELD}; until then a generate call that reads the default, and a save, raise."
     )
-
-
-def declined_reason(model: Any, args: tuple, kwargs: dict) -> str | None:
-    """Why the speculative loop would refuse this generate call (an option it does not implement), else
-    None. Checked before anything runs, so a declined default falls back to plain decoding cleanly."""
-    from .strategy import _REFUSED_ARGUMENTS
-
-    try:
-        arguments = _bound_arguments(args, kwargs)
-    except TypeError as error:
-        return str(error)
-    for name in (*_REFUSED_ARGUMENTS, "inputs_embeds"):
-        if arguments.get(name) is not None:
-            return f"{name}= is given"
-    if arguments.get("synced_gpus"):
-        return "synced_gpus=True"
-    config = copy.deepcopy(arguments.get("generation_config") or model.generation_config)
-    options = {k: v for k, v in arguments.items() if k not in _GENERATE_ARGUMENTS}
-    model_inputs = config.update(**options)  # what is not a generation option is a model input
-    if getattr(config, "stop_strings", None) is not None and getattr(model.generation_config, "stop_strings", None):
-        return "model.generation_config.stop_strings is set (Quasar takes stop strings per call)"
-    for name in ("cache", "past_key_values"):
-        if model_inputs.get(name) is not None:
-            return f"a KV cache passed as {name}="
-    try:
-        _refuse_unsupported(config, model_inputs)
-    except ValueError as error:
-        return str(error)
-    return None
-
-
-def _bound_arguments(args: tuple, kwargs: dict) -> dict:
-    """generate's arguments by name (positional ones as generate's signature orders them)."""
-    from .strategy import generate_with_quasar
-
-    bound = inspect.signature(generate_with_quasar).bind(None, *args, **kwargs).arguments
-    bound.pop("model", None)
-    bound.update(bound.pop("kwargs", {}))
-    return bound
 
 
 @functools.cache

@@ -32,7 +32,7 @@ from transformers import (
 
 from quasar_hf import compat
 
-from .checks import INPUTS_EMBEDS_HELP, _check_inputs, _refuse_unsupported, as_long_ids
+from .call_rules import CACHE_NAMES, as_long_ids, check_call, check_prepared, generate_arguments
 from .compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for, model_context
 from .config import QuasarGenerationConfig
 from .drafters import NgramDrafter, make_drafter
@@ -41,9 +41,6 @@ from .prompt_cache import KeyValues
 from .row_aligned_cache import RowAlignedCache
 from .static_cache import StaticCacheBuffer, StaticVerifierCache, static_cache_slots
 from .verify_attention import verification_attention
-
-# model_kwargs that Transformers' generate prepares itself; anything else is a model input we refuse.
-_PREPARED_MODEL_KWARGS = ("attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache", "past_key_values")
 
 
 @torch.no_grad()
@@ -65,9 +62,10 @@ def generate(
     acceptance and sampling. Everything else arrives prepared by `generate` (the streamer, when
     given, has already received the prompt).
     """
-    if synced_gpus:
-        raise ValueError("Quasar generation does not support synced_gpus=True (multi-GPU lockstep decoding).")
     config = QuasarGenerationConfig.from_value(True if quasar is None else quasar)
+    reason = check_prepared(model, input_ids, generation_config, model_kwargs, synced_gpus=synced_gpus, quasar=config)
+    if reason is not None:
+        raise ValueError(reason)
     return run_prepared(
         model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, config, streamer, quasar_generator
     )
@@ -89,18 +87,15 @@ def run_prepared(
 ) -> torch.Tensor | QuasarGenerateOutput | SpeculativeRun:
     """Run the speculative loop on what `generate` prepared for this call; `prefixes[b]`: keys and values of
     row b's first prompt tokens, computed earlier (a prompt cache's); `keep_row_cache`: see SpeculativeRun.
-    `admit`: prefill only and return the run, made to join a running batch (the serving engine, engine.py)."""
-    if model_kwargs.get("inputs_embeds") is not None:
-        raise ValueError(INPUTS_EMBEDS_HELP)
+    `admit`: prefill only and return the run, made to join a running batch (the serving engine, engine.py).
+    The call's rules were checked before (call_rules.py: check_call, or check_prepared in `generate`)."""
     input_ids = as_long_ids(input_ids)
     attention_mask = model_kwargs.get("attention_mask")
-    _check_inputs(model, input_ids, attention_mask)
-    _refuse_unsupported(generation_config, {k: v for k, v in model_kwargs.items() if k not in _PREPARED_MODEL_KWARGS})
     if generation_config.cache_implementation == "static":  # generate's own (empty) StaticCache: the loop sizes its own
         quasar_config = dataclasses.replace(quasar_config, cache_implementation="static")
-        model_kwargs = {k: v for k, v in model_kwargs.items() if k not in ("cache", "past_key_values")}
+        model_kwargs = {k: v for k, v in model_kwargs.items() if k not in CACHE_NAMES}
     batch_size = input_ids.shape[0]
-    given = cached_prefix(model_kwargs, input_ids, attention_mask, quasar_config)
+    given = cached_prefix(model_kwargs)
     prefixes = [given] if given is not None else prefixes
     if prefixes is not None and (len(prefixes) != batch_size or quasar_config.cache_implementation == "static"):
         raise ValueError("cached prefixes need one prefix per row and the dynamic cache")
@@ -219,100 +214,52 @@ def _row_view(processor: Any, row: int, batch_size: int) -> Any:
     return processor
 
 
-def cached_prefix(
-    model_kwargs: dict, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, config: QuasarGenerationConfig
-) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """The keys and values of a filled DynamicCache passed in (`past_key_values` of an earlier turn, one row):
-    the loop continues from it as plain generate does, prefilling only the tokens past it. None when none is
-    passed; a cache the loop cannot continue from is refused rather than dropped silently."""
-    from transformers import DynamicCache
-
-    for name in ("cache", "past_key_values"):
+def cached_prefix(model_kwargs: dict) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The keys and values of a filled DynamicCache passed in (`past_key_values` of an earlier turn, one row, which
+    call_rules.py allowed): the loop continues from it as plain generate does, prefilling only the tokens past it.
+    None when none is passed, or an empty one."""
+    for name in CACHE_NAMES:
         cache = model_kwargs.get(name)
-        if cache is not None and not isinstance(cache, DynamicCache):
-            raise ValueError(
-                f"Quasar generation keeps its own dynamic KV cache and cannot use the {type(cache).__name__} passed as "
-                f"{name}=...; drop that argument (for a static cache pass cache_implementation='static' or "
-                f"quasar={{'cache_implementation': 'static'}}: the loop sizes one with room for its drafts)."
-            )
-        if cache is None or not hasattr(cache, "get_seq_length") or cache.get_seq_length() == 0:
-            continue
-        length, (rows, width) = cache.get_seq_length(), input_ids.shape
-        problem = None
-        if rows != 1 or (attention_mask is not None and not bool(attention_mask.all())):
-            problem = "works for one unpadded prompt at a time"
-        elif config.cache_implementation == "static":
-            problem = "works with the dynamic cache only (not cache_implementation='static' or compiled steps)"
-        elif not all(compat.is_full_attention_layer(layer) for layer in cache.layers):
-            problem = "needs full-attention layers (this model has sliding-window layers)"
-        elif length >= width:
-            problem = f"holds {length} tokens but input_ids has {width}: pass the whole conversation, longer than the cache"
-        if problem is not None:
-            raise ValueError(f"Quasar generation continuing from a filled {name}=... {problem}; drop {name} or fix the call.")
-        return compat.cache_key_values(cache)
+        if cache is not None and cache.get_seq_length() > 0:
+            return compat.cache_key_values(cache)
     return None
-
-
-# generate() arguments the speculative loop cannot honour: refused with a clear error.
-_REFUSED_ARGUMENTS = ("prefix_allowed_tokens_fn", "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate")
 
 
 @torch.no_grad()
 def generate_with_quasar(
     model: torch.nn.Module,
-    inputs: torch.Tensor | None = None,
-    generation_config: GenerationConfig | None = None,
-    logits_processor: LogitsProcessorList | None = None,
-    stopping_criteria: StoppingCriteriaList | None = None,
-    prefix_allowed_tokens_fn: Any = None,
-    synced_gpus: bool | None = None,
-    assistant_model: torch.nn.Module | None = None,
-    streamer: Any = None,
-    negative_prompt_ids: torch.Tensor | None = None,
-    negative_prompt_attention_mask: torch.Tensor | None = None,
-    custom_generate: Any = None,
-    *,
+    *args: Any,
     quasar: QuasarGenerationConfig | dict | bool | None = True,
     quasar_generator: torch.Generator | None = None,
-    tokenizer: Any = None,
     quasar_prefixes: list[KeyValues] | None = None,
     quasar_keep_row_cache: RowCacheSink | None = None,
     quasar_admit: bool = False,
     **kwargs: Any,
 ) -> torch.Tensor | QuasarGenerateOutput | SpeculativeRun:
-    """Quasar generation with `generate`'s own arguments (positional order included), streamer and stop strings kept.
+    """Quasar generation with `generate`'s own arguments (positional ones in plain generate's order; `tokenizer=`
+    for stop strings), streamer and stop strings kept; a call the loop cannot run raises ValueError naming the
+    option and the fix (call_rules.check_call).
 
     `assistant_model` drafts for the speculative loop (drafter="assistant"); `quasar` chooses the
     drafter and its settings; `quasar_generator` seeds acceptance and sampling; `quasar_prefixes` and
     `quasar_keep_row_cache` continue rows from a prompt cache and fill it, `quasar_admit` returns the prefilled run
     (run_prepared).
     """
-    refused = {
-        "prefix_allowed_tokens_fn": prefix_allowed_tokens_fn,
-        "negative_prompt_ids": negative_prompt_ids,
-        "negative_prompt_attention_mask": negative_prompt_attention_mask,
-        "custom_generate": custom_generate,
-    }
-    for name in _REFUSED_ARGUMENTS:
-        if refused[name] is not None:
-            raise ValueError(f"generate(quasar=...) does not support {name}=; remove it or call generate without quasar.")
-    if synced_gpus:
-        raise ValueError("generate(quasar=...) does not support synced_gpus=True (multi-GPU lockstep decoding).")
     config = QuasarGenerationConfig.from_value(True if quasar is None else quasar)
+    reason = check_call(model, args, {**kwargs, "quasar": config})
+    if reason is not None:
+        raise ValueError(reason)
+    arguments = generate_arguments(args, kwargs)
+    assistant_model = arguments.pop("assistant_model", None)
     if assistant_model is not None:
         drafter = "assistant" if config.drafter == "ngram" else config.drafter
         config = QuasarGenerationConfig(**{**config.__dict__, "assistant_model": assistant_model, "drafter": drafter})
-    if kwargs.get("inputs_embeds") is not None:
-        raise ValueError(INPUTS_EMBEDS_HELP)
-    if inputs is not None:
-        input_ids = inputs = as_long_ids(inputs)
-    else:
-        input_ids = kwargs["input_ids"] = as_long_ids(kwargs.get("input_ids"))
-    if input_ids is None:
-        raise ValueError("generate(quasar=...) needs input_ids (the tokenized prompt).")
-    _check_inputs(model, input_ids, kwargs.get("attention_mask"))
-    generation_config, stopping_criteria = _stop_strings_as_criterion(
-        model, generation_config, stopping_criteria, tokenizer, kwargs
+    for name in ("inputs", "input_ids"):
+        if name in arguments:
+            arguments[name] = as_long_ids(arguments[name])
+    streamer = arguments.get("streamer")  # generate streams the prompt; the loop streams the new tokens
+    arguments["generation_config"], arguments["stopping_criteria"] = _stop_strings_as_criterion(
+        arguments.get("generation_config"), arguments.get("stopping_criteria"), arguments.pop("tokenizer", None), arguments
     )
 
     def quasar_decoding(
@@ -333,41 +280,22 @@ def generate_with_quasar(
             quasar_admit,
         )
 
-    return type(model).generate(
-        model,
-        inputs,
-        generation_config=generation_config,
-        logits_processor=logits_processor,
-        stopping_criteria=stopping_criteria,
-        streamer=streamer,  # generate streams the prompt; the loop streams the new tokens
-        custom_generate=quasar_decoding,
-        **kwargs,
-    )
+    return type(model).generate(model, **{**arguments, "custom_generate": quasar_decoding})
 
 
 def _stop_strings_as_criterion(
-    model: torch.nn.Module,
-    generation_config: GenerationConfig | None,
-    stopping_criteria: StoppingCriteriaList | None,
-    tokenizer: Any,
-    kwargs: dict,
+    generation_config: GenerationConfig | None, stopping_criteria: StoppingCriteriaList | None, tokenizer: Any, kwargs: dict
 ) -> tuple[GenerationConfig | None, StoppingCriteriaList | None]:
-    """Build the StopStringCriteria plain generate would build (generate withholds the tokenizer from strategies)."""
+    """Build the StopStringCriteria plain generate would build (generate withholds the tokenizer from strategies);
+    call_rules.py refused stop strings from the model's generation config and stop strings without a tokenizer."""
     stop_strings = kwargs.pop("stop_strings", None)
     if generation_config is not None and generation_config.stop_strings is not None:
         if stop_strings is None:
             stop_strings = generation_config.stop_strings
         generation_config = copy.deepcopy(generation_config)
         generation_config.stop_strings = None
-    if getattr(model.generation_config, "stop_strings", None) is not None:  # generate would merge it in
-        raise ValueError(
-            "model.generation_config.stop_strings is set; Quasar generation takes stop strings per call. Set "
-            "model.generation_config.stop_strings = None and pass stop_strings=... and tokenizer=... to generate."
-        )
     if stop_strings is None:
         return generation_config, stopping_criteria
-    if tokenizer is None:
-        raise ValueError("stop_strings needs the model's tokenizer: pass tokenizer=... to generate (as plain generate requires).")
     criterion = StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
     return generation_config, StoppingCriteriaList([*(stopping_criteria or []), criterion])
 
