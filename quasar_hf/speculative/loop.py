@@ -169,12 +169,14 @@ class SpeculativeRun:
         logits = self.verifier.forward(chunk)[:, : k + 1]  # [B, k+1, V] fp32
         self.stats.forward_time_s += time.perf_counter() - drafted
         self.stats.verifier_forwards += 1
-        scores = self._position_scores(draft, logits)  # [B, k+1, V]
+        lengths = draft.lengths.tolist()
+        scores = self._position_scores(draft, logits, lengths)  # [B, k+1, V]
         num_accepted, next_token = accept([self.rules[b] for b in self.active], draft, scores)
         self.verifier.keep_accepted(num_accepted + 1, chunk.shape[1])  # pending token + accepted drafts
-        self.drafter.on_accept(num_accepted[self._drafter_index()])
+        served = self._drafter_index()
+        self.drafter.on_accept(num_accepted if len(served) == len(self.active) else num_accepted[served])
         accepted_list = num_accepted.tolist()
-        for i, (b, length) in enumerate(zip(self.active, draft.lengths.tolist())):
+        for i, (b, length) in enumerate(zip(self.active, lengths)):
             if self.rules[b].own_drafts:
                 self.rules[b].own_policy.record(length, accepted_list[i])
         emitted, finished = [], []
@@ -184,7 +186,7 @@ class SpeculativeRun:
             count, done = self._emit(b, tokens, scores[i, : n + 1])
             emitted.append(count)
             finished.append(done)
-        self.stats.record_step(draft.lengths.tolist(), accepted_list, emitted)
+        self.stats.record_step(lengths, accepted_list, emitted)
         self.stats.draft_time_s += drafted - started
         self.stats.verify_time_s += time.perf_counter() - drafted
         self.pending = self._drop_finished(next_token, finished)
@@ -204,8 +206,8 @@ class SpeculativeRun:
             draft = self.drafter.propose([sequences[i] for i in served], [budgets[i] for i in served])
             if draft.probs is not None:
                 raise RuntimeError("rows that join a running batch take deterministic drafts (the drafter runs greedy)")
-            for j, i in enumerate(served):
-                parts[i] = draft.tokens[j, : int(draft.lengths[j])]
+            for j, (i, length) in enumerate(zip(served, draft.lengths.tolist())):
+                parts[i] = draft.tokens[j, :length]
         for i, b in enumerate(self.active):
             if self.rules[b].own_drafts:  # budget: its own draft_limit; length: its own policy
                 parts[i] = self.row_drafter.lookup(sequences[i], self.rules[b].own_policy.length(budgets[i]))
@@ -243,12 +245,11 @@ class SpeculativeRun:
         self.shared_rules = False
         return offset
 
-    def _position_scores(self, draft: Draft, logits: torch.Tensor) -> torch.Tensor:
+    def _position_scores(self, draft: Draft, logits: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """Processed scores at every position a row verified (up to its own draft length; past it, logits nobody
         reads), each with the prefix that position would have seen."""
         if all(len(self.rules[b].processors) == 0 for b in self.active):
             return logits
-        lengths = draft.lengths.tolist()
         columns = []
         for j in range(logits.shape[1]):
             needed = [i for i, n in enumerate(lengths) if n >= j]

@@ -103,9 +103,10 @@ def accept(rules: list[RowRules], draft: Draft, scores: torch.Tensor) -> tuple[t
         return _accept_group(rules[0], draft.tokens, draft.probs, scores, draft.lengths)
     num_accepted = torch.zeros(batch, dtype=torch.long, device=scores.device)
     next_token = torch.zeros(batch, dtype=torch.long, device=scores.device)
+    lengths = draft.lengths.tolist()
     for indices, rule in sampling_groups(rules):
         index = torch.tensor(indices, device=scores.device)
-        width = int(draft.lengths[index].max()) if rule.own_drafts and rule.do_sample else draft.tokens.shape[1]
+        width = max(lengths[i] for i in indices) if rule.own_drafts and rule.do_sample else draft.tokens.shape[1]
         probs = None if draft.probs is None else draft.probs[index, :width]
         n, token = _accept_group(rule, draft.tokens[index, :width], probs, scores[index, : width + 1], draft.lengths[index])
         num_accepted[index], next_token[index] = n, token
