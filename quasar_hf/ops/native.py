@@ -23,7 +23,7 @@ import functools
 import os
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -138,6 +138,7 @@ class _Loaded:
     error: str | None
     builds: dict[str, tuple[str, str]]  # kernel -> (build, source)
     op_errors: dict[str, str]  # op name -> why its C++ implementation does not serve it (absent: it does)
+    kernel_reasons: dict[str, str | None] = field(default_factory=dict, compare=False)  # unavailable_reason's answers
 
 
 @functools.cache
@@ -210,6 +211,12 @@ def unavailable_reason(kernel: str | None = None) -> str | None:
     loaded = _loaded()
     if loaded.error is not None or kernel is None:
         return loaded.error
+    if kernel not in loaded.kernel_reasons:  # asked by every attention call of an eager step: answered once
+        loaded.kernel_reasons[kernel] = _kernel_unavailable_reason(loaded, kernel)
+    return loaded.kernel_reasons[kernel]
+
+
+def _kernel_unavailable_reason(loaded: _Loaded, kernel: str) -> str | None:
     if kernel not in loaded.builds:
         return f"no build of the {kernel_titles()[kernel]} kernel runs on this CPU ({_needs(kernel)})"
     failed = [loaded.op_errors[op.name] for op in KERNEL_OPS if op.kernel == kernel and op.name in loaded.op_errors]
