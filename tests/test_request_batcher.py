@@ -213,7 +213,8 @@ def test_stop_ends_the_running_rows_and_fails_the_waiting_requests(model):
 
 
 def test_sampled_requests_never_share_a_batched_call():
-    """Batched calls (compiled steps) run their rows to the end with one generator: a sampled request runs alone."""
+    """Batched calls (options the engine does not implement) run their rows to the end with one generator: a sampled
+    request runs alone."""
     greedy = BatchRequest([1], GenerationConfig(max_new_tokens=4), print, print)
     other = BatchRequest([2, 3], GenerationConfig(max_new_tokens=9), print, print)
     sampled = BatchRequest([1], GenerationConfig(max_new_tokens=4, do_sample=True), print, print)

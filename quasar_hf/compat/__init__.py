@@ -51,6 +51,7 @@ from .transformers_cache import (
     set_static_cache_length,
     static_cache_filled,
     static_cache_first_rows,
+    static_cache_tensors,
 )
 from .transformers_generation import (
     attn_implementation,
@@ -102,5 +103,6 @@ __all__ = [
     "state_dict_values",
     "static_cache_filled",
     "static_cache_first_rows",
+    "static_cache_tensors",
     "step_context",
 ]

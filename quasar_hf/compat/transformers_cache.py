@@ -104,6 +104,11 @@ def copy_static_cache_rows(source: Any, target: Any, target_rows: int, rows: tor
     set_static_cache_length(target, length)
 
 
+def static_cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each allocated layer's keys and values [rows, H, slots, D] of a StaticCache (its tensors, written in place)."""
+    return [(layer.keys, layer.values) for layer in cache.layers if getattr(layer, "is_initialized", False)]
+
+
 def clear_static_cache(cache: Any, written: int) -> None:
     """Zero the first `written` slots of every filled layer of a StaticCache and move its write position to 0:
     the cache a fresh one is, without a new allocation (its tensors keep their addresses)."""

@@ -14,8 +14,9 @@ it (first in, first out). A prompt is prefilled whole when it is admitted, and a
 `prefill_tokens_per_step` prompt tokens are admitted at one boundary (at least one request), which bounds
 how long the running rows wait for prefills.
 
-Compiled steps (`compile`, a static cache) and generation options the speculative loop does not implement
-still run as batched calls: the requests waiting that agree in their settings decode together to the end.
+Compiled steps (`compile`, a static cache) run in the engine too, on the compiled batch sizes (engine.py).
+Generation options the speculative loop does not implement still run as batched calls: the requests waiting
+that agree in their settings decode together to the end.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class RequestBatcher:
         """`quasar`: Quasar options the server sets for every request, under each request's own; `on_call`:
         receives the speculative counters of each prefill (rows 0) and each step or batched call (its rows);
         `prompt_cache`: keys and values of finished requests that a new one continues from; `gather_seconds`:
-        how long batched calls (compiled steps) wait for requests sent together with the first."""
+        how long batched calls (options the engine does not implement) wait for requests sent together with the first."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
@@ -87,7 +88,7 @@ class RequestBatcher:
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self.background_prefill_tokens = background_prefill_tokens
         self.fatal_error: BaseException | None = None
-        self.batches_run = 0  # batched calls (compiled steps) and steps of the running batch
+        self.batches_run = 0  # batched calls and steps of the running batch
         self.rows_run = 0  # requests that started decoding
         self.widest_step = 0  # the most rows one step (or batched call) decoded together
         self._waiting: queue.Queue[BatchRequest | None] = queue.Queue()
@@ -190,12 +191,12 @@ class RequestBatcher:
                 self._held.pop(0)
                 request.finish(f"{type(failure).__name__}: {failure}")
                 continue
-            if config is None or config.cache_implementation == "static":
+            if config is None:
                 if self._engine.rows:
                     return  # batched calls run once the rows decoding now finish
                 self._run(self._batch_with(request))
                 continue
-            if not self._engine.can_join(config):
+            if not self._engine.can_join(config, request):
                 return
             if admitted_tokens and admitted_tokens + len(request.input_ids) > self.prefill_tokens_per_step:
                 return
@@ -211,7 +212,7 @@ class RequestBatcher:
         if request.on_start is not None:
             request.on_start()
         with self._failing_alone(request):
-            prefix = self._engine.cached_prefix(request)
+            prefix = self._engine.cached_prefix(request, config)
             if self._engine.rows and len(request.input_ids) - request.reused_tokens > self.background_prefill_tokens:
                 future = self._prefill_thread.submit(self._engine.prefill, request, config, prefix)
                 self._prefilling = (request, config, future)
@@ -257,7 +258,7 @@ class RequestBatcher:
             request.finish(f"the decoding worker died: {failure!r}")
 
     def _batch_with(self, first: BatchRequest) -> list[BatchRequest]:
-        """`first` and the held requests that decode in one batched call with it (compiled steps)."""
+        """`first` and the held requests that decode in one batched call with it."""
         if len(self._held) < self.max_batch_size:
             time.sleep(self.gather_seconds)
             self._take_arrivals(block=False)
@@ -267,7 +268,7 @@ class RequestBatcher:
         return batch
 
     def _run(self, batch: list[BatchRequest]) -> None:
-        """One batched call to the end (compiled steps, or options the engine does not implement)."""
+        """One batched call to the end (options the engine does not implement)."""
         self.batches_run += 1
         self.rows_run += len(batch)
         self.widest_step = max(self.widest_step, len(batch))

@@ -103,20 +103,28 @@ class CompiledSteps:
 
     @contextlib.contextmanager
     def kv_cache(self, batch_rows: int, cache_slots: int, fresh: Callable[[], Any]) -> Iterator[Any]:
-        """A KV cache of this shape for the length of one call: one an earlier call left, else `fresh()`; given
-        back after. A call's own, so concurrent calls never share one; kept per key, so a server's calls
-        do not allocate (and zero) hundreds of MB each. The caller clears what it reads (StaticVerifierCache)."""
-        key = (batch_rows, cache_slots)
-        with self._lock:
-            idle = self.idle_caches.get(key) or []
-            cache = idle.pop() if idle else None
-        cache = fresh() if cache is None else cache
+        """A KV cache of this shape for the length of one call (`take_cache`, given back after)."""
+        cache = self.take_cache(batch_rows, cache_slots, fresh)
         try:
             yield cache
         finally:
-            with self._lock:
-                if key in self.steps:  # a dropped key's caches go with it
-                    self.idle_caches.setdefault(key, []).append(cache)
+            self.give_back_cache(batch_rows, cache_slots, cache)
+
+    def take_cache(self, batch_rows: int, cache_slots: int, fresh: Callable[[], Any]) -> Any:
+        """A KV cache of this shape that is the taker's until `give_back_cache`: one given back earlier, else `fresh()`.
+        Never shared, so concurrent calls never write one cache; kept per key, so a server's calls do not allocate
+        (and zero) hundreds of MB each. The taker clears what it reads (StaticVerifierCache)."""
+        with self._lock:
+            idle = self.idle_caches.get((batch_rows, cache_slots)) or []
+            cache = idle.pop() if idle else None
+        return fresh() if cache is None else cache
+
+    def give_back_cache(self, batch_rows: int, cache_slots: int, cache: Any) -> None:
+        """Keep `cache` (from `take_cache`) for the next taker of its shape; a dropped key's caches go with it."""
+        key = (batch_rows, cache_slots)
+        with self._lock:
+            if key in self.steps:
+                self.idle_caches.setdefault(key, []).append(cache)
 
     def step_for(self, batch_rows: int, cache_slots: int, in_call: bool = True) -> Callable:
         """The step a static cache of this shape calls: this key's compiled function, looked up at

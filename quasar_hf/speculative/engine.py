@@ -12,6 +12,11 @@ batch: its prompt is prefilled alone, verification runs the row-stable attention
 and rows of other requests are masked holes in its cache (row_aligned_cache.py). So a greedy row gives the tokens
 it gives alone, and a sampled row with a seed the same text, whatever else is served.
 
+With compiled steps (a static cache) the rows live in one preallocated cache of a power-of-two batch size,
+moving to the next size as rows join and back as they leave (static_buffers.py): the sizes `warm_up` compiled,
+so admission and completion never trace a graph. Each row is prefilled alone, as compiled plain decoding
+prefills it, and its slots join right-aligned (StaticVerifierCache.join).
+
 What the engine cannot mix waits for the batch to drain: a request whose Quasar options need another
 drafter (`join_key`), and every request on a model whose cache cannot hold rows of different lengths
 (sliding-window layers: one row at a time).
@@ -35,16 +40,20 @@ from .drafters import Drafter, NoDrafter, make_drafter
 from .loop import SpeculativeRun
 from .prompt_cache import KeyValues, PromptCache
 from .row_aligned_cache import RowAlignedCache
+from .static_cache import StaticVerifierCache
 from .stats import QuasarStats
+from .strategy import static_batch_slots
 from .verify_attention import verification_attention
 
 MIN_REUSED_TOKENS = 16  # a shorter shared prefix is prefilled again (its copy costs about what it saves)
 
 
 def join_key(config: QuasarGenerationConfig) -> str:
-    """Rows whose Quasar options have equal keys share one drafter: everything but the draft length (per row)."""
+    """Rows whose Quasar options have equal keys share one drafter: everything but the draft length (per row;
+    with a static cache it fixes the verify step's width, so it is part of the key)."""
     data = config.to_dict()
-    data.pop("num_draft_tokens", None)
+    if config.cache_implementation != "static":
+        data.pop("num_draft_tokens", None)
     return json.dumps(data, sort_keys=True, default=repr)
 
 
@@ -80,20 +89,27 @@ class DecodeEngine:
     def requests(self) -> list[BatchRequest]:
         return [] if self.streamer is None else list(self.streamer.requests.values())
 
-    def can_join(self, config: QuasarGenerationConfig) -> bool:
-        """Whether a request with these options can join the running rows now."""
+    def can_join(self, config: QuasarGenerationConfig, request: BatchRequest | None = None) -> bool:
+        """Whether a request with these options can join the running rows now (with a static cache, `request` must
+        fit the running cache's size)."""
         if self.rows == 0:
             return True
-        return not self.single_row and join_key(config) == self.key
+        if self.single_row or join_key(config) != self.key:
+            return False
+        verifier = self.run.verifier
+        if isinstance(verifier, StaticVerifierCache) and request is not None:
+            return static_batch_slots(self.model, _max_length(request), config) == verifier.max_cache_len
+        return True
 
     def add(self, request: BatchRequest, config: QuasarGenerationConfig) -> None:
         """Prefill `request` alone and join it to the running rows (the caller checked `can_join`). Its first token
         is streamed here; a request that ends with it is complete when this returns."""
-        self.join(request, config, self.prefill(request, config, self.cached_prefix(request)))
+        self.join(request, config, self.prefill(request, config, self.cached_prefix(request, config)))
 
-    def cached_prefix(self, request: BatchRequest) -> KeyValues | None:
-        """The prompt cache's keys and values of the longest prefix of the request's prompt (None: none long enough)."""
-        if self.prompt_cache is None:
+    def cached_prefix(self, request: BatchRequest, config: QuasarGenerationConfig | None = None) -> KeyValues | None:
+        """The prompt cache's keys and values of the longest prefix of the request's prompt (None: none long enough,
+        or a static cache, which starts from the prompt)."""
+        if self.prompt_cache is None or (config is not None and config.cache_implementation == "static"):
             return None
         hit = self.prompt_cache.longest_prefix(request.input_ids, MIN_REUSED_TOKENS)
         if hit is None:
@@ -133,6 +149,7 @@ class DecodeEngine:
             self.on_stats(run.stats, 0)
         run.stats = QuasarStats()
         if not run.active:
+            _release(run)
             return
         if self.rows == 0:
             key = join_key(config)
@@ -142,6 +159,7 @@ class DecodeEngine:
             self.single_row = not _holds_ragged_rows(run.verifier)
             return
         offset = self.run.join(run)
+        _release(run)  # its keys and values are the batch's now
         self.streamer.requests[offset] = request
 
     def step(self) -> None:
@@ -150,23 +168,31 @@ class DecodeEngine:
             return
         rows = len(self.run.active)
         try:
-            self.run.step()
+            with torch.no_grad():  # inference: no autograd records (a compiled step would trace a backward)
+                self.run.step()
         finally:
             if self.on_stats is not None:
                 self.on_stats(self.run.stats, rows)
             self.run.stats = QuasarStats()
         if not self.run.active:
-            self.run, self.streamer, self.key = None, None, None
+            self._end_batch()
 
     def fail_all(self, error: str) -> None:
         """End every running request with `error` and drop the batch (after a step failed)."""
         requests = self.requests
-        self.run, self.streamer, self.key = None, None, None
+        self._end_batch()
         for request in requests:
             request.finish(error)
 
     def close(self) -> None:
+        if self.run is not None:
+            self._end_batch()
         self._attention.close()
+
+    def _end_batch(self) -> None:
+        if self.run is not None:
+            _release(self.run)
+        self.run, self.streamer, self.key = None, None, None
 
     def _drafter(self, key: str, config: QuasarGenerationConfig) -> Drafter:
         if key not in self._drafters:
@@ -174,8 +200,21 @@ class DecodeEngine:
         return self._drafters[key]
 
 
+def _release(run: SpeculativeRun) -> None:
+    """Give a held static cache back (static_buffers.py); a dynamic cache is freed with the run."""
+    if isinstance(run.verifier, StaticVerifierCache):
+        run.verifier.release()
+
+
+def _max_length(request: BatchRequest) -> int:
+    """Prompt plus new tokens: the max_length generate gives the request's call."""
+    return len(request.input_ids) + int(request.generation_config.max_new_tokens or 0)
+
+
 def _holds_ragged_rows(verifier: object) -> bool:
     """Whether rows of different lengths can share this cache (masked holes need full-attention layers)."""
+    if isinstance(verifier, StaticVerifierCache):
+        return verifier.buffers is not None and not verifier.has_sliding_layers
     if not isinstance(verifier, RowAlignedCache):
         return False
     try:

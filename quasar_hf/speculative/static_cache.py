@@ -22,11 +22,17 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from quasar_hf import compat
 from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION, QUASAR_SDPA
+
+from .compiled_steps import batch_bucket
+
+if TYPE_CHECKING:
+    from .static_buffers import BufferSource
 
 # A move to a smaller batch copies each row's slots: SmolLM2 on 2 Zen 4 cores took 2-25 ms for 230-2070 slots,
 # about one decode step per this many slots, and saves a few ms per step: not worth it for the last few tokens.
@@ -77,11 +83,15 @@ class StaticVerifierCache:
         batch_size: int | None = None,
         kv: StaticCacheBuffer | None = None,
         shrink: Shrink | None = None,
+        buffers: BufferSource | None = None,
     ) -> None:
         """`rows` rows are allocated; the first `batch_size` (default: all) are the prompts' and the
         others idle from the start (padding to a compiled step's batch). `kv`: a cache to reuse (cleared
-        here), else a new one. `shrink`: see `select_rows`."""
+        here), else a new one. `shrink`: see `select_rows`. `buffers`: a batch that outlives its call (the
+        serving engine's): rows may `join`, it moves between batch sizes itself, and `release` gives back `kv`,
+        which came from `buffers`."""
         self.model = model
+        self.buffers = buffers
         self.max_cache_len = max_cache_len
         self.step = step if step is not None else model
         self.shrink = shrink
@@ -96,6 +106,7 @@ class StaticVerifierCache:
         self.valid_len = torch.zeros(rows, dtype=torch.long, device=device)  # [B_all] kept tokens per row
         self.rows = torch.arange(batch_size, device=device)  # [B]: the unfinished rows among the B_all allocated
         self.idle_rows = torch.arange(batch_size, rows, device=device)  # [B_all - B]: padding and finished rows
+        self._rows_in_order = True  # self.rows is 0..B-1 (rows that joined into idle rows may not be)
         self.length = 0  # slots in use (where the next step writes)
         self._counter = 0  # where the cache layers will write next
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -119,10 +130,13 @@ class StaticVerifierCache:
         if token_mask is not None and everyone == 1 and not bool(token_mask.all()):
             tokens, token_mask = tokens[:, token_mask[0].bool()], None
         n = tokens.shape[1]
+        if self.length + n > self.max_cache_len and self.buffers is not None and not prefill:
+            self.pack()  # a long-lived batch: the holes finished rows and rejected drafts left
         if self.length + n > self.max_cache_len:
             raise RuntimeError(f"static KV cache of {self.max_cache_len} slots cannot take {n} more after {self.length}")
         new_mask = torch.ones_like(tokens) if token_mask is None else token_mask.long()  # [B, n]
-        if self.batch_size < everyone:  # idle rows feed token 0, seen only by itself
+        scattered = self.batch_size < everyone or not self._rows_in_order  # batch order is not allocation order
+        if scattered:  # idle rows feed token 0, seen only by itself
             tokens = tokens.new_zeros(everyone, n).index_copy_(0, self.rows, tokens)
             new_mask = new_mask.new_ones(everyone, n).index_copy_(0, self.rows, new_mask)
         positions = (self.valid_len[:, None] + new_mask.cumsum(-1) - 1).clamp_min(0)  # [B_all, n]
@@ -151,7 +165,7 @@ class StaticVerifierCache:
         if self.batch_size < everyone:
             self.slot_mask[:, self.length - n : self.length].index_fill_(0, self.idle_rows, 0)
             self.valid_len.index_fill_(0, self.idle_rows, 0)
-        logits = outputs.logits if self.batch_size == everyone else outputs.logits.index_select(0, self.rows)
+        logits = outputs.logits.index_select(0, self.rows) if scattered else outputs.logits
         return (logits[:, -1:] if last_only else logits).float()
 
     def _visible_slots(self, n: int) -> torch.Tensor:
@@ -226,6 +240,84 @@ class StaticVerifierCache:
             smaller = self.shrink(self.batch_size, self.slot_mask.shape[0])
             if smaller is not None:
                 self._move_rows_to(*smaller)
+        if self.buffers is not None and 0 < self.batch_size and worth_it:
+            smaller = batch_bucket(self.batch_size)
+            if smaller < self.slot_mask.shape[0] and self.buffers.ready(smaller):
+                self._move_to_buffers(smaller)
+
+    def join(self, other: StaticVerifierCache) -> None:
+        """Append `other`'s unfinished rows (prompts prefilled alone) after these, in idle rows (moving to a larger
+        batch size when too few are idle). Rows are right-aligned at the shared write position: a row's kept slots
+        end where the others' do, the slots before them masked. Each row keeps its tokens, positions and visible
+        keys, so row-stable steps give it the bits it gets alone."""
+        if self.buffers is None or other.max_cache_len != self.max_cache_len or self.has_sliding_layers:
+            raise ValueError(
+                "rows join a static batch made for joining (buffers=...), of the same cache size, over full-attention layers"
+            )
+        count = other.batch_size
+        if self.idle_rows.shape[0] < count:
+            self._move_to_buffers(batch_bucket(self.batch_size + count))
+        if other.length > self.length:
+            self._make_room_before(other.length - self.length)
+        targets, start = self.idle_rows[:count], self.length - other.length
+        for (keys, values), (their_keys, their_values) in zip(
+            compat.static_cache_tensors(self.cache), compat.static_cache_tensors(other.cache)
+        ):
+            keys[targets, :, start : self.length] = their_keys[other.rows, :, : other.length]
+            values[targets, :, start : self.length] = their_values[other.rows, :, : other.length]
+        self.slot_mask[targets, start : self.length] = other.slot_mask[other.rows, : other.length]
+        self.valid_len[targets] = other.valid_len[other.rows]
+        self.rows = torch.cat([self.rows, targets])
+        self.idle_rows = self.idle_rows[count:]
+        self._rows_in_order = self.rows.tolist() == list(range(self.batch_size))
+
+    def release(self) -> None:
+        """Give the cache back to `buffers` (the batch is over, or its rows joined another)."""
+        if self.buffers is not None:
+            self.buffers.give_back(self.slot_mask.shape[0], self.kv)
+            self.buffers = None
+
+    def _move_to_buffers(self, rows: int) -> None:
+        """Continue in a cache of `rows` allocated rows taken from `buffers`; the old one goes back."""
+        old_rows, old_kv = self.slot_mask.shape[0], self.kv
+        self._move_rows_to(rows, *self.buffers.take(rows))
+        self.buffers.give_back(old_rows, old_kv)
+
+    def _make_room_before(self, count: int) -> None:
+        """Shift every row's slots `count` to the right (packing them first when the cache is too short), so that a
+        longer row can join right-aligned. Slot indices are not positions: no row's bits change."""
+        if self.length + count > self.max_cache_len:
+            self.pack()
+        if self.length + count > self.max_cache_len:
+            raise RuntimeError(f"static KV cache of {self.max_cache_len} slots cannot hold {self.length + count}")
+        length = self.length
+        for keys, values in compat.static_cache_tensors(self.cache):
+            keys[:, :, count : count + length] = keys[:, :, :length].clone()
+            values[:, :, count : count + length] = values[:, :, :length].clone()
+        self.slot_mask[:, count : count + length] = self.slot_mask[:, :length].clone()
+        self.slot_mask[:, :count] = 0
+        self.length = self._counter = length + count
+        compat.set_static_cache_length(self.cache, self.length)
+        self.kv.written = max(self.kv.written, self.length)
+
+    def pack(self) -> None:
+        """Close the holes: each row's kept slots, in order, move to the end of the first max(valid_len) slots
+        (the slots a long-lived batch leaves behind: finished rows' and rejected drafts'). Slot indices are not
+        positions, so no row's bits change."""
+        kept = self.slot_mask[:, : self.length].bool()  # [B_all, L]
+        width = int(self.valid_len.max()) if self.valid_len.numel() else 0
+        order = torch.argsort((~kept).to(torch.uint8), dim=-1, stable=True)  # [B_all, L]: kept slots first, in order
+        target = torch.arange(width, device=kept.device)[None, :] - (width - self.valid_len[:, None])  # [B_all, W]
+        holds = target >= 0
+        source = torch.where(holds, order.gather(1, target.clamp(0, max(self.length - 1, 0))), 0)  # [B_all, W]
+        for keys, values in compat.static_cache_tensors(self.cache):
+            for part in (keys, values):
+                index = source[:, None, :, None].expand(-1, part.shape[1], -1, part.shape[3])
+                part[:, :, :width] = part.gather(2, index)
+        self.slot_mask[:, :width] = holds.long()
+        self.slot_mask[:, width : self.length] = 0
+        self.length = self._counter = width
+        compat.set_static_cache_length(self.cache, width)
 
     def _move_rows_to(self, rows: int, step: Callable, kv: StaticCacheBuffer) -> None:
         """Continue in `kv`, a cache of `rows` rows run by `step`: the unfinished rows' keys, values and slot
@@ -241,6 +333,7 @@ class StaticVerifierCache:
         self.slot_mask, self.valid_len, self.kv, self.cache, self.step = slot_mask, valid_len, kv, kv.cache, step
         self.rows = torch.arange(self.batch_size, device=self.rows.device)
         self.idle_rows = torch.arange(self.batch_size, rows, device=self.rows.device)
+        self._rows_in_order = True
         self._counter = self.length  # copy_static_cache_rows set the new cache's write position
 
     def check_holes_supported(self) -> None:

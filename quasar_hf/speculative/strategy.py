@@ -39,6 +39,7 @@ from .drafters import NgramDrafter, make_drafter
 from .loop import PreparedGeneration, QuasarGenerateOutput, RowCacheSink, SpeculativeRun
 from .prompt_cache import KeyValues
 from .row_aligned_cache import RowAlignedCache
+from .static_buffers import CompiledBuffers, FreshBuffers
 from .static_cache import StaticCacheBuffer, StaticVerifierCache, static_cache_slots
 from .verify_attention import verification_attention
 
@@ -99,8 +100,6 @@ def run_prepared(
     prefixes = [given] if given is not None else prefixes
     if prefixes is not None and (len(prefixes) != batch_size or quasar_config.cache_implementation == "static"):
         raise ValueError("cached prefixes need one prefix per row and the dynamic cache")
-    if admit and quasar_config.cache_implementation == "static":
-        raise ValueError("rows join a running batch on the dynamic cache only (not a static cache or compiled steps)")
     if attention_mask is None:  # generate drops an all-ones mask
         attention_mask = torch.ones_like(input_ids)
     prepared = PreparedGeneration(
@@ -116,7 +115,7 @@ def run_prepared(
     drafter = make_drafter(model, quasar_config)
     with (
         verification_attention(model, quasar_config.rowstable_attention) as verify_kwargs,
-        verifier_cache(model, prepared, quasar_config, verify_kwargs) as (verifier, draft_width),
+        verifier_cache(model, prepared, quasar_config, verify_kwargs, hold=admit) as (verifier, draft_width),
     ):
         lengths = None
         if prefixes is not None:  # rows that continue from keys and values computed earlier
@@ -153,27 +152,33 @@ def run_prepared(
 
 @contextlib.contextmanager
 def verifier_cache(
-    model: torch.nn.Module, prepared: PreparedGeneration, config: QuasarGenerationConfig, verify_kwargs: dict
+    model: torch.nn.Module,
+    prepared: PreparedGeneration,
+    config: QuasarGenerationConfig,
+    verify_kwargs: dict,
+    hold: bool = False,
 ) -> Iterator[tuple[StaticVerifierCache | None, int | None]]:
     """Within the block, the static verifier cache and the padded draft width when the config asks for one,
     else (None, None): the loop then keeps a RowAlignedCache. With compile, the cache's batch and size are
     bucketed and its steps run the model's compiled step for that shape (speculative/compiled_steps.py),
     compiled with the CompileConfig given (quasar's, else generate's `compile_config`, else
     `compat.default_compile_config`): calls of the same shapes and settings share its graphs, and its
-    KV cache is one an earlier call of that shape gave back (cleared), not a new allocation."""
+    KV cache is one an earlier call of that shape gave back (cleared), not a new allocation. `hold`: the cache
+    outlives the call (rows that join the serving engine's batch): it takes its own buffers (static_buffers.py),
+    sized like compiled calls whether compiled or not, and gives them back itself (`release`)."""
     if config.cache_implementation != "static":
         yield None, None
         return
     width = max(config.num_draft_tokens, 1)
     batch_size, device = prepared.input_ids.shape[0], prepared.input_ids.device
     tokens = prepared.max_length + width + 1
+    if hold:
+        yield held_static_cache(model, prepared, config, verify_kwargs, width), width
+        return
     if not config.compile:
         yield StaticVerifierCache(model, batch_size, device, static_cache_slots(tokens), None, verify_kwargs), width
         return
-    compile_config = config.compile if not isinstance(config.compile, bool) else None
-    compile_config = compile_config or prepared.generation_config.compile_config  # generate(compile_config=...)
-    if compile_config is None:
-        compile_config = compat.default_compile_config(device)
+    compile_config = step_compile_config(config, prepared)
     rows, slots = batch_bucket(batch_size), compiled_cache_slots(tokens, model_context(model))
     table = compiled_steps_for(model, compile_config)
     step = table.step_for(rows, slots)
@@ -191,6 +196,38 @@ def verifier_cache(
 
         kv = caches.enter_context(table.kv_cache(rows, slots, lambda: StaticCacheBuffer.fresh(model, slots)))
         yield StaticVerifierCache(model, rows, device, slots, step, verify_kwargs, batch_size, kv, shrink), width
+
+
+def step_compile_config(config: QuasarGenerationConfig, prepared: PreparedGeneration) -> Any:
+    """The CompileConfig of compiled steps: quasar's, else generate's `compile_config`, else the default."""
+    compile_config = config.compile if not isinstance(config.compile, bool) else None
+    compile_config = compile_config or prepared.generation_config.compile_config  # generate(compile_config=...)
+    return compile_config or compat.default_compile_config(prepared.input_ids.device)
+
+
+def static_batch_slots(model: torch.nn.Module, max_length: int, config: QuasarGenerationConfig) -> int:
+    """Cache slots of a held static cache for rows of up to `max_length` tokens: those of a compiled call, so that
+    every request under the compiled size shares one batch."""
+    return compiled_cache_slots(max_length + max(config.num_draft_tokens, 1) + 1, model_context(model))
+
+
+def held_static_cache(
+    model: torch.nn.Module, prepared: PreparedGeneration, config: QuasarGenerationConfig, verify_kwargs: dict, width: int
+) -> StaticVerifierCache:
+    """A static verifier cache for the call's rows that takes its own buffers (verifier_cache's `hold`)."""
+    slots = static_batch_slots(model, prepared.max_length, config)
+    if config.compile:
+        compile_config = step_compile_config(config, prepared)
+        widths = {1, width + 1} if config.num_draft_tokens else {1}
+        buffers = CompiledBuffers(model, compiled_steps_for(model, compile_config), slots, widths)
+    else:
+        buffers = FreshBuffers(model, slots)
+    batch_size = prepared.input_ids.shape[0]
+    rows = batch_bucket(batch_size)
+    step, kv = buffers.take(rows)
+    return StaticVerifierCache(
+        model, rows, prepared.input_ids.device, slots, step, verify_kwargs, batch_size, kv, buffers=buffers
+    )
 
 
 def row_processors(processors: LogitsProcessorList, batch_size: int) -> list[LogitsProcessorList]:
