@@ -7,13 +7,22 @@ decoding (`num_draft_tokens=0`) of the same prompts.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch._dynamo
 
 import quasar_hf
 from quasar_hf.speculative import compiled_steps
-from quasar_hf.speculative.compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for
+from quasar_hf.speculative.compiled_steps import (
+    COMPILED_SLOTS_BASE,
+    batch_bucket,
+    call_cache_slots,
+    compiled_cache_slots,
+    compiled_steps_for,
+)
+from quasar_hf.speculative.config import DEFAULT_NUM_DRAFT_TOKENS
 from quasar_hf.speculative.left_padding import left_padded
 from tests.helpers.compiled_steps import AOT_EAGER
 from tests.helpers.prompts import repeating_prompt
@@ -40,6 +49,17 @@ def test_batches_round_to_powers_of_two_and_every_length_shares_one_cache_size()
     assert [compiled_cache_slots(t, context=500) for t in (1, 512, 513)] == [512, 512, 1024]  # a short context
     with pytest.raises(ValueError, match="batch size"):
         batch_bucket(0)
+
+
+def test_a_compiled_servers_longest_request_takes_the_cache_size_warm_up_compiled():
+    """A request without max_tokens gets what the context leaves: with its padded verify step it must still fit the
+    warm cache (else it compiles a new shape inside the request and cannot join the running rows)."""
+    from quasar_hf.commands.serve import compiled_model_len
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192))
+    warm = call_cache_slots(model, 1, DEFAULT_NUM_DRAFT_TOKENS)  # what warm_up(max_length=None) compiles
+    assert call_cache_slots(model, compiled_model_len(), DEFAULT_NUM_DRAFT_TOKENS) == warm == COMPILED_SLOTS_BASE
+    assert call_cache_slots(model, compiled_model_len() + 1, DEFAULT_NUM_DRAFT_TOKENS) == 2 * COMPILED_SLOTS_BASE
 
 
 @needs_kernels

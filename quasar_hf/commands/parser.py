@@ -232,7 +232,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
         "--max-model-len",
         type=positive_int,
         default=None,
-        help="prompt plus new tokens per request (default: the model's context; with --compile 4096, the compiled cache size)",
+        help="prompt plus new tokens per request (default: the model's context; with --compile 4090, what the compiled cache of 4096 slots holds)",
     )
     serve.add_argument(
         "--api-key",

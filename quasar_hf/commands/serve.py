@@ -24,7 +24,6 @@ from quasar_hf.commands.loading import UsageError
 SERVED_CACHE = "served"  # cache_dir()/served/<name>: checkpoints quantized for `serve`
 API_KEY_ENV = "QUASAR_HF_API_KEY"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-COMPILED_MODEL_LEN = 4096  # --compile without --max-model-len: the compiled cache's size (capped by the context)
 GRACEFUL_SECONDS = 5  # after SIGTERM, how long open connections may take to finish
 
 
@@ -136,7 +135,7 @@ def _load(args: Any, gate: Any, metrics: Any, holder: dict, server: Any) -> None
             max_batch_size=args.max_batch_size,
             quasar=quasar,
             max_model_len=args.max_model_len,
-            default_model_len=COMPILED_MODEL_LEN if args.compile else None,
+            default_model_len=compiled_model_len() if args.compile else None,
             metrics=metrics,
             max_queued=args.max_queued,
             request_timeout=args.request_timeout,
@@ -196,6 +195,15 @@ def bound_socket(host: str, port: int) -> socket.socket:
         ) from None
     sock.set_inheritable(True)
     return sock
+
+
+def compiled_model_len() -> int:
+    """--compile without --max-model-len: the tokens that fit the compiled cache (COMPILED_SLOTS_BASE slots less one
+    padded verify step), so every request takes the cache size warm_up compiled (compiled_steps.call_cache_slots)."""
+    from quasar_hf.speculative.compiled_steps import COMPILED_SLOTS_BASE
+    from quasar_hf.speculative.config import DEFAULT_NUM_DRAFT_TOKENS
+
+    return COMPILED_SLOTS_BASE - DEFAULT_NUM_DRAFT_TOKENS - 1
 
 
 def serving_batch_sizes(max_batch_size: int) -> list[int]:

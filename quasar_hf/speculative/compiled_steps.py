@@ -77,6 +77,12 @@ def compiled_cache_slots(tokens: int, context: int | None = None) -> int:
     return slots
 
 
+def call_cache_slots(model: torch.nn.Module, max_length: int, num_draft_tokens: int) -> int:
+    """Cache slots of a compiled call (and of warm_up's steps for it) whose rows hold up to `max_length` tokens (prompt
+    + new): those tokens plus one verify step padded to the draft width, rounded as `compiled_cache_slots` rounds."""
+    return compiled_cache_slots(max_length + max(num_draft_tokens, 1) + 1, model_context(model))
+
+
 def model_context(model: torch.nn.Module) -> int | None:
     """The model's context length (max_position_embeddings), if its config says."""
     value = getattr(getattr(model, "config", None), "max_position_embeddings", None)

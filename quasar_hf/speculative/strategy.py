@@ -33,7 +33,7 @@ from transformers import (
 from quasar_hf import compat
 
 from .call_rules import CACHE_NAMES, as_long_ids, check_call, check_prepared, generate_arguments
-from .compiled_steps import batch_bucket, compiled_cache_slots, compiled_steps_for, model_context
+from .compiled_steps import batch_bucket, call_cache_slots, compiled_steps_for
 from .config import QuasarGenerationConfig
 from .drafters import NgramDrafter, make_drafter
 from .loop import PreparedGeneration, QuasarGenerateOutput, RowCacheSink, SpeculativeRun
@@ -179,7 +179,7 @@ def verifier_cache(
         yield StaticVerifierCache(model, batch_size, device, static_cache_slots(tokens), None, verify_kwargs), width
         return
     compile_config = step_compile_config(config, prepared)
-    rows, slots = batch_bucket(batch_size), compiled_cache_slots(tokens, model_context(model))
+    rows, slots = batch_bucket(batch_size), call_cache_slots(model, prepared.max_length, config.num_draft_tokens)
     table = compiled_steps_for(model, compile_config)
     step = table.step_for(rows, slots)
     widths = {1, width + 1} if config.num_draft_tokens else {1}
@@ -208,7 +208,7 @@ def step_compile_config(config: QuasarGenerationConfig, prepared: PreparedGenera
 def static_batch_slots(model: torch.nn.Module, max_length: int, config: QuasarGenerationConfig) -> int:
     """Cache slots of a held static cache for rows of up to `max_length` tokens: those of a compiled call, so that
     every request under the compiled size shares one batch."""
-    return compiled_cache_slots(max_length + max(config.num_draft_tokens, 1) + 1, model_context(model))
+    return call_cache_slots(model, max_length, config.num_draft_tokens)
 
 
 def held_static_cache(

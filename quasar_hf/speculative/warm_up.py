@@ -43,7 +43,7 @@ from quasar_hf.atomic_folder import write_bytes_atomically
 from quasar_hf.locking import cache_root
 
 from . import step_compiler
-from .compiled_steps import batch_bucket, compile_cache_key, compiled_cache_slots, compiled_steps_for, model_context
+from .compiled_steps import batch_bucket, call_cache_slots, compile_cache_key, compiled_steps_for
 from .config import DEFAULT_NUM_DRAFT_TOKENS
 from .static_cache import StaticCacheBuffer, StaticVerifierCache
 from .verify_attention import verification_attention
@@ -79,7 +79,7 @@ def warm_up(
     started = time.perf_counter()
     device = compat.input_device(model)
     config = compile_config if compile_config not in (None, True) else compat.default_compile_config(device)
-    slots = compiled_cache_slots(max_length or 1, model_context(model))
+    slots = call_cache_slots(model, max_length or 1, num_draft_tokens)  # what a call of max_length tokens takes
     shapes = sorted({(batch_bucket(size), slots) for size in batch_sizes})
     report = WarmUpReport(shapes=shapes)
     bundle = _bundle_path(model, config, shapes, num_draft_tokens, cache_folder)
