@@ -10,9 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+from transformers import DynamicCache
 
 from quasar_hf import compat
 from quasar_hf.speculative.engine import DecodeEngine
+from quasar_hf.speculative.prompt_cache import PromptCache
 from quasar_hf.speculative.static_buffers import FreshBuffers
 from quasar_hf.speculative.static_cache import StaticVerifierCache
 from quasar_hf.speculative.warm_up import warm_up
@@ -122,3 +124,50 @@ def test_a_longer_row_joins_right_aligned_and_every_row_keeps_its_bits(model):
     assert batch.slot_mask.shape[0] == 2 and batch.length == len(long)
     got = batch.forward(chunk)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def dynamic_cache(layers) -> DynamicCache:
+    cache = DynamicCache()
+    for index, (keys, values) in enumerate(layers):
+        cache.update(keys.clone(), values.clone(), index)
+    return cache
+
+
+@needs_kernels
+def test_a_compiled_served_turn_reuses_the_last_turns_keys_as_compiled_generate_continues_from_them(model):
+    """The compiled engine stores a finished row's keys and values (its prompt and answer, as eager decoding computes
+    them for this model) and the next turn continues from them, giving the tokens compiled plain decoding gives
+    continuing from that cache offline (`generate(past_key_values=...)` over compiled steps)."""
+    torch._dynamo.reset()
+    turn_1 = prompts(1, seed=11)[0]
+    prompt_cache = PromptCache(max_bytes=10**8)
+    engine = DecodeEngine(model, prompt_cache)
+    first = Row(turn_1, 12)
+    add(engine, model, first, MODES["compiled"])
+    drain(engine)
+    eager = model.generate(
+        torch.tensor([turn_1]), max_new_tokens=12, do_sample=False, quasar=False, return_dict_in_generate=True
+    )
+    assert first.tokens == eager.sequences[0, len(turn_1) :].tolist()
+    turn_2 = turn_1 + first.tokens + [40, 41, 42, 5, 6, 7, 8] * 3
+    hit = prompt_cache.longest_prefix(turn_2)
+    assert hit.tokens == len(turn_1) + len(first.tokens) - 1  # all but the last token's keys were computed
+    for (keys, values), (eager_keys, eager_values) in zip(hit.layers, compat.cache_key_values(eager.past_key_values)):
+        assert torch.equal(keys, eager_keys[:, :, : hit.tokens]) and torch.equal(values, eager_values[:, :, : hit.tokens])
+    second = Row(turn_2, 20)
+    add(engine, model, second, MODES["compiled"])
+    drain(engine)
+    assert second.request.reused_tokens == hit.tokens
+    offline = model.generate(
+        torch.tensor([turn_2]),
+        max_new_tokens=20,
+        do_sample=False,
+        past_key_values=dynamic_cache(hit.layers),
+        quasar={**MODES["compiled"], "num_draft_tokens": 0},
+    )
+    assert second.tokens == offline[0, len(turn_2) :].tolist()
+    eager_continuation = model.generate(
+        torch.tensor([turn_2]), max_new_tokens=20, do_sample=False, past_key_values=dynamic_cache(hit.layers), quasar=False
+    )
+    assert second.tokens == eager_continuation[0, len(turn_2) :].tolist()  # the seeding is the dynamic cache's too
+    torch._dynamo.reset()

@@ -109,6 +109,17 @@ def static_cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers if getattr(layer, "is_initialized", False)]
 
 
+def fill_static_cache(cache: Any, rows: int, key_values: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Write each layer's keys and values [R, H, W, D] into the first R rows and W slots of a StaticCache of `rows`
+    rows (a layer not allocated yet is allocated first) and move its write position to W."""
+    for layer, (keys, values) in zip(cache.layers, key_values):
+        if not getattr(layer, "is_initialized", False):
+            layer.lazy_initialization(keys[:1].expand(rows, -1, -1, -1), values[:1].expand(rows, -1, -1, -1))
+        layer.keys[: keys.shape[0], :, : keys.shape[2]] = keys
+        layer.values[: values.shape[0], :, : values.shape[2]] = values
+    set_static_cache_length(cache, key_values[0][0].shape[2] if key_values else 0)
+
+
 def clear_static_cache(cache: Any, written: int) -> None:
     """Zero the first `written` slots of every filled layer of a StaticCache and move its write position to 0:
     the cache a fresh one is, without a new allocation (its tensors keep their addresses)."""

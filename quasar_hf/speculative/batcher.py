@@ -212,7 +212,7 @@ class RequestBatcher:
         if request.on_start is not None:
             request.on_start()
         with self._failing_alone(request):
-            prefix = self._engine.cached_prefix(request, config)
+            prefix = self._engine.cached_prefix(request)
             if self._engine.rows and len(request.input_ids) - request.reused_tokens > self.background_prefill_tokens:
                 future = self._prefill_thread.submit(self._engine.prefill, request, config, prefix)
                 self._prefilling = (request, config, future)

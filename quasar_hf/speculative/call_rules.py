@@ -27,8 +27,6 @@ from transformers import GenerationConfig, GenerationMixin
 
 from quasar_hf import compat
 
-from .config import QuasarGenerationConfig
-
 NOT_SUPPORTED = "quasar speculative generation does not support"
 PLAINLY = "remove it, or call generate without quasar= to decode plainly"
 # generate() arguments the loop does not implement: refused, never ignored
@@ -245,9 +243,11 @@ def _unusable_cache(call: Call, cache: Any, length: int) -> str | None:
     input_ids, attention_mask = call.inputs.get("input_ids"), call.inputs.get("attention_mask")
     if input_ids is None or input_ids.shape[0] != 1 or (attention_mask is not None and not bool(attention_mask.all())):
         return "works for one unpadded prompt at a time"
-    static = call.config.cache_implementation == "static"
-    if static or QuasarGenerationConfig.from_value(call.quasar).cache_implementation == "static":
-        return "works with the dynamic cache only (not cache_implementation='static' or compiled steps)"
+    if call.config.cache_implementation == "static":
+        return (
+            "works with the loop's own caches (dynamic, or quasar={'cache_implementation': 'static'} and compiled "
+            "steps), not generate's static cache (cache_implementation='static')"
+        )
     if not all(compat.is_full_attention_layer(layer) for layer in cache.layers):
         return "needs full-attention layers (this model has sliding-window layers)"
     if length >= input_ids.shape[1]:

@@ -104,12 +104,11 @@ class DecodeEngine:
     def add(self, request: BatchRequest, config: QuasarGenerationConfig) -> None:
         """Prefill `request` alone and join it to the running rows (the caller checked `can_join`). Its first token
         is streamed here; a request that ends with it is complete when this returns."""
-        self.join(request, config, self.prefill(request, config, self.cached_prefix(request, config)))
+        self.join(request, config, self.prefill(request, config, self.cached_prefix(request)))
 
-    def cached_prefix(self, request: BatchRequest, config: QuasarGenerationConfig | None = None) -> KeyValues | None:
-        """The prompt cache's keys and values of the longest prefix of the request's prompt (None: none long enough,
-        or a static cache, which starts from the prompt)."""
-        if self.prompt_cache is None or (config is not None and config.cache_implementation == "static"):
+    def cached_prefix(self, request: BatchRequest) -> KeyValues | None:
+        """The prompt cache's keys and values of the longest prefix of the request's prompt (None: none long enough)."""
+        if self.prompt_cache is None:
             return None
         hit = self.prompt_cache.longest_prefix(request.input_ids, MIN_REUSED_TOKENS)
         if hit is None:

@@ -316,10 +316,9 @@ class SpeculativeRun:
         for i, done in enumerate(finished):
             b = self.active[i]
             if done and self.keep_row_cache is not None and _holds_row_caches(self.verifier):
-                fed = int(self.verifier.valid_len[i])
-                self.keep_row_cache(
-                    self.rows[b][self.pad_lengths[b] : self.pad_lengths[b] + fed].tolist(), self.verifier.row_key_values(i)
-                )
+                key_values = self.verifier.row_key_values(i)
+                fed = key_values[0][0].shape[-2]  # the row's tokens whose keys and values the cache holds
+                self.keep_row_cache(self.rows[b][self.pad_lengths[b] : self.pad_lengths[b] + fed].tolist(), key_values)
             if done and hasattr(self.streamer, "end_row"):
                 self.streamer.end_row(b)
         keep = [i for i, done in enumerate(finished) if not done]
@@ -360,5 +359,8 @@ class SpeculativeRun:
 
 
 def _holds_row_caches(verifier: object) -> bool:
-    """A RowAlignedCache whose rows' keys and values can seed a later call (full-attention layers only)."""
+    """A cache whose rows' keys and values can seed a later call: full-attention layers of a RowAlignedCache, or of a
+    StaticVerifierCache that outlives its call (the serving engine's)."""
+    if isinstance(verifier, StaticVerifierCache):
+        return verifier.buffers is not None and not verifier.has_sliding_layers
     return isinstance(verifier, RowAlignedCache) and not verifier.has_sliding_layers

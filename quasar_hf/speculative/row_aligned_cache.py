@@ -52,7 +52,7 @@ class RowAlignedCache:
         lengths = [prefix[0][0].shape[-2] for prefix in prefixes]
         width = max(lengths)
         for index in range(len(prefixes[0])):
-            keys, values = (_right_aligned([prefix[index][part] for prefix in prefixes], width) for part in (0, 1))
+            keys, values = (right_aligned([prefix[index][part] for prefix in prefixes], width) for part in (0, 1))
             self.cache.update(keys, values, index)
         device = self.slot_mask.device
         self.valid_len = torch.tensor(lengths, dtype=torch.long, device=device)
@@ -211,7 +211,7 @@ def _left_holes(tensor: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, (0, 0, width - tensor.shape[-2], 0))
 
 
-def _right_aligned(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
+def right_aligned(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
     """Rows [1, H, P_b, D] stacked into [B, H, width, D], each at the right end (zeros before it)."""
     if all(t.shape[-2] == width for t in tensors):
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors)

@@ -30,6 +30,7 @@ from quasar_hf import compat
 from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION, QUASAR_SDPA
 
 from .compiled_steps import batch_bucket
+from .row_aligned_cache import right_aligned
 
 if TYPE_CHECKING:
     from .static_buffers import BufferSource
@@ -107,6 +108,7 @@ class StaticVerifierCache:
         self.rows = torch.arange(batch_size, device=device)  # [B]: the unfinished rows among the B_all allocated
         self.idle_rows = torch.arange(batch_size, rows, device=device)  # [B_all - B]: padding and finished rows
         self._rows_in_order = True  # self.rows is 0..B-1 (rows that joined into idle rows may not be)
+        self._prompt_after_seed = False  # `seed` filled the prompts' first tokens: the next forward is their rest
         self.length = 0  # slots in use (where the next step writes)
         self._counter = 0  # where the cache layers will write next
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -123,8 +125,10 @@ class StaticVerifierCache:
 
         token_mask [B, n] (1 = real token) marks padding. The first call is the prompt (eager, any
         length; with one row its left padding is dropped). Later calls go through `step`."""
-        prefill = self.length == 0
-        if prefill and self.batch_size < self.slot_mask.shape[0] and compat.static_cache_filled(self.cache):
+        fresh = self.length == 0
+        prefill = fresh or self._prompt_after_seed  # eager: the prompt (after a seeded prefix, its rest)
+        self._prompt_after_seed = False
+        if fresh and self.batch_size < self.slot_mask.shape[0] and compat.static_cache_filled(self.cache):
             return self._prefill_real_rows(tokens, token_mask, last_only)
         everyone = self.slot_mask.shape[0]
         if token_mask is not None and everyone == 1 and not bool(token_mask.all()):
@@ -204,6 +208,32 @@ class StaticVerifierCache:
         self.valid_len = self.valid_len.index_add(0, self.rows, new_mask.sum(-1))
         logits = outputs.logits
         return (logits[:, -1:] if last_only else logits).float()
+
+    def seed(self, prefixes: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Start each prompt row from keys and values computed earlier (a prompt cache's): prefixes[b] holds each
+        layer's [1, H, P_b, D]. Rows are right-aligned, a shorter one's missing slots masked; the next forward (the
+        rest of the prompts) runs eagerly, as a prefill does."""
+        if self.length or len(prefixes) != self.batch_size or self.has_sliding_layers:
+            raise ValueError("cached prefixes seed an empty static cache of full-attention layers, one prefix per row")
+        lengths = torch.tensor([prefix[0][0].shape[-2] for prefix in prefixes], device=self.valid_len.device)
+        width = int(lengths.max())
+        layers = [
+            tuple(right_aligned([prefix[index][part] for prefix in prefixes], width) for part in (0, 1))
+            for index in range(len(prefixes[0]))
+        ]
+        compat.fill_static_cache(self.cache, self.slot_mask.shape[0], layers)
+        self.valid_len[: self.batch_size] = lengths
+        slots = torch.arange(width, device=lengths.device)[None, :]
+        self.slot_mask[: self.batch_size, :width] = (slots >= width - lengths[:, None]).long()
+        self.length = self._counter = width
+        self.kv.written = max(self.kv.written, width)
+        self._prompt_after_seed = True
+
+    def row_key_values(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Unfinished row `index`'s keys and values of its kept tokens, holes left out: each layer's [1, H, n, D]."""
+        row = int(self.rows[index])
+        slots = self.slot_mask[row, : self.length].nonzero().squeeze(-1)
+        return [(k[row : row + 1, :, slots], v[row : row + 1, :, slots]) for k, v in compat.static_cache_tensors(self.cache)]
 
     def keep_accepted(self, num_keep: torch.Tensor, num_appended: int) -> None:
         """Of the last `num_appended` slots keep the first num_keep[b] per unfinished row."""

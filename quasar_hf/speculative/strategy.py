@@ -98,8 +98,8 @@ def run_prepared(
     batch_size = input_ids.shape[0]
     given = cached_prefix(model_kwargs)
     prefixes = [given] if given is not None else prefixes
-    if prefixes is not None and (len(prefixes) != batch_size or quasar_config.cache_implementation == "static"):
-        raise ValueError("cached prefixes need one prefix per row and the dynamic cache")
+    if prefixes is not None and len(prefixes) != batch_size:
+        raise ValueError("cached prefixes need one prefix per row")
     if attention_mask is None:  # generate drops an all-ones mask
         attention_mask = torch.ones_like(input_ids)
     prepared = PreparedGeneration(
@@ -119,7 +119,7 @@ def run_prepared(
     ):
         lengths = None
         if prefixes is not None:  # rows that continue from keys and values computed earlier
-            verifier = RowAlignedCache(model, batch_size, input_ids.device, verify_kwargs)
+            verifier = verifier or RowAlignedCache(model, batch_size, input_ids.device, verify_kwargs)
             verifier.seed(prefixes)
             lengths = [prefix[0][0].shape[-2] for prefix in prefixes]
         row_drafter = None
