@@ -151,3 +151,38 @@ def run_level(base: str, wire: Wire, prompts: list[Prompt], clients: int, reques
         outcomes[index] = outcome
 
     return {"wall_s": from_clients(requests, clients, one), "outcomes": outcomes}
+
+
+class MetricsScraper:
+    """Within the block, GET `base`/metrics every `seconds` (as a Prometheus server scrapes) and parse each reply
+    with prometheus_client's text parser; `scrapes` counts the replies that parsed, `failures` the others."""
+
+    def __init__(self, base: str, seconds: float) -> None:
+        self.base, self.seconds = base, seconds
+        self.scrapes = self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> MetricsScraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        host, port = self.base.removeprefix("http://").split(":")
+        while not self._stop.wait(self.seconds):
+            try:
+                connection = http.client.HTTPConnection(host, int(port), timeout=30)
+                connection.request("GET", "/metrics")
+                body = connection.getresponse().read().decode()
+                connection.close()
+                families = list(text_string_to_metric_families(body))
+                self.scrapes += 1 if families else 0
+                self.failures += 0 if families else 1
+            except Exception:  # noqa: BLE001 - a failed scrape is counted, never fatal to the load
+                self.failures += 1

@@ -17,6 +17,7 @@ leading tokens must be a near-tie (<= --near-tie nats). One server runs at a tim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.serve.serve_clients import Prompt, ServerProcess, Wire, free_port, rss_bytes, run_level
+from benchmarks.serve.serve_clients import MetricsScraper, Prompt, ServerProcess, Wire, free_port, rss_bytes, run_level
 from quasar_hf.bench.report import environment, write_json_and_markdown
 from quasar_hf.bench.suites import load_suites, render_prompt
 
@@ -143,8 +144,12 @@ def measure_server(args, label: str, command: list[str], wires: dict[str, Wire],
             run_level(server.base, wire, prompts, 1, 1, 8, server.process.pid)  # one untimed request
             levels = {}
             for clients in args.levels:
-                level = run_level(server.base, wire, prompts, clients, args.requests, args.max_tokens, server.process.pid)
+                scraping = row.endswith("_scraped")
+                with MetricsScraper(server.base, args.scrape_metrics) if scraping else contextlib.nullcontext() as scraper:
+                    level = run_level(server.base, wire, prompts, clients, args.requests, args.max_tokens, server.process.pid)
                 levels[str(clients)] = summarize(level, offline_texts, prompts)
+                if scraping:
+                    levels[str(clients)].update(scrapes=scraper.scrapes, failed_scrapes=scraper.failures)
                 print(f"  {row} x{clients}: {levels[str(clients)]['tokens_per_s']} tokens/s", flush=True)
             results[row] = {"levels": levels, "start_s": round(server.ready_s, 1)}
         peak = rss_bytes(server.process.pid, "VmHWM")
@@ -170,6 +175,12 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--gguf", default="", help="model=Q8_0 GGUF file, comma-separated")
     parser.add_argument("--near-tie", type=float, default=1.0, help="largest logit gap (nats) a differing response may have")
     parser.add_argument("--tiny", action="store_true", help="mechanics only: a tiny random checkpoint, our server")
+    parser.add_argument(
+        "--scrape-metrics",
+        type=float,
+        default=0.0,
+        help="seconds between /metrics scrapes: our servers run a third row, Quasar on while scraped (0: none)",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--name", default="serve_load")
     args = parser.parse_args(argv)
@@ -213,6 +224,8 @@ def measure_model(args, alias: str, gguf: str | None, out: Path) -> dict:
             offline = references[name][1]
             quasar_off = {"generation_config": json.dumps({**off, "quasar": False})}
             rows = {name: Wire("openai", checkpoint), f"{name}_off": Wire("openai", checkpoint, quasar_off)}
+            if args.scrape_metrics:
+                rows[f"{name}_scraped"] = Wire("openai", checkpoint)
         else:
             rows = {name: Wire("llamacpp") if name.startswith("llamacpp") else Wire("openai", base)}
         print(f"{alias}: {name}", flush=True)
@@ -221,7 +234,7 @@ def measure_model(args, alias: str, gguf: str | None, out: Path) -> dict:
         except RuntimeError as error:
             report["servers"][name] = {"skipped": str(error)[:500]}
     for name, (tokens, texts) in references.items():
-        for row in (name, f"{name}_off"):
+        for row in (name, f"{name}_off", f"{name}_scraped"):
             for level in report["servers"].get(row, {}).get("levels", {}).values():
                 served = level.pop("texts")
                 level["divergences"] = [
@@ -270,10 +283,23 @@ def to_markdown(result: dict) -> str:
                     if level["equal_to_offline"] is None
                     else f"{level['equal_to_offline']}/{level['requests'] - level['failed']}"
                 )
-                row = [name, clients, level["tokens_per_s"], level["ttft_p50_s"], level["latency_p50_s"], level["latency_p95_s"]]
+                label = f"{name} ({level['scrapes']} scrapes, {level['failed_scrapes']} failed)" if "scrapes" in level else name
+                row = [label, clients, level["tokens_per_s"], level["ttft_p50_s"], level["latency_p50_s"], level["latency_p95_s"]]
                 lines.append("| " + " | ".join(map(str, [*row, level["failed"], equal, data["peak_rss_mb"]])) + " |")
-        lines.append("")
+        lines += ["", *scrape_costs(model["servers"]), ""]
     return "\n".join(lines) + "\n"
+
+
+def scrape_costs(servers: dict) -> list[str]:
+    """One line per level of a scraped row: its tokens/s against the same server's unscraped Quasar row."""
+    lines = []
+    for name, data in servers.items():
+        plain = servers.get(name.removesuffix("_scraped"), {}).get("levels", {})
+        for clients, level in data.get("levels", {}).items() if name.endswith("_scraped") else ():
+            if plain.get(clients, {}).get("tokens_per_s"):
+                ratio = level["tokens_per_s"] / plain[clients]["tokens_per_s"]
+                lines.append(f"- {name} at {clients} clients: {ratio:.3f}x the unscraped tokens/s ({level['scrapes']} scrapes)")
+    return lines
 
 
 if __name__ == "__main__":
