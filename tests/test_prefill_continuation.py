@@ -115,6 +115,8 @@ def test_the_dispatch_sends_a_long_causal_continuation_and_nothing_else(monkeypa
     forward(module, q, k[:, :, :-1], v[:, :, :-1], longer, scaling=0.125)
     forward(module, q, k, v, mask, scaling=0.125, sliding_window=kv_len - 1)
     assert calls == [(q_len, kv_len - 1)]
+    out, _ = forward(module, q, k, v, mask, scaling=0.125, quasar_rowstable=True)  # a verify call of many drafts
+    assert calls == [(q_len, kv_len - 1)] and torch.equal(out, rowstable(q, k, v, mask))
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +145,25 @@ def test_a_long_turn_over_an_earlier_turns_cache_takes_the_kernel_and_quasar_equ
     ours = greedy(True)
     assert calls == [(turn_2.shape[1] - cached, turn_2.shape[1])] * 2 * layers and ours.quasar_stats.verify_steps > 0
     assert torch.equal(ours.sequences, plain.sequences)
+
+
+@needs_kernel
+def test_a_verify_call_of_many_drafts_keeps_the_row_stable_kernel(qwen3_w8a8, monkeypatch):
+    """num_draft_tokens > LONG_PREFILL_ROWS: verify calls as long as a chat turn's prompt, whose rows must equal decode
+    steps, never reach the prompt kernel; only the prompt does."""
+    model, layers = qwen3_w8a8, qwen3_w8a8.config.num_hidden_layers
+    calls, long_rows = prompt_calls(monkeypatch), []
+    real = rowstable_attention._attention_op
+
+    def row_stable(q, k, *args):
+        if LONG_PREFILL_ROWS < q.shape[2] < k.shape[2]:
+            long_rows.append(q.shape[2])
+        return real(q, k, *args)
+
+    monkeypatch.setattr(rowstable_attention, "_attention_op", row_stable)
+    base = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(1))
+    prompt = torch.cat([base] * 4)[None]  # repeating: the n-gram drafter proposes long drafts
+    plain = model.generate(prompt, max_new_tokens=200, do_sample=False)
+    spec = model.generate(prompt, max_new_tokens=200, do_sample=False, quasar={"drafter": "ngram", "num_draft_tokens": 80})
+    assert long_rows and calls == [(prompt.shape[1], prompt.shape[1])] * 2 * layers
+    assert torch.equal(spec, plain)

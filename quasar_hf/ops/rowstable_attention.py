@@ -36,8 +36,10 @@ from quasar_hf.ops import attention_cpu
 QUASAR_ATTENTION = "quasar_rowstable"
 QUASAR_SDPA = "quasar_sdpa"
 ROWSTABLE_KWARG = "quasar_rowstable"  # forward keyword asking for verification rows equal to decode steps
-# A fresh prefill longer than this goes to SDPA (multi-threaded, flash-style): it is the same call
-# in plain and speculative generation, so it needs no row stability, only speed.
+# A prefill longer than this, fresh or over a cache (a chat's next turn), takes the prompt kernel where it
+# applies: it is the same call in plain and speculative generation, so it needs no row stability, only speed.
+# A verify call (forward keyword quasar_rowstable=True) of more rows keeps the row-stable kernel: its rows
+# must equal decode steps.
 LONG_PREFILL_ROWS = 64
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
 
@@ -171,15 +173,15 @@ def _plain_causal(module, dropout, kwargs) -> bool:
 
 
 def _continues_prompt(module, query, key, value, attention_mask, dropout, kwargs) -> bool:
-    """True for a long prompt over a cache that the prompt kernel computes: Q > LONG_PREFILL_ROWS query rows,
-    the last Q of N > Q keys, and a bool mask [B, 1, Q, >=N] that is exactly bottom-right causal over the N
-    keys in every row (row i sees keys 0 .. N - Q + i: no holes, no padding, no window). A mask of None is no
-    such call here: with Q < N it means top-left causal (a prefill into an empty static cache, see
-    `_visible_keys`)."""
+    """True for a long prompt over a cache (no verify call: the caller asks) that the prompt kernel computes:
+    Q > LONG_PREFILL_ROWS query rows, the last Q of N > Q keys, and a bool mask [B, 1, Q, >=N] that is exactly
+    bottom-right causal over the N keys in every row (row i sees keys 0 .. N - Q + i: no holes, no padding, no
+    window). A mask of None is no such call here: with Q < N it means top-left causal (a prefill into an
+    empty static cache, see `_visible_keys`)."""
     q_len, kv_len, window = query.shape[2], key.shape[2], kwargs.get("sliding_window")
     if not (LONG_PREFILL_ROWS < q_len < kv_len) or attention_mask is None or not _plain_causal(module, dropout, kwargs):
         return False
-    if window and kv_len > window:  # Transformers' masks carry the window; this one is never all causal
+    if window and kv_len > window:  # a mask that carries the window fails the check below; one without it, here
         return False
     if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
         return False
@@ -243,7 +245,7 @@ def rowstable_attention_forward(
         pads = _left_padding(query, key, attention_mask, kwargs)
         if pads is not None:
             return _prefill_each_row(module, query, key, value, pads, dropout=dropout, scaling=scaling, **kwargs)
-    if q_len < kv_len and not torch.compiler.is_compiling():
+    if q_len < kv_len and not quasar_rowstable and not torch.compiler.is_compiling():
         if _continues_prompt(module, query, key, value, attention_mask, dropout, kwargs):
             return attention_cpu.prefill_attention(query, key, value, scaling), None
     if not (q_len == kv_len and q_len > LONG_PREFILL_ROWS):

@@ -107,11 +107,14 @@ class StaticVerifierCache:
     def batch_size(self) -> int:
         return self.rows.shape[0]
 
-    def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, last_only: bool = False, prefill: bool = False
+    ) -> torch.Tensor:
         """Write tokens [B, n] of the unfinished rows at slots length..length+n-1; fp32 logits [B, n or 1, V].
 
         token_mask [B, n] (1 = real token) marks padding. The first call is the prompt (eager, any
-        length; with one row its left padding is dropped). Later calls go through `step`."""
+        length; with one row its left padding is dropped), whatever `prefill` says (RowAlignedCache's
+        signature). Later calls go through `step`."""
         prefill = self.length == 0
         if prefill and self.batch_size < self.slot_mask.shape[0] and compat.static_cache_filled(self.cache):
             return self._prefill_real_rows(tokens, token_mask, last_only)
