@@ -134,6 +134,9 @@ PREFILL_RUN = textwrap.dedent(
         tiny_q = q * 1e-20
         tiny_q[..., ::5] = 3e-39
         outputs.append(attention_cpu.prefill_attention(tiny_q, k * 1e-19, v * 1e-37, 1.0))
+        # continuations over earlier keys (the queries the last Q of N positions): one row, and most rows
+        for start in (length - 1, length // 3):
+            outputs.append(attention_cpu.prefill_attention(q[:, :, start:], k, v, dim**-0.5))
     torch.save(outputs, sys.argv[-1])
     """
 )
@@ -237,13 +240,14 @@ def prefill_builds_here() -> list:
 @pytest.mark.parametrize(("build", "flags"), prefill_builds_here())
 def test_every_build_of_the_prompt_kernel_computes_the_same_bits(build, flags, folder):
     """vdpbf16ps's products as fp32 FMAs in its order, with denormals flushed as it flushes them: the
-    AVX-512F and AVX2 builds give the AVX512-BF16 build's bits, tiny and denormal inputs included."""
+    AVX-512F and AVX2 builds give the AVX512-BF16 build's bits, tiny and denormal inputs and continuations
+    over earlier keys (fewer queries than keys) included."""
     alone = flags not in ("", AVX512_OFF)  # the other runs' script includes the prompt kernel's part
     out, _, outputs = run_masked(flags, folder, PREFILL_RUN) if alone else run_masked(flags, folder)
     assert f"prefill {build}" in out, out
     _, _, best = run_masked(prefill_builds_here()[0].values[1], folder)
-    assert len(outputs) == len(best) == 14
+    assert len(outputs) == len(best) == 28
     for got, expected in zip(outputs, best):
         assert torch.equal(got, expected)
-    tiny = outputs[1::2]
+    tiny = outputs[1::4]  # per shape: the prompt, its tiny values, two continuations
     assert all(bool((t == 0).any()) and bool((t != 0).any()) for t in tiny)  # outputs flushed, and outputs kept

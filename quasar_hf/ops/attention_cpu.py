@@ -13,10 +13,11 @@ Public API:
     supports(query, key, value) -> bool                             dtype/device/layout check
     rowstable_attention(query, key, value, visible=None, scale=None) -> [B, Q, H, D]
     prefill_supports(query, key, value) -> bool                     the prompt kernel (below) applies
-    prefill_attention(query, key, value, scale=None) -> [B, L, H, D]
+    prefill_attention(query, key, value, scale=None) -> [B, Q, H, D]   Q <= N: the last Q of N positions
 
-A prompt's causal self-attention (a long prefill: as many keys as queries, no mask) has its own
-kernel, `quasar::prefill_attention` (csrc/prefill_attention_bf16.c): blocked, on the AVX512-BF16
+A prompt's causal self-attention (a long prefill: as many keys as queries, no mask), or its
+continuation over a cache (the queries the last Q of N positions, each seeing every key up to its
+own), has its own kernel, `quasar::prefill_attention` (csrc/prefill_attention_bf16.c): blocked, on the AVX512-BF16
 dot-product instruction, 2.4-3.9x torch's CPU flash attention on 2 Zen 4 cores at 128-2000 tokens
 (`python -m benchmarks prefill-attention`); on CPUs without it, its AVX-512F and AVX2 + FMA builds
 compute the same bits with fp32 FMAs. It is no row-stable kernel (nor needs one: plain and speculative
@@ -77,24 +78,25 @@ def prefill_unavailable_reason() -> str | None:
 
 
 def prefill_supports(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """True if `prefill_attention` takes these tensors: CPU bfloat16, query [B, H, L, D] and key/value
-    [B, KVH, L, D] (as many keys as queries), H divisible by KVH, D a multiple of 32 up to 256, and the
-    kernel built for this CPU."""
+    """True if `prefill_attention` takes these tensors: CPU bfloat16, query [B, H, Q, D] and key/value
+    [B, KVH, N, D] with N >= Q, H divisible by KVH, D a multiple of 32 up to 256, and the kernel built
+    for this CPU."""
     if query.device.type != "cpu" or query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
         return False
     if any(t.dtype != torch.bfloat16 for t in (query, key, value)):
         return False
     batch, heads, length, head_dim = query.shape
-    if key.shape[0] != batch or key.shape[2] != length or key.shape[3] != head_dim or heads % key.shape[1]:
+    if key.shape[0] != batch or key.shape[2] < length or key.shape[3] != head_dim or heads % key.shape[1]:
         return False
     return head_dim % 32 == 0 and head_dim <= 256 and prefill_unavailable_reason() is None
 
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Causal softmax(scale * q k^T) v of a prompt over its own keys (row i sees keys 0 .. i); returns
-    [B, L, H, D] bfloat16. Raises ValueError unless `prefill_supports(query, key, value)`."""
+    """Causal softmax(scale * q k^T) v with the queries the last Q of the N key positions (row i sees keys
+    0 .. N - Q + i; a prompt over its own keys when Q == N); returns [B, Q, H, D] bfloat16. A row gets the
+    bits of the same row of the whole prompt. Raises ValueError unless `prefill_supports(query, key, value)`."""
     if not prefill_supports(query, key, value):
-        reason = prefill_unavailable_reason() or "it needs CPU bfloat16 query [B, H, L, D] and key/value [B, KVH, L, D]"
+        reason = prefill_unavailable_reason() or "it needs CPU bfloat16 query [B, H, Q, D] and key/value [B, KVH, N >= Q, D]"
         raise ValueError(
             f"the prefill attention kernel does not take q {tuple(query.shape)} {query.dtype}, k {tuple(key.shape)} "
             f"{key.dtype}, v {tuple(value.shape)} {value.dtype}: {reason} (head size a multiple of 32 up to 256); "

@@ -12,8 +12,9 @@ of all of them.
   quasar::w8a8_accumulators_cpu_packed(x, w_packed, wsum128, act_prescale?, out_features) -> int32 [M, N]
       (the packed GEMM's exact accumulators, apart from the float epilogue: tests and debugging)
   quasar::rowstable_attention(query, key, value, visible?, scale?) -> [B, Q, H, D]   (CPU: C; CUDA: Triton)
-  quasar::prefill_attention(query, key, value, scale?) -> [B, L, H, D]   (a prompt's causal self-attention,
-      bfloat16, on CPUs with AVX2 + FMA: what a long prefill runs, csrc/prefill_attention_bf16.c)
+  quasar::prefill_attention(query, key, value, scale?) -> [B, Q, H, D]   (a prompt's causal self-attention,
+      or its continuation: the queries the last Q of N keys; bfloat16, on CPUs with AVX2 + FMA: what a long
+      prefill, or a long prompt over a cache, runs; csrc/prefill_attention_bf16.c)
   quasar::rowstable_linear(x, weight, bias?) -> [..., N]   (the float lm_head, RowStableLinear)
   quasar::hadamard_rows(x, signs, blocks, pow2, scale) -> fp32 [..., K]   (RotatedW8A8Linear's input)
   quasar::rms_norm(x, weight, eps, offset, scale_in_float) -> [..., K]   (every RMSNorm not folded, when
@@ -89,8 +90,9 @@ def _prefill_attention_fake(query, key, value, scale) -> torch.Tensor:
 
 
 def _prefill_attention_fallback(query, key, value, scale) -> torch.Tensor:
-    """Without the kernel: the fp64 oracle (causal), rounded. Slow and O(L^2) memory: callers ask
-    `attention_cpu.prefill_supports` first and run SDPA where the kernel does not serve."""
+    """Without the kernel: the fp64 oracle (bottom-right causal: query row i sees keys 0 .. N - Q + i),
+    rounded. Slow and O(Q N) memory: callers ask `attention_cpu.prefill_supports` first and run SDPA
+    where the kernel does not serve."""
     from quasar_hf.ops.reference import attention_reference
 
     return attention_reference(query, key, value, None, scale).to(query.dtype).contiguous()
@@ -237,7 +239,8 @@ def _sample_attention(gen: torch.Generator) -> Args:
 
 
 def _sample_prefill_attention(gen: torch.Generator) -> Args:
-    q, k, v = (torch.randn(1, h, 5, 32, generator=gen).bfloat16() for h in (4, 2, 2))  # GQA, 5 rows: ragged blocks
+    # GQA; the last 5 of 70 positions: ragged query and key blocks, keys of a second 64-key block
+    q, k, v = (torch.randn(1, h, n, 32, generator=gen).bfloat16() for h, n in ((4, 5), (2, 70), (2, 70)))
     return q, k, v, 0.3
 
 

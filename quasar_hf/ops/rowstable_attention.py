@@ -14,7 +14,10 @@ Two registered attention implementations:
   applies (CPU float16, a device where the Triton kernel fails its first-use check) it is SDPA. A long
   prefill runs the prompt kernel (`attention_cpu.prefill_attention`, CPU bfloat16 with AVX2 + FMA)
   or SDPA; a left-padded batch's long prefill runs it per row on that row's own tokens, the call a
-  request alone makes, so a served batch gives each request its own bits.
+  request alone makes, so a served batch gives each request its own bits. A long prompt over a cache
+  (a chat's next turn: more than LONG_PREFILL_ROWS rows, every row seeing all keys up to its own)
+  runs the prompt kernel too, over the cached keys; plain and speculative generation make that same
+  call. A batch with holes or padding, a window, or fewer rows keeps the row-stable kernel.
 * `QUASAR_SDPA` ("quasar_sdpa"): plain SDPA, for SDPA models during one speculative call.
 Both take the forward keyword `quasar_rowstable=True` (Transformers passes a forward's extra keyword
 arguments through to the attention function): a multi-token call over a cache that no kernel
@@ -33,8 +36,10 @@ from quasar_hf.ops import attention_cpu
 QUASAR_ATTENTION = "quasar_rowstable"
 QUASAR_SDPA = "quasar_sdpa"
 ROWSTABLE_KWARG = "quasar_rowstable"  # forward keyword asking for verification rows equal to decode steps
-# A fresh prefill longer than this goes to SDPA (multi-threaded, flash-style): it is the same call
-# in plain and speculative generation, so it needs no row stability, only speed.
+# A prefill longer than this, fresh or over a cache (a chat's next turn), takes the prompt kernel where it
+# applies: it is the same call in plain and speculative generation, so it needs no row stability, only speed.
+# A verify call (forward keyword quasar_rowstable=True) of more rows keeps the row-stable kernel: its rows
+# must equal decode steps.
 LONG_PREFILL_ROWS = 64
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
 
@@ -161,12 +166,50 @@ def _fresh_static_prefill(attention_mask, q_len: int, kv_len: int, sliding_windo
     return attention_mask.shape[-1] >= kv_len and not bool(attention_mask[..., q_len:kv_len].any())
 
 
+def _plain_causal(module, dropout, kwargs) -> bool:
+    """No dropout, a causal module, none of the score modifiers the prompt kernel lacks."""
+    plain = not dropout and getattr(module, "is_causal", True) and kwargs.get("is_causal", True) is not False
+    return plain and all(kwargs.get(k) is None for k in _UNSUPPORTED_KWARGS)
+
+
+def _continues_prompt(module, query, key, value, attention_mask, dropout, kwargs) -> bool:
+    """True for a long prompt over a cache (no verify call: the caller asks) that the prompt kernel computes:
+    Q > LONG_PREFILL_ROWS query rows, the last Q of N > Q keys, and a bool mask [B, 1, Q, >=N] that is exactly
+    bottom-right causal over the N keys in every row (row i sees keys 0 .. N - Q + i: no holes, no padding, no
+    window). A mask of None is no such call here: with Q < N it means top-left causal (a prefill into an
+    empty static cache, see `_visible_keys`)."""
+    q_len, kv_len, window = query.shape[2], key.shape[2], kwargs.get("sliding_window")
+    if not (LONG_PREFILL_ROWS < q_len < kv_len) or attention_mask is None or not _plain_causal(module, dropout, kwargs):
+        return False
+    if window and kv_len > window:  # a mask that carries the window fails the check below; one without it, here
+        return False
+    if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+        return False
+    if attention_mask.shape[2] != q_len or attention_mask.shape[3] < kv_len:
+        return False
+    if not attention_cpu.prefill_supports(query, key, value):
+        return False
+    return _bottom_right_causal(attention_mask[:, 0, :, :kv_len])
+
+
+def _bottom_right_causal(mask: torch.Tensor) -> bool:
+    """True if bool `mask` [B, Q, N] is row i sees keys 0 .. N - Q + i, in every row. Cheaper than comparing all
+    Q x N entries (this runs in every layer): row i holds N - Q + 1 + i visible keys and, past key N - Q, exactly
+    keys N - Q + 1 .. N - Q + i, so the N - Q + 1 keys before are all visible."""
+    q_len, kv_len = mask.shape[-2], mask.shape[-1]
+    counts = mask.view(torch.uint8).sum(-1, dtype=torch.int32)  # [B, Q]
+    expected = torch.arange(kv_len - q_len + 1, kv_len + 1, dtype=torch.int32, device=mask.device)
+    if not torch.equal(counts, expected.expand_as(counts)):
+        return False
+    tail = mask[..., kv_len - q_len + 1 :]  # [B, Q, Q - 1]
+    return torch.equal(tail, torch.ones(q_len, q_len - 1, dtype=torch.bool, device=mask.device).tril(-1).expand_as(tail))
+
+
 def _prompt_attention(module, query, key, value, dropout=0.0, scaling=None, **kwargs):
     """A long prompt's causal self-attention (Q == N, no mask): `attention_cpu.prefill_attention` (the
     prompt kernel) where it applies, else SDPA. Returns ([B, L, H, D], None)."""
     window = kwargs.get("sliding_window")
-    plain = not dropout and getattr(module, "is_causal", True) and kwargs.get("is_causal", True) is not False
-    plain = plain and all(kwargs.get(k) is None for k in _UNSUPPORTED_KWARGS) and (not window or query.shape[2] <= window)
+    plain = _plain_causal(module, dropout, kwargs) and (not window or query.shape[2] <= window)
     if plain and attention_cpu.prefill_supports(query, key, value):
         return attention_cpu.prefill_attention(query, key, value, scaling), None
     return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
@@ -188,7 +231,8 @@ def rowstable_attention_forward(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, quasar_rowstable: bool = False, **kwargs
 ):
     """QUASAR_ATTENTION: the row-stable kernel where it applies, else SDPA (row by row when verifying; each
-    row on its own tokens for a left-padded batch's long prefill, as it runs alone)."""
+    row on its own tokens for a left-padded batch's long prefill, as it runs alone). A long prefill, alone or
+    over a cache, takes the prompt kernel where it applies."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if q_len > LONG_PREFILL_ROWS and kv_len > q_len and not torch.compiler.is_compiling():
         if _fresh_static_prefill(
@@ -201,6 +245,9 @@ def rowstable_attention_forward(
         pads = _left_padding(query, key, attention_mask, kwargs)
         if pads is not None:
             return _prefill_each_row(module, query, key, value, pads, dropout=dropout, scaling=scaling, **kwargs)
+    if q_len < kv_len and not quasar_rowstable and not torch.compiler.is_compiling():
+        if _continues_prompt(module, query, key, value, attention_mask, dropout, kwargs):
+            return attention_cpu.prefill_attention(query, key, value, scaling), None
     if not (q_len == kv_len and q_len > LONG_PREFILL_ROWS):
         kernel, visible = _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs)
         if kernel is not None:

@@ -132,7 +132,7 @@ class SpeculativeRun:
         """Verifier forward over the prompts; choose each row's first token like plain generate."""
         started = time.perf_counter()
         ids, mask = self._uncached_prompts()
-        logits = self.verifier.forward(ids, mask, last_only=True)[:, -1]
+        logits = self.verifier.forward(ids, mask, last_only=True, prefill=True)[:, -1]
         if len(self.rows) > 1:
             self.verifier.check_holes_supported()
         scores = self._scores(self.active, self.rows, logits)  # [B, V]

@@ -100,8 +100,13 @@ class RowAlignedCache:
         self.slot_mask = torch.cat([self.slot_mask, self.slot_mask.new_zeros(count, width)])
         self.valid_len = torch.cat([self.valid_len, self.valid_len.new_zeros(count)])
 
-    def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
-        """Append tokens [B, n] (token_mask [B, n]: 1 = real token) and return fp32 logits [B, n or 1, V]."""
+    def forward(
+        self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, last_only: bool = False, prefill: bool = False
+    ) -> torch.Tensor:
+        """Append tokens [B, n] (token_mask [B, n]: 1 = real token) and return fp32 logits [B, n or 1, V].
+
+        prefill: these are the prompt's tokens (over a cached prefix, if any), not drafts to verify: the call
+        plain generate makes, without the verify keywords."""
         if token_mask is None:
             token_mask = torch.ones_like(tokens)
         positions = self.valid_len[:, None] + token_mask.cumsum(-1) - 1  # [B, n]
@@ -110,7 +115,7 @@ class RowAlignedCache:
         # Like plain generate: an all-ones mask is dropped so attention takes the same (maskless) path.
         attention_mask = None if bool(full_mask.all()) else full_mask
         kwargs = {"logits_to_keep": 1} if (last_only and self._takes_logits_to_keep) else {}
-        if tokens.shape[1] > 1 and self.slot_mask.shape[1] > 0:  # several tokens over a cache: verification
+        if tokens.shape[1] > 1 and self.slot_mask.shape[1] > 0 and not prefill:  # several tokens over a cache: verification
             kwargs.update(self.verify_kwargs)
         outputs = self.model(
             input_ids=tokens,

@@ -108,7 +108,6 @@ class StaticVerifierCache:
         self.rows = torch.arange(batch_size, device=device)  # [B]: the unfinished rows among the B_all allocated
         self.idle_rows = torch.arange(batch_size, rows, device=device)  # [B_all - B]: padding and finished rows
         self._rows_in_order = True  # self.rows is 0..B-1 (rows that joined into idle rows may not be)
-        self._prompt_after_seed = False  # `seed` filled the prompts' first tokens: the next forward is their rest
         self.length = 0  # slots in use (where the next step writes)
         self._counter = 0  # where the cache layers will write next
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -120,14 +119,16 @@ class StaticVerifierCache:
     def batch_size(self) -> int:
         return self.rows.shape[0]
 
-    def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, last_only: bool = False, prefill: bool = False
+    ) -> torch.Tensor:
         """Write tokens [B, n] of the unfinished rows at slots length..length+n-1; fp32 logits [B, n or 1, V].
 
         token_mask [B, n] (1 = real token) marks padding. The first call is the prompt (eager, any
-        length; with one row its left padding is dropped). Later calls go through `step`."""
+        length; with one row its left padding is dropped), and so is a call with `prefill` (the rest of prompts whose
+        first tokens were `seed`ed). Later calls go through `step`."""
         fresh = self.length == 0
-        prefill = fresh or self._prompt_after_seed  # eager: the prompt (after a seeded prefix, its rest)
-        self._prompt_after_seed = False
+        prefill = fresh or prefill  # eager: a prompt, or the rest of one after a seeded prefix
         if fresh and self.batch_size < self.slot_mask.shape[0] and compat.static_cache_filled(self.cache):
             return self._prefill_real_rows(tokens, token_mask, last_only)
         everyone = self.slot_mask.shape[0]
@@ -212,7 +213,7 @@ class StaticVerifierCache:
     def seed(self, prefixes: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Start each prompt row from keys and values computed earlier (a prompt cache's): prefixes[b] holds each
         layer's [1, H, P_b, D]. Rows are right-aligned, a shorter one's missing slots masked; the next forward (the
-        rest of the prompts) runs eagerly, as a prefill does."""
+        rest of the prompts, `forward(..., prefill=True)`) runs eagerly."""
         if self.length or len(prefixes) != self.batch_size or self.has_sliding_layers:
             raise ValueError("cached prefixes seed an empty static cache of full-attention layers, one prefix per row")
         lengths = torch.tensor([prefix[0][0].shape[-2] for prefix in prefixes], device=self.valid_len.device)
@@ -227,7 +228,6 @@ class StaticVerifierCache:
         self.slot_mask[: self.batch_size, :width] = (slots >= width - lengths[:, None]).long()
         self.length = self._counter = width
         self.kv.written = max(self.kv.written, width)
-        self._prompt_after_seed = True
 
     def row_key_values(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Unfinished row `index`'s keys and values of its kept tokens, holes left out: each layer's [1, H, n, D]."""

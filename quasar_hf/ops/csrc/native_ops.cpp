@@ -156,28 +156,29 @@ at::Tensor rowstable_attention_cpu(const at::Tensor &query, const at::Tensor &ke
     return out;
 }
 
-// quasar::prefill_attention on CPU: a prompt's causal self-attention (query [B, H, L, D], key/value
-// [B, KVH, L, D], bfloat16, D % 32 == 0, D <= 256) -> [B, L, H, D].
+// quasar::prefill_attention on CPU: a prompt's causal self-attention, or its continuation over earlier keys
+// (query [B, H, Q, D], key/value [B, KVH, N, D], Q <= N: row i sees keys 0 .. N - Q + i; bfloat16,
+// D % 32 == 0, D <= 256) -> [B, Q, H, D].
 at::Tensor prefill_attention_cpu(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,
                                  std::optional<double> scale) {
     TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.sizes() == key.sizes() && query.scalar_type() == at::kBFloat16 &&
                     key.scalar_type() == at::kBFloat16 && value.scalar_type() == at::kBFloat16,
-                "prefill_attention: query [B, H, L, D], key and value [B, KVH, L, D], all bfloat16");
+                "prefill_attention: query [B, H, Q, D], key and value [B, KVH, N, D], all bfloat16");
     const int64_t batch = query.size(0), heads = query.size(1), length = query.size(2), head_dim = query.size(3);
-    const int64_t kv_heads = key.size(1);
-    TORCH_CHECK(key.size(0) == batch && key.size(2) == length && key.size(3) == head_dim && kv_heads > 0 &&
+    const int64_t kv_heads = key.size(1), kv_len = key.size(2);
+    TORCH_CHECK(key.size(0) == batch && kv_len >= length && key.size(3) == head_dim && kv_heads > 0 &&
                     heads % kv_heads == 0 && head_dim % 32 == 0 && head_dim <= 256,
                 "prefill_attention rejected shapes q ", query.sizes(), ", k ", key.sizes(),
-                " (needs as many keys as queries, head dim a multiple of 32 up to 256)");
+                " (needs at least as many keys as queries, head dim a multiple of 32 up to 256)");
     at::Tensor out = at::empty({batch, length, heads, head_dim}, query.options());
     if (out.numel() == 0) return out;
     const at::Tensor q = inner_contiguous(query), k = inner_contiguous(key), v = inner_contiguous(value);
     const float s = static_cast<float>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim)));
     const int status = require(quasar::cpu_kernels().qhf_prefill_attention, "prefill attention")(
         q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.data_ptr(),
-        v.stride(0), v.stride(1), v.stride(2), out.data_ptr(), batch, heads, kv_heads, length, head_dim, s,
+        v.stride(0), v.stride(1), v.stride(2), out.data_ptr(), batch, heads, kv_heads, length, kv_len, head_dim, s,
         std::max(1, at::get_num_threads()));
-    TORCH_CHECK(status != 1, "prefill attention could not allocate scratch for ", length, " keys");
+    TORCH_CHECK(status != 1, "prefill attention could not allocate scratch for ", kv_len, " keys");
     TORCH_CHECK(status == 0, "prefill attention rejected shapes q ", query.sizes(), ", k ", key.sizes());
     return out;
 }

@@ -1,5 +1,6 @@
 /*
- * Causal self-attention of a prompt (a prefill: Q == N, no cache, no padding) in bfloat16, on the
+ * Causal self-attention of a prompt in bfloat16 (a prefill, or the continuation of one: the Q queries
+ * are the last Q of N keys, row i sees keys 0 .. N - Q + i; no padding, no holes), on the
  * CPU's BF16 dot-product instruction (AVX512-BF16's vdpbf16ps: 32 bf16 multiplies, fp32 sums), or,
  * built without it (-mavx512f; -mavx2 -mfma), on fp32 FMAs that compute the same bits: vdpbf16ps adds
  * its two products of a lane in fp32 as two FMAs, the odd element's first, with denormals flushed
@@ -24,11 +25,12 @@
  * and out = bf16(o / l). Rounding p to bf16 is what flash attention does on GPUs; the output error
  * against an fp64 oracle is a few bf16 ulps (tests/test_prefill_attention.py states the bound).
  * Each (batch, head, row) depends on its own query, keys and values only, so a batched prompt gets
- * the bits it gets alone.
+ * the bits it gets alone, and a continuation's rows (Q < N) get the bits of the same rows of the
+ * whole prompt (Q == N): the same key blocks in the same order, the keys past a row weighing 0.
  *
  * Layouts (strides in elements, head dim contiguous):
- *   q [B, H, L, D], k and v [B, KVH, L, D] bfloat16 (GQA: head h reads KV head h / (H / KVH))
- *   out [B, L, H, D] bfloat16, contiguous.   D % 32 == 0, D <= 256.
+ *   q [B, H, Q, D], k and v [B, KVH, N, D] bfloat16, Q <= N (GQA: head h reads KV head h / (H / KVH))
+ *   out [B, Q, H, D] bfloat16, contiguous.   D % 32 == 0, D <= 256.
  * Returns 0, 1 when scratch memory cannot be had, 2 for shapes it does not take.
  */
 #include <float.h>
@@ -297,10 +299,12 @@ static inline float softmax_block(const float *s, int64_t first_key, int64_t vis
     return alpha;
 }
 
-/* One task: the G heads of KV head `kvh` at query positions q0 .. q0 + QB - 1 (those below L). */
+/* One task: the G heads of KV head `kvh` at query rows q0 .. q0 + QB - 1 (those below L); row i is key
+ * position `offset` + i (N - Q: 0 for a prompt). */
 static void attend_block(const uint16_t *q, int64_t q_sh, int64_t q_sl, int64_t h0, int G, const packed_t *kp,
-                         const packed_t *vp, uint16_t *out, int64_t out_sl, int64_t L, int64_t D, int64_t q0, float scale,
-                         float *o, float *qf, float *s, weight_t *p, float *m, float *l, float *alpha) {
+                         const packed_t *vp, uint16_t *out, int64_t out_sl, int64_t L, int64_t offset, int64_t D,
+                         int64_t q0, float scale, float *o, float *qf, float *s, weight_t *p, float *m, float *l,
+                         float *alpha) {
     const int rows = G * QB; /* row r: head h0 + r / QB, position q0 + r % QB */
     query_row qrow[G * QB];
     for (int r = 0; r < rows; ++r) {
@@ -311,14 +315,15 @@ static void attend_block(const uint16_t *q, int64_t q_sh, int64_t q_sl, int64_t 
         l[r] = 0.0f;
     }
     memset(o, 0, sizeof(float) * rows * D);
-    const int64_t last = (q0 + QB < L ? q0 + QB : L); /* keys 0 .. last - 1 are visible to some row */
+    const int64_t last = offset + (q0 + QB < L ? q0 + QB : L); /* keys 0 .. last - 1 are visible to some row */
     for (int64_t key0 = 0; key0 < last; key0 += KB) {
         for (int r0 = 0; r0 < rows; r0 += ROWS) {
             scores_block(qrow + r0, kp, key0, D, s);
             for (int r = r0; r < r0 + ROWS; ++r) {
                 int64_t pos = q0 + r % QB;
                 if (pos >= L) pos = L - 1;
-                alpha[r - r0] = softmax_block(s + (r - r0) * KB, key0, pos + 1, scale, p + (r - r0) * KB, m + r, l + r);
+                alpha[r - r0] = softmax_block(s + (r - r0) * KB, key0, offset + pos + 1, scale, p + (r - r0) * KB, m + r,
+                                              l + r);
             }
             values_block(p, vp, key0, D, alpha, o + r0 * D);
         }
@@ -335,12 +340,12 @@ static void attend_block(const uint16_t *q, int64_t q_sh, int64_t q_sl, int64_t 
 
 int qhf_prefill_attention(const void *q_, int64_t q_sb, int64_t q_sh, int64_t q_sl, const void *k_, int64_t k_sb,
                           int64_t k_sh, int64_t k_sl, const void *v_, int64_t v_sb, int64_t v_sh, int64_t v_sl, void *out_,
-                          int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t D, float scale, int n_threads) {
-    if (B <= 0 || L <= 0 || KVH <= 0 || H % KVH != 0 || D % 32 != 0 || D > D_MAX || H / KVH > 64) return 2;
+                          int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t N, int64_t D, float scale, int n_threads) {
+    if (B <= 0 || L <= 0 || N < L || KVH <= 0 || H % KVH != 0 || D % 32 != 0 || D > D_MAX || H / KVH > 64) return 2;
     const uint16_t *q = q_, *k = k_, *v = v_;
     uint16_t *out = out_;
     const int G = (int)(H / KVH);
-    const int64_t Lp = (L + KB - 1) / KB * KB, per_head = Lp * D * PACKED_PER_ELEMENT; /* K, then V */
+    const int64_t Lp = (N + KB - 1) / KB * KB, per_head = Lp * D * PACKED_PER_ELEMENT; /* K, then V */
     const int64_t heads = B * KVH, blocks = (L + QB - 1) / QB;
     packed_t *packed = malloc(sizeof(packed_t) * heads * per_head);
     if (!packed) return 1;
@@ -353,8 +358,8 @@ int qhf_prefill_attention(const void *q_, int64_t q_sb, int64_t q_sh, int64_t q_
         for (int64_t bh = 0; bh < heads; ++bh) {
             const int64_t b = bh / KVH, kvh = bh % KVH;
             packed_t *kp = packed + bh * per_head;
-            pack_keys(k + b * k_sb + kvh * k_sh, k_sl, L, Lp, D, kp);
-            pack_values(v + b * v_sb + kvh * v_sh, v_sl, L, Lp, D, kp + per_head / 2);
+            pack_keys(k + b * k_sb + kvh * k_sh, k_sl, N, Lp, D, kp);
+            pack_values(v + b * v_sb + kvh * v_sh, v_sl, N, Lp, D, kp + per_head / 2);
         } /* (the loop's barrier: every head is packed before any task reads one) */
         const int rows = G * QB;
         float *scratch = malloc(sizeof(float) * (2 * (size_t)rows * D + ROWS * KB + 2 * (size_t)rows + ROWS));
@@ -369,8 +374,8 @@ int qhf_prefill_attention(const void *q_, int64_t q_sb, int64_t q_sh, int64_t q_
             const int64_t block = blocks - 1 - task / heads, bh = task % heads;
             const int64_t b = bh / KVH, kvh = bh % KVH;
             const packed_t *kp = packed + bh * per_head, *vp = kp + per_head / 2;
-            attend_block(q + b * q_sb, q_sh, q_sl, kvh * G, G, kp, vp, out + b * L * H * D, H * D, L, D, block * QB, scale, o,
-                         qf, s, p, m, l, alpha);
+            attend_block(q + b * q_sb, q_sh, q_sl, kvh * G, G, kp, vp, out + b * L * H * D, H * D, L, N - L, D, block * QB,
+                         scale, o, qf, s, p, m, l, alpha);
         }
         free(scratch);
         free(p);

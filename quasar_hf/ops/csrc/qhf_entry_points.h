@@ -42,7 +42,7 @@ int qhf_rowstable_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q
 
 int qhf_prefill_attention(const void *q, int64_t q_sb, int64_t q_sh, int64_t q_sl, const void *k, int64_t k_sb,
                           int64_t k_sh, int64_t k_sl, const void *v, int64_t v_sb, int64_t v_sh, int64_t v_sl, void *out,
-                          int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t D, float scale, int n_threads);
+                          int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t N, int64_t D, float scale, int n_threads);
 
 int qhf_rowstable_linear(const void *x, int64_t x_stride, int64_t M, int64_t K, const void *w, int64_t w_stride,
                          int64_t N, const void *bias, void *out, int64_t out_stride, int dtype, int n_threads);
