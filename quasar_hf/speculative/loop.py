@@ -21,6 +21,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .drafters import Draft, Drafter, DraftSetup, NgramDrafter, pack_drafts
 from .row_aligned_cache import RowAlignedCache
 from .row_rules import RowRules, accept, choose_first
+from .row_scores import processed_scores
 from .static_cache import StaticVerifierCache
 from .stats import QuasarStats
 
@@ -250,6 +251,8 @@ class SpeculativeRun:
         reads), each with the prefix that position would have seen."""
         if all(len(self.rules[b].processors) == 0 for b in self.active):
             return logits
+        if not self.shared_rules:  # rows of several requests: every (row, position) in one stacked pass
+            return self._item_scores(draft, logits, lengths)
         columns = []
         for j in range(logits.shape[1]):
             needed = [i for i, n in enumerate(lengths) if n >= j]
@@ -263,16 +266,28 @@ class SpeculativeRun:
             columns.append(column)
         return torch.stack(columns, dim=1)
 
+    def _item_scores(self, draft: Draft, logits: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """`_position_scores` for rows of several requests: the positions each row verified, all in one
+        `processed_scores` call (rows of equal warper settings stacked); positions past a row's draft keep their logits."""
+        items = [(i, j) for i, n in enumerate(lengths) for j in range(n + 1) if len(self.rules[self.active[i]].processors)]
+        if not items:
+            return logits
+        processors = [self.rules[self.active[i]].processors for i, _ in items]
+        prefixes = [torch.cat([self.rows[self.active[i]], draft.tokens[i, :j]]) for i, j in items]
+        rows = torch.tensor([i for i, _ in items], device=logits.device)
+        positions = torch.tensor([j for _, j in items], device=logits.device)
+        scores = logits.clone()
+        scores[rows, positions] = processed_scores(processors, prefixes, logits[rows, positions])
+        return scores
+
     def _scores(self, rows: list[int], prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
         """Apply the logits processors to logits [B, V] given each row's prefix (1-D, padded prompt + tokens)."""
         if all(len(self.rules[b].processors) == 0 for b in rows):
             return logits
         if self.shared_rules and len(rows) == len(self.rows) and len({p.shape[0] for p in prefixes}) == 1:
             return self.prepared.logits_processor(torch.stack(prefixes), logits.clone())  # as plain generate calls it
-        # Rows of different lengths, a subset of rows, or rows of several calls: one call per row, with its processors.
-        return torch.cat(
-            [self.rules[b].processors(p[None], logits[i : i + 1].clone()) for i, (b, p) in enumerate(zip(rows, prefixes))]
-        )
+        # Rows of different lengths, a subset of rows, or rows of several calls: each row its own processors.
+        return processed_scores([self.rules[b].processors for b in rows], prefixes, logits)
 
     def _draft_scores(self, prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
         """Processed scores for the drafter, whose prefixes are its rows without their left padding."""
