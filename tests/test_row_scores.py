@@ -152,3 +152,72 @@ def test_rows_of_equal_settings_are_warped_in_one_call():
         got = processed_scores(processors, prefixes, logits)
     assert [event.name for event in profile.events()].count("aten::sort") == 1
     assert torch.equal(got, reference_scores(processors, prefixes, logits))
+
+
+def lazily_and_fully_scored(seed: int):
+    """Rows of several requests (greedy with and without a penalty, sampled with their own drafts and generators),
+    drafts that are often accepted: (accept on fully processed scores, accept on verified_scores), each with its
+    scores and the generators' states after."""
+    from transformers import StoppingCriteriaList
+
+    from quasar_hf.speculative.drafters import Draft
+    from quasar_hf.speculative.row_rules import RowRules, accept
+    from quasar_hf.speculative.row_scores import verified_scores
+
+    vocab, k = 3000, 5
+    generator = torch.Generator().manual_seed(seed)
+    lists = [
+        LogitsProcessorList(warpers(0.7, top_k=None, top_p=0.9)),
+        LogitsProcessorList(warpers(0.7, top_k=None, top_p=0.9)),
+        LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), *warpers(1.0, top_k=None, top_p=0.95)]),
+        LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)]),  # greedy with a penalty
+        LogitsProcessorList(),  # greedy
+        LogitsProcessorList(warpers(1.2, top_k=20, top_p=None)),
+    ]
+    sampled = [True, True, True, False, False, True]
+    lengths = torch.tensor([5, 3, 4, 5, 2, 0])
+    sequences = [torch.randint(0, vocab, (6 + 3 * i,), generator=generator) for i in range(len(lists))]
+    logits = torch.randn(len(lists), k + 1, vocab, generator=generator)
+    tokens = torch.randint(0, vocab, (len(lists), k), generator=generator)
+    for i in range(len(lists)):  # drafts that are usually the model's choice, sometimes not
+        for j in range(k):
+            logits[i, j, tokens[i, j]] += float(torch.rand((), generator=generator) * 12)
+    draft = Draft(tokens=tokens * (torch.arange(k) < lengths[:, None]), lengths=lengths)
+
+    def rules() -> list[RowRules]:
+        made = []
+        for i, lst in enumerate(lists):
+            own = torch.Generator().manual_seed(seed * 10 + i) if sampled[i] else None
+            made.append(RowRules(lst, StoppingCriteriaList(), sampled[i], own, 10_000, own_drafts=sampled[i]))
+        return made
+
+    full_rules = rules()
+    full = logits.clone()
+    for i, n in enumerate(lengths.tolist()):
+        for j in range(n + 1):
+            prefix = torch.cat([sequences[i], draft.tokens[i, :j]])[None]
+            full[i, j] = lists[i](prefix, logits[i, j][None].clone())[0]
+    lazy_rules = rules()
+    lazy = verified_scores(lazy_rules, sequences, draft, logits)
+
+    def states(made: list[RowRules]) -> list:
+        return [r.generator.get_state() if r.generator is not None else None for r in made]
+
+    fully = (accept(full_rules, draft, full), full, states(full_rules))
+    return fully, (accept(lazy_rules, draft, lazy), lazy, states(lazy_rules))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_scores_processed_only_where_acceptance_reads_them_give_the_same_tokens(seed):
+    (full_out, full, full_states), (lazy_out, lazy, lazy_states) = lazily_and_fully_scored(seed)
+    assert torch.equal(full_out[0], lazy_out[0]) and torch.equal(full_out[1], lazy_out[1])
+    for i, n in enumerate(full_out[0].tolist()):
+        assert torch.equal(full[i, : n + 1], lazy[i, : n + 1]), i  # what the loop emits with and stops on
+    assert all(a is b or torch.equal(a, b) for a, b in zip(full_states, lazy_states))
+
+
+def test_the_checks_see_acceptances_past_the_first_position():
+    """The drafts of these cases are accepted often enough that a row scored at its first position only would
+    be caught: some rows accept two or more drafts."""
+    accepted = [lazily_and_fully_scored(seed)[0][0][0] for seed in range(6)]
+    assert sum(int((n >= 2).sum()) for n in accepted) >= 6

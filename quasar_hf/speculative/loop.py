@@ -21,7 +21,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .drafters import Draft, Drafter, DraftSetup, NgramDrafter, pack_drafts
 from .row_aligned_cache import RowAlignedCache
 from .row_rules import RowRules, accept, choose_first
-from .row_scores import processed_scores
+from .row_scores import processed_scores, verified_scores
 from .static_cache import StaticVerifierCache
 from .stats import QuasarStats
 
@@ -248,11 +248,12 @@ class SpeculativeRun:
 
     def _position_scores(self, draft: Draft, logits: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """Processed scores at every position a row verified (up to its own draft length; past it, logits nobody
-        reads), each with the prefix that position would have seen."""
+        reads), each with the prefix that position would have seen; for rows of several requests, at the positions
+        their acceptance reads (row_scores.verified_scores)."""
         if all(len(self.rules[b].processors) == 0 for b in self.active):
             return logits
-        if not self.shared_rules:  # rows of several requests: every (row, position) in one stacked pass
-            return self._item_scores(draft, logits, lengths)
+        if not self.shared_rules:  # rows of several requests: up to where each row's acceptance stops, rows stacked
+            return verified_scores([self.rules[b] for b in self.active], [self.rows[b] for b in self.active], draft, logits)
         columns = []
         for j in range(logits.shape[1]):
             needed = [i for i, n in enumerate(lengths) if n >= j]
@@ -265,20 +266,6 @@ class SpeculativeRun:
                 column[needed] = self._scores([self.active[i] for i in needed], prefixes, logits[needed, j])
             columns.append(column)
         return torch.stack(columns, dim=1)
-
-    def _item_scores(self, draft: Draft, logits: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """`_position_scores` for rows of several requests: the positions each row verified, all in one
-        `processed_scores` call (rows of equal warper settings stacked); positions past a row's draft keep their logits."""
-        items = [(i, j) for i, n in enumerate(lengths) for j in range(n + 1) if len(self.rules[self.active[i]].processors)]
-        if not items:
-            return logits
-        processors = [self.rules[self.active[i]].processors for i, _ in items]
-        prefixes = [torch.cat([self.rows[self.active[i]], draft.tokens[i, :j]]) for i, j in items]
-        rows = torch.tensor([i for i, _ in items], device=logits.device)
-        positions = torch.tensor([j for _, j in items], device=logits.device)
-        scores = logits.clone()
-        scores[rows, positions] = processed_scores(processors, prefixes, logits[rows, positions])
-        return scores
 
     def _scores(self, rows: list[int], prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
         """Apply the logits processors to logits [B, V] given each row's prefix (1-D, padded prompt + tokens)."""
