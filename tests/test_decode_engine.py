@@ -179,6 +179,40 @@ def test_a_sampled_row_gives_the_same_text_alone_and_beside_seven_others(model):
     assert different_seed.tokens != reference
 
 
+def test_sampled_rows_of_different_settings_give_their_text_alone_in_one_batch(model):
+    """Rows whose warpers are stacked (equal settings) beside rows whose are not (another temperature, top-k, a
+    repetition penalty): each sampled row's text with its seed is its text alone (speculative/row_scores.py)."""
+    ids = prompts(7, seed=12)
+    settings = [
+        {"seed": 1, "temperature": 0.7, "top_p": 0.8},
+        {"seed": 2, "temperature": 0.7, "top_p": 0.8},
+        {"seed": 3, "temperature": 1.3, "top_p": 0.8},  # only the temperature differs from the rows above
+        {"seed": 4, "temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.3},
+        {"seed": 5, "temperature": 0.7, "top_p": 0.8, "top_k": 20},
+        {"seed": 6, "temperature": 0.9, "min_p": 0.05},
+        {},  # a greedy row
+    ]
+
+    def sampled_alone(i: int) -> list[int]:
+        engine = DecodeEngine(model)
+        row = Row(ids[i], 20, **settings[i])
+        add(engine, model, row)
+        drain(engine)
+        return row.tokens
+
+    engine = DecodeEngine(model)
+    rows = [Row(p, 20, **options) for p, options in zip(ids, settings)]
+    for row in rows[:3]:
+        add(engine, model, row)
+    engine.step()
+    for row in rows[3:]:
+        add(engine, model, row)
+    drain(engine)
+    assert rows[6].tokens == alone(model, ids[6], 20)
+    for i in range(6):
+        assert rows[i].error is None and rows[i].tokens == sampled_alone(i), settings[i]
+
+
 def test_rows_with_different_settings_share_steps(model):
     engine = DecodeEngine(model)
     ids = prompts(4, seed=6)

@@ -21,6 +21,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .drafters import Draft, Drafter, DraftSetup, NgramDrafter, pack_drafts
 from .row_aligned_cache import RowAlignedCache
 from .row_rules import RowRules, accept, choose_first
+from .row_scores import processed_scores, verified_scores
 from .static_cache import StaticVerifierCache
 from .stats import QuasarStats
 
@@ -247,9 +248,12 @@ class SpeculativeRun:
 
     def _position_scores(self, draft: Draft, logits: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """Processed scores at every position a row verified (up to its own draft length; past it, logits nobody
-        reads), each with the prefix that position would have seen."""
+        reads), each with the prefix that position would have seen; for rows of several requests, at the positions
+        their acceptance reads (row_scores.verified_scores)."""
         if all(len(self.rules[b].processors) == 0 for b in self.active):
             return logits
+        if not self.shared_rules:  # rows of several requests: up to where each row's acceptance stops, rows stacked
+            return verified_scores([self.rules[b] for b in self.active], [self.rows[b] for b in self.active], draft, logits)
         columns = []
         for j in range(logits.shape[1]):
             needed = [i for i, n in enumerate(lengths) if n >= j]
@@ -269,10 +273,8 @@ class SpeculativeRun:
             return logits
         if self.shared_rules and len(rows) == len(self.rows) and len({p.shape[0] for p in prefixes}) == 1:
             return self.prepared.logits_processor(torch.stack(prefixes), logits.clone())  # as plain generate calls it
-        # Rows of different lengths, a subset of rows, or rows of several calls: one call per row, with its processors.
-        return torch.cat(
-            [self.rules[b].processors(p[None], logits[i : i + 1].clone()) for i, (b, p) in enumerate(zip(rows, prefixes))]
-        )
+        # Rows of different lengths, a subset of rows, or rows of several calls: each row its own processors.
+        return processed_scores([self.rules[b].processors for b in rows], prefixes, logits)
 
     def _draft_scores(self, prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
         """Processed scores for the drafter, whose prefixes are its rows without their left padding."""

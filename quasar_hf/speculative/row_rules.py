@@ -99,18 +99,36 @@ def accept(rules: list[RowRules], draft: Draft, scores: torch.Tensor) -> tuple[t
     their argmax agrees with; sampled rows run exact speculative sampling with their group's generator. A row
     with its own draft is cut to its own length first, so it draws as many numbers as it would alone."""
     batch = scores.shape[0]
-    if len({id(rule) for rule in rules}) == 1 or len(sampling_groups(rules)) == 1:
+    if _one_group(rules):
         return _accept_group(rules[0], draft.tokens, draft.probs, scores, draft.lengths)
     num_accepted = torch.zeros(batch, dtype=torch.long, device=scores.device)
     next_token = torch.zeros(batch, dtype=torch.long, device=scores.device)
-    lengths = draft.lengths.tolist()
+    widths = accept_widths(rules, draft)
     for indices, rule in sampling_groups(rules):
         index = torch.tensor(indices, device=scores.device)
-        width = max(lengths[i] for i in indices) if rule.own_drafts and rule.do_sample else draft.tokens.shape[1]
+        width = widths[indices[0]]
         probs = None if draft.probs is None else draft.probs[index, :width]
         n, token = _accept_group(rule, draft.tokens[index, :width], probs, scores[index, : width + 1], draft.lengths[index])
         num_accepted[index], next_token[index] = n, token
     return num_accepted, next_token
+
+
+def accept_widths(rules: list[RowRules], draft: Draft) -> list[int]:
+    """Draft positions `accept` hands each row's group (a sampled row draws one uniform for each): a row with its own
+    draft is cut to its own length, other rows keep the batch's width."""
+    if _one_group(rules):
+        return [draft.tokens.shape[1]] * len(rules)
+    lengths = draft.lengths.tolist()
+    widths = [0] * len(rules)
+    for indices, rule in sampling_groups(rules):
+        width = max(lengths[i] for i in indices) if rule.own_drafts and rule.do_sample else draft.tokens.shape[1]
+        for i in indices:
+            widths[i] = width
+    return widths
+
+
+def _one_group(rules: list[RowRules]) -> bool:
+    return len({id(rule) for rule in rules}) == 1 or len(sampling_groups(rules)) == 1
 
 
 def _accept_group(
