@@ -1,4 +1,5 @@
-"""Where a long-lived static batch (the serving engine's rows) takes the step and KV cache of each batch size.
+"""Where a long-lived static batch (the serving engine's rows) takes the step and KV cache of each batch size
+(static_cache.BufferSource).
 
 A `generate` call holds its static cache for the call (`CompiledSteps.kv_cache`). The engine's batch outlives
 calls and changes size as rows join and leave, so its StaticVerifierCache takes a cache for the batch size it
@@ -9,28 +10,11 @@ batch that grows or shrinks moves between the warm shapes `warm_up` compiled and
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
 from .compiled_steps import CompiledSteps
-from .static_cache import StaticCacheBuffer
-
-
-class BufferSource(Protocol):
-    """Steps and KV caches of `slots` slots for a batch of `rows` allocated rows."""
-
-    slots: int
-
-    def take(self, rows: int) -> tuple[Callable, StaticCacheBuffer]:
-        """The step and a cache for `rows` rows, the taker's until given back."""
-        ...
-
-    def give_back(self, rows: int, kv: StaticCacheBuffer) -> None: ...
-
-    def ready(self, rows: int) -> bool:
-        """Whether the step for `rows` rows runs without compiling (the batch may move to that size)."""
-        ...
+from .static_cache import StaticCacheBuffer  # the BufferSource protocol these implement is static_cache's
 
 
 class FreshBuffers:

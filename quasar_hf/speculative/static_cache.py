@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -31,9 +31,6 @@ from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION, QUASAR_SDPA
 
 from .compiled_steps import batch_bucket
 from .row_aligned_cache import right_aligned
-
-if TYPE_CHECKING:
-    from .static_buffers import BufferSource
 
 # A move to a smaller batch copies each row's slots: SmolLM2 on 2 Zen 4 cores took 2-25 ms for 230-2070 slots,
 # about one decode step per this many slots, and saves a few ms per step: not worth it for the last few tokens.
@@ -68,6 +65,22 @@ class StaticCacheBuffer:
         """The cache as new: the written slots zeroed (finite values under every mask), the write position 0."""
         compat.clear_static_cache(self.cache, self.written)
         self.written = 0
+
+
+class BufferSource(Protocol):
+    """Steps and KV caches of `slots` slots for a batch of `rows` allocated rows."""
+
+    slots: int
+
+    def take(self, rows: int) -> tuple[Callable, StaticCacheBuffer]:
+        """The step and a cache for `rows` rows, the taker's until given back."""
+        ...
+
+    def give_back(self, rows: int, kv: StaticCacheBuffer) -> None: ...
+
+    def ready(self, rows: int) -> bool:
+        """Whether the step for `rows` rows runs without compiling (the batch may move to that size)."""
+        ...
 
 
 class StaticVerifierCache:
