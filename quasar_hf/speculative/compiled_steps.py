@@ -190,6 +190,13 @@ class CompiledSteps:
         key = (batch_rows, cache_slots)
         return key in self.steps and widths <= self.widths_run.get(key, set())
 
+    def warm_slots(self, batch_rows: int, tokens: int, widths: set[int]) -> int | None:
+        """The smallest cache size of at least `tokens` slots whose step for `batch_rows` rows is `ready` (None: none).
+        A row's bits do not depend on unused slots, so a larger warm cache serves it as exactly as its own size."""
+        with self._lock:
+            sizes = sorted({slots for rows, slots in self.steps if rows == batch_rows and slots >= tokens})
+        return next((slots for slots in sizes if self.ready(batch_rows, slots, widths)), None)
+
     def _ensure(self, key: tuple, in_call: bool = True) -> Callable:
         step = self.steps.get(key)
         if step is not None:

@@ -91,14 +91,14 @@ class DecodeEngine:
 
     def can_join(self, config: QuasarGenerationConfig, request: BatchRequest | None = None) -> bool:
         """Whether a request with these options can join the running rows now (with a static cache, `request` must
-        fit the running cache's size)."""
+        fit in the running cache)."""
         if self.rows == 0:
             return True
         if self.single_row or join_key(config) != self.key:
             return False
         verifier = self.run.verifier
         if isinstance(verifier, StaticVerifierCache) and request is not None:
-            return static_batch_slots(self.model, _max_length(request), config) == verifier.max_cache_len
+            return static_batch_slots(self.model, _max_length(request), config) <= verifier.max_cache_len
         return True
 
     def add(self, request: BatchRequest, config: QuasarGenerationConfig) -> None:

@@ -292,10 +292,11 @@ class StaticVerifierCache:
         """Append `other`'s unfinished rows (prompts prefilled alone) after these, in idle rows (moving to a larger
         batch size when too few are idle). Rows are right-aligned at the shared write position: a row's kept slots
         end where the others' do, the slots before them masked. Each row keeps its tokens, positions and visible
-        keys, so row-stable steps give it the bits it gets alone."""
-        if self.buffers is None or other.max_cache_len != self.max_cache_len or self.has_sliding_layers:
+        keys (a larger cache only adds unused slots), so row-stable steps give it the bits it gets alone."""
+        if self.buffers is None or other.max_cache_len > self.max_cache_len or self.has_sliding_layers:
             raise ValueError(
-                "rows join a static batch made for joining (buffers=...), of the same cache size, over full-attention layers"
+                "rows join a static batch made for joining (buffers=...), of at least their cache size, over full-attention "
+                "layers"
             )
         count = other.batch_size
         if self.idle_rows.shape[0] < count:

@@ -214,16 +214,19 @@ def static_batch_slots(model: torch.nn.Module, max_length: int, config: QuasarGe
 def held_static_cache(
     model: torch.nn.Module, prepared: PreparedGeneration, config: QuasarGenerationConfig, verify_kwargs: dict, width: int
 ) -> StaticVerifierCache:
-    """A static verifier cache for the call's rows that takes its own buffers (verifier_cache's `hold`)."""
+    """A static verifier cache for the call's rows that takes its own buffers (verifier_cache's `hold`). Compiled, it
+    takes the smallest warm cache size that holds the rows (a server warmed for --max-model-len serves its shorter
+    requests there: no compile inside a request), else the size a compiled call of this length takes."""
     slots = static_batch_slots(model, prepared.max_length, config)
-    if config.compile:
-        compile_config = step_compile_config(config, prepared)
-        widths = {1, width + 1} if config.num_draft_tokens else {1}
-        buffers = CompiledBuffers(model, compiled_steps_for(model, compile_config), slots, widths)
-    else:
-        buffers = FreshBuffers(model, slots)
     batch_size = prepared.input_ids.shape[0]
     rows = batch_bucket(batch_size)
+    if config.compile:
+        table = compiled_steps_for(model, step_compile_config(config, prepared))
+        widths = {1, width + 1} if config.num_draft_tokens else {1}
+        slots = table.warm_slots(rows, slots, widths) or slots
+        buffers = CompiledBuffers(model, table, slots, widths)
+    else:
+        buffers = FreshBuffers(model, slots)
     step, kv = buffers.take(rows)
     return StaticVerifierCache(
         model, rows, prepared.input_ids.device, slots, step, verify_kwargs, batch_size, kv, buffers=buffers
