@@ -360,5 +360,10 @@ def test_running_rows_keep_stepping_while_a_long_prompt_is_prefilled(model, monk
         assert after > before, "the running row waited for the long prompt's prefill"
         assert long.error is None and long.tokens == alone(model, long.request.input_ids, 12)
         assert running.tokens == alone(model, running.request.input_ids, 300)
+        # The prefill's thread is gone with it: a thread kept alive keeps its OpenMP team, which throttles libgomp's
+        # spinning for every team (the decoding thread's steps then took twice as long, for good).
+        for thread in [thread for thread in threading.enumerate() if thread.name.startswith("quasar-prefill")]:
+            thread.join(5)
+            assert not thread.is_alive(), "the prefill thread outlived its prefill"
     finally:
         batcher.stop()

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from .config import QuasarGenerationConfig
 from .defaults import FIELD, log_declined
 from .engine import MIN_REUSED_TOKENS, DecodeEngine
 from .left_padding import left_padded
+from .own_thread import in_own_thread
 from .prompt_cache import PromptCache
 from .stats import QuasarStats
 
@@ -96,7 +97,6 @@ class RequestBatcher:
         self._stopping = threading.Event()
         self._engine: DecodeEngine | None = None
         self._in_call: list[BatchRequest] = []  # the requests of a batched call running now
-        self._prefill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quasar-prefill")
         self._prefilling: tuple[BatchRequest, QuasarGenerationConfig, Future] | None = None  # a long prompt's prefill
         self._thread = threading.Thread(target=self._work, name="quasar-batcher", daemon=True)
         self._thread.start()
@@ -142,7 +142,6 @@ class RequestBatcher:
             if self._prefilling is not None:
                 self._prefilling[0].cancel("shutdown")
                 self._prefilling[0].finish(None)
-            self._prefill_thread.shutdown(wait=False)
             for request in self._engine.requests:
                 request.cancel("shutdown")
                 request.finish(None)
@@ -214,7 +213,7 @@ class RequestBatcher:
         with self._failing_alone(request):
             prefix = self._engine.cached_prefix(request)
             if self._engine.rows and len(request.input_ids) - request.reused_tokens > self.background_prefill_tokens:
-                future = self._prefill_thread.submit(self._engine.prefill, request, config, prefix)
+                future = in_own_thread(self._engine.prefill, request, config, prefix)
                 self._prefilling = (request, config, future)
                 return
             self._engine.join(request, config, self._engine.prefill(request, config, prefix))
