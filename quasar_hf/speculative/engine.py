@@ -143,6 +143,7 @@ class DecodeEngine:
     def join(self, request: BatchRequest, config: QuasarGenerationConfig, run: SpeculativeRun) -> None:
         """Join a prefilled row (`prefill`) to the running rows, or start the batch with it."""
         if not self.can_join(config):
+            _release(run)
             raise ValueError("this request's Quasar options cannot join the running rows; add it once they finish")
         if self.on_stats is not None:
             self.on_stats(run.stats, 0)
@@ -157,8 +158,10 @@ class DecodeEngine:
             self.run, self.streamer, self.key = run, run.streamer, key
             self.single_row = not _holds_ragged_rows(run.verifier)
             return
-        offset = self.run.join(run)
-        _release(run)  # its keys and values are the batch's now
+        try:
+            offset = self.run.join(run)
+        finally:
+            _release(run)  # its keys and values are the batch's now (or the join failed)
         self.streamer.requests[offset] = request
 
     def step(self) -> None:
