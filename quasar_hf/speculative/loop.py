@@ -253,7 +253,8 @@ class SpeculativeRun:
         if all(len(self.rules[b].processors) == 0 for b in self.active):
             return logits
         if not self.shared_rules:  # rows of several requests: up to where each row's acceptance stops, rows stacked
-            return verified_scores([self.rules[b] for b in self.active], [self.rows[b] for b in self.active], draft, logits)
+            rules, sequences = [self.rules[b] for b in self.active], [self.rows[b] for b in self.active]
+            return verified_scores(rules, sequences, draft, logits, lengths)
         columns = []
         for j in range(logits.shape[1]):
             needed = [i for i, n in enumerate(lengths) if n >= j]

@@ -109,14 +109,20 @@ def _runs(processors: LogitsProcessorList) -> list[tuple[tuple | None, list]]:
     return runs
 
 
-def verified_scores(rules: list[RowRules], sequences: list[torch.Tensor], draft: Draft, logits: torch.Tensor) -> torch.Tensor:
+def verified_scores(
+    rules: list[RowRules],
+    sequences: list[torch.Tensor],
+    draft: Draft,
+    logits: torch.Tensor,
+    lengths: list[int] | None = None,
+) -> torch.Tensor:
     """Processed scores [B, k+1, V] of rows of several requests (rules[i], its tokens so far sequences[i], its draft)
     at the positions `accept` reads, position by position: a row goes on to its next position only while its draft
     token may be accepted (greedy: the token holds the maximum; a sampled row with its own draft and generator:
     the uniform that generator is about to draw for it is not over the token's probability, with a margin). Past
     that, its positions keep their logits: accept keeps a row's leading accepted drafts only, so it reads none of
-    them, and nothing is emitted from them."""
-    lengths = draft.lengths.tolist()
+    them, and nothing is emitted from them. `lengths`: draft.lengths as a list, when the caller has read it."""
+    lengths = draft.lengths.tolist() if lengths is None else lengths  # the caller's host copy: no second sync
     shared = len(rules) > 1 and len({id(rule) for rule in rules}) == 1  # one group drawing together: not peeked
     widths = accept_widths(rules, draft)
     uniforms = [None if shared else _next_uniforms(rule, width, logits) for rule, width in zip(rules, widths)]
