@@ -150,9 +150,7 @@ def test_a_compiled_served_turn_reuses_the_last_turns_keys_as_compiled_generate_
     first = Row(turn_1, 12)
     add(engine, model, first, MODES["compiled"])
     drain(engine)
-    eager = model.generate(
-        torch.tensor([turn_1]), max_new_tokens=12, do_sample=False, quasar=False, return_dict_in_generate=True
-    )
+    eager = model.generate(torch.tensor([turn_1]), max_new_tokens=12, do_sample=False, quasar=False, return_dict_in_generate=True)
     assert first.tokens == eager.sequences[0, len(turn_1) :].tolist()
     turn_2 = turn_1 + first.tokens + [40, 41, 42, 5, 6, 7, 8] * 3
     hit = prompt_cache.longest_prefix(turn_2)
