@@ -19,8 +19,7 @@ from quasar_hf.speculative.batch_request import BatchRequest
 from quasar_hf.speculative.batcher import RequestBatcher, request_quasar_config
 from quasar_hf.speculative.engine import DecodeEngine
 from quasar_hf.speculative.row_aligned_cache import RowAlignedCache
-from quasar_hf.speculative.row_rules import OwnDraftPolicy
-from quasar_hf.speculative.verify import speculative_sample_accept
+from quasar_hf.speculative.token_uniforms import choose_token
 from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 from tests.helpers.sampling_stats import VOCAB, chi_square_p_value, exact_joint, grounded_prompt, peaked_model
 
@@ -71,12 +70,12 @@ def drain(engine: DecodeEngine) -> None:
         engine.step()
 
 
-def accept_everything(draft_tokens, draft_probs, target_probs, generator=None, draft_lengths=None):
-    """The mistake: keep every draft token, then sample the bonus token."""
-    num, _ = speculative_sample_accept(draft_tokens, draft_probs, target_probs, generator, draft_lengths)
-    num = draft_lengths.clone()
-    bonus = torch.multinomial(target_probs[torch.arange(len(num)), num], 1, generator=generator).squeeze(1)
-    return num, bonus
+def accept_every_draft(uniforms, tokens, scores):
+    """The mistake: keep every draft token, then choose the bonus token."""
+    values = uniforms.peek(len(tokens) + 1)
+    chosen = choose_token(scores[len(tokens)], values[len(tokens)])
+    uniforms.advance(len(tokens) + 1)
+    return len(tokens), chosen
 
 
 def plain(model, ids: list[int], max_new_tokens: int, **options) -> list[int]:
@@ -309,26 +308,26 @@ def test_sampled_rows_of_a_mixed_batch_follow_the_target_distribution(monkeypatc
     target = exact_joint(model, prompt, {"do_sample": True, **options})
     counts, drafted = sampled_in_mixed_batches(model, prompt, options, 1200)
     assert drafted > 500 and chi_square_p_value(counts, target) > 1e-3
-    monkeypatch.setattr(row_rules_module, "speculative_sample_accept", accept_everything)
+    monkeypatch.setattr(row_rules_module, "accept_by_uniforms", accept_every_draft)
     wrong, _ = sampled_in_mixed_batches(model, prompt, options, 1200)
     assert chi_square_p_value(wrong, target) < 1e-8
 
 
-def test_a_sampled_rows_own_drafts_pause_when_they_miss_and_resume():
-    """The policy sees only its own row's drafts: it pauses 1, 2, 4 ... steps after misses, and a hit resets it."""
-    policy = OwnDraftPolicy()
-    assert policy.length(5) == 5
-    policy.record(5, 0)  # decayed rate 1.0 -> 0.5
-    policy.record(5, 0)  # -> 0.25: still drafting
-    assert policy.length(5) == 5
-    policy.record(5, 0)  # -> 0.125 < 0.25: pause one step
-    assert [policy.length(5) for _ in range(2)] == [0, 5]
-    policy.record(5, 0)  # another miss: two steps
-    assert [policy.length(5) for _ in range(3)] == [0, 0, 5]
-    policy.record(4, 4)  # a whole draft kept: drafting goes on, and pauses start again from one step
-    assert policy.length(5) == 5 and policy.misses == 0
-    policy.record(0, 0)  # no draft: nothing learned
-    assert policy.length(3) == 3
+def test_a_sampled_rows_text_does_not_depend_on_what_is_drafted_for_it(model):
+    """Each token is the one its uniform (by token index) chooses, so drafts of any length, from any drafter, or
+    none give one text for one seed; the drafting runs here do accept drafts (else the test would prove nothing)."""
+    ids = prompts(1, seed=4)[0]
+    texts, accepted = [], []
+    for quasar in ({"num_draft_tokens": 0}, {"drafter": "ngram", "num_draft_tokens": 2}, {"drafter": "ngram"}, {}):
+        kept = []
+        engine = DecodeEngine(model, on_stats=lambda stats, rows: kept.append(stats.accepted_tokens))
+        row = Row(ids, 40, seed=7, temperature=0.3)
+        add(engine, model, row, quasar)
+        drain(engine)
+        texts.append(row.tokens)
+        accepted.append(sum(kept))
+    assert len(texts[0]) == 40 and all(text == texts[0] for text in texts[1:])
+    assert accepted[0] == 0 and min(accepted[1:]) > 0
 
 
 def test_running_rows_keep_stepping_while_a_long_prompt_is_prefilled(model, monkeypatch):

@@ -68,7 +68,7 @@ def test_sampled_requests_share_steps_and_each_draws_from_its_own_generator(mode
     batcher = RequestBatcher(model, gather_seconds=0.2)
     try:
         outputs = []
-        for seed in (7, 7, 8):
+        for seed in (7, 7, 9):  # seeds whose 16 tokens hold no end-of-sequence token
             collectors = [Collector(), Collector()]
             requests = []
             for collector in collectors:

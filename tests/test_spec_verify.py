@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from quasar_hf.speculative.verify import greedy_accept, speculative_sample_accept
+from quasar_hf.speculative.verify import greedy_accept, sample_rows, speculative_sample_accept
+from tests.helpers.sampling_stats import chi_square_p_value
 
 
 def one_hot_scores(tokens, vocab=8):
@@ -78,3 +79,34 @@ def test_sampling_respects_draft_lengths():
     drafts = torch.tensor([[1, 1], [1, 1]])
     num, nxt = speculative_sample_accept(drafts, None, p, torch.Generator().manual_seed(0), torch.tensor([0, 1]))
     assert num.tolist() == [0, 1] and nxt.tolist() == [1, 1]
+
+
+def test_sample_rows_draws_each_row_from_its_weights_and_never_a_zero_weight():
+    weights = torch.tensor([[0.0, 3.0, 0.0, 1.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0, 0.0, 6.0]])  # unnormalized
+    draws = sample_rows(weights.repeat(20000, 1), torch.Generator().manual_seed(0)).view(20000, 2)
+    for row in range(2):
+        counts = torch.bincount(draws[:, row], minlength=6)
+        assert torch.all(counts[weights[row] == 0] == 0)
+        assert chi_square_p_value(counts, weights[row] / weights[row].sum()) > 1e-3
+    wrong = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0, 0.0])  # the test tells a wrong distribution apart
+    assert chi_square_p_value(torch.bincount(draws[:, 0], minlength=6), wrong) < 1e-8
+
+
+def test_sample_rows_takes_one_uniform_per_row_and_refuses_weights_without_mass():
+    generator, twin = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    sample_rows(torch.rand(3, 1000), generator)
+    torch.rand(3, 1, generator=twin)
+    assert torch.equal(torch.rand(4, generator=generator), torch.rand(4, generator=twin))
+    assert sample_rows(torch.tensor([[0.0, 0.0, 1e-30]])).item() == 2  # the one index with weight, however small
+    for bad in (torch.zeros(1, 4), torch.tensor([[0.5, float("nan")]]), torch.tensor([[float("inf"), 1.0]])):
+        with pytest.raises(ValueError, match="positive, finite sum"):
+            sample_rows(bad)
+
+
+def test_deterministic_draft_residual_is_p_without_the_rejected_token():
+    # p = [0.2, 0.5, 0.3] at the draft position, draft token 1: rejected w.p. 0.5, then 0 or 2 in ratio 2:3.
+    p = torch.tensor([[[0.2, 0.5, 0.3], [1.0, 0.0, 0.0]]]).expand(20000, 2, 3).contiguous()
+    num, nxt = speculative_sample_accept(torch.ones(20000, 1, dtype=torch.long), None, p, torch.Generator().manual_seed(1))
+    counts = torch.bincount(nxt[num == 0], minlength=3)
+    assert counts[1] == 0 and chi_square_p_value(counts, torch.tensor([0.4, 0.0, 0.6])) > 1e-3
+    assert abs(num.float().mean().item() - 0.5) < 0.02

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from .row_aligned_cache import RowAlignedCache
+from .verify import sample_rows
 
 
 @dataclass
@@ -194,7 +195,7 @@ class AssistantDrafter:
         if not self.setup.do_sample:
             return scores.argmax(-1), None
         q = torch.softmax(scores, dim=-1)
-        return torch.multinomial(q, 1, generator=self.setup.generator).squeeze(1), q
+        return sample_rows(q, self.setup.generator), q
 
     def on_accept(self, num_accepted: torch.Tensor) -> None:
         """Forget the fed draft tokens beyond the accepted ones."""

@@ -18,12 +18,13 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .drafters import Draft, Drafter, DraftSetup, NgramDrafter, pack_drafts
+from .drafters import Draft, Drafter, DraftSetup
 from .row_aligned_cache import RowAlignedCache
 from .row_rules import RowRules, accept, choose_first
 from .row_scores import processed_scores, verified_scores
 from .static_cache import StaticVerifierCache
 from .stats import QuasarStats
+from .token_uniforms import TokenUniforms
 
 
 @dataclass
@@ -81,29 +82,35 @@ class SpeculativeRun:
         draft_width: int | None = None,
         cached_prefix: list[int] | None = None,
         keep_row_cache: RowCacheSink | None = None,
-        row_drafter: NgramDrafter | None = None,
+        joinable: bool = False,
     ) -> None:
         """`verifier` defaults to a RowAlignedCache; `draft_width` pads non-empty drafts to that many
         tokens (fixed step shapes for a static cache; the padding's logits are never read);
         `cached_prefix[b]`: the verifier already holds row b's first that many prompt tokens;
         `keep_row_cache(tokens, key_values)`: receives each row's keys and values as it finishes (a RowAlignedCache's);
-        `row_drafter`: rows that may join later (the engine): a sampled row drafts its own n-gram lookups with it
-        and draws from its own generator, `drafter` drafts greedily for the greedy rows, finished rows are released."""
+        `joinable`: rows that may join later (the engine): `drafter` drafts greedily for every row, a sampled row
+        chooses each token with its own uniforms (token_uniforms.py), finished rows are released."""
         self.model = model
         self.prepared = prepared
         self.drafter = drafter
         self.streamer = streamer
         self.generator = generator
         self.do_sample = bool(prepared.generation_config.do_sample)
-        self.row_drafter = row_drafter
+        self.joinable = joinable
         self.device = prepared.input_ids.device
         self.rows = list(prepared.input_ids)  # per row [T + generated]: the input_ids plain generate would see
         self.pad_lengths = (prepared.attention_mask == 0).sum(-1).tolist()
         self.active = list(range(len(self.rows)))  # original indices of unfinished rows
-        own = self.do_sample and row_drafter is not None
-        limit = row_drafter.num_draft_tokens if row_drafter is not None else None
+        own = self.do_sample and joinable
         self.rules = [
-            RowRules(processors, prepared.stopping_criteria, self.do_sample, generator, prepared.max_length, own, limit)
+            RowRules(
+                processors,
+                prepared.stopping_criteria,
+                self.do_sample,
+                generator,
+                prepared.max_length,
+                uniforms=TokenUniforms(generator) if own else None,
+            )
             for processors in prepared.row_logits_processors
         ]
         self.shared_rules = True  # every row has the call's rules: the batch's processors apply to the batch
@@ -138,8 +145,7 @@ class SpeculativeRun:
             self.verifier.check_holes_supported()
         scores = self._scores(self.active, self.rows, logits)  # [B, V]
         first = choose_first([self.rules[b] for b in self.active], scores)
-        drafted = self.drafter_rows()
-        self.drafter.start([self.rows[b][self.pad_lengths[b] :] for b in drafted], self._draft_setup())
+        self.drafter.start([self.rows[b][self.pad_lengths[b] :] for b in self.active], self._draft_setup())
         self.stats.prefill_time_s += time.perf_counter() - started
         finished = [self._emit(b, first[i : i + 1], scores[i : i + 1])[1] for i, b in enumerate(self.active)]
         self.pending = self._drop_finished(first, finished)
@@ -174,12 +180,8 @@ class SpeculativeRun:
         scores = self._position_scores(draft, logits, lengths)  # [B, k+1, V]
         num_accepted, next_token = accept([self.rules[b] for b in self.active], draft, scores)
         self.verifier.keep_accepted(num_accepted + 1, chunk.shape[1])  # pending token + accepted drafts
-        served = self._drafter_index()
-        self.drafter.on_accept(num_accepted if len(served) == len(self.active) else num_accepted[served])
+        self.drafter.on_accept(num_accepted)
         accepted_list = num_accepted.tolist()
-        for i, (b, length) in enumerate(zip(self.active, lengths)):
-            if self.rules[b].own_drafts:
-                self.rules[b].own_policy.record(length, accepted_list[i])
         emitted, finished = [], []
         for i, b in enumerate(self.active):
             n = accepted_list[i]
@@ -193,54 +195,35 @@ class SpeculativeRun:
         self.pending = self._drop_finished(next_token, finished)
 
     def _propose(self) -> Draft:
-        """Each active row's draft: the drafter's for its rows, a row's own n-gram lookup for the others."""
+        """Each active row's draft, up to its budget (tokens left, its draft limit)."""
         sequences = [self.rows[b][self.pad_lengths[b] :] for b in self.active]
         budgets = []
         for b in self.active:
             budget, limit = self.rules[b].max_length - len(self.rows[b]) - 1, self.rules[b].draft_limit
             budgets.append(budget if limit is None else min(budget, limit))
-        served = self._drafter_index()
-        if len(served) == len(self.active):
-            return self.drafter.propose(sequences, budgets)
-        parts: list[torch.Tensor] = [sequence.new_empty(0) for sequence in sequences]
-        if served:
-            draft = self.drafter.propose([sequences[i] for i in served], [budgets[i] for i in served])
-            if draft.probs is not None:
-                raise RuntimeError("rows that join a running batch take deterministic drafts (the drafter runs greedy)")
-            for j, (i, length) in enumerate(zip(served, draft.lengths.tolist())):
-                parts[i] = draft.tokens[j, :length]
-        for i, b in enumerate(self.active):
-            if self.rules[b].own_drafts:  # budget: its own draft_limit; length: its own policy
-                parts[i] = self.row_drafter.lookup(sequences[i], self.rules[b].own_policy.length(budgets[i]))
-        return pack_drafts(parts, self.device)
-
-    def drafter_rows(self) -> list[int]:
-        """Original indices of the active rows the drafter serves (those without their own drafts), in batch order."""
-        return [b for b in self.active if not self.rules[b].own_drafts]
-
-    def _drafter_index(self) -> list[int]:
-        """Positions in the active batch of the rows the drafter serves."""
-        return [i for i, b in enumerate(self.active) if not self.rules[b].own_drafts]
+        draft = self.drafter.propose(sequences, budgets)
+        if self.joinable and draft.probs is not None:
+            raise RuntimeError("rows that join a running batch take deterministic drafts (the drafter runs greedy)")
+        return draft
 
     def use_drafter(self, drafter: Drafter) -> None:
         """Draft with `drafter` from now on (a row prefilled alone becoming a batch: the batch's drafter)."""
         self.drafter = drafter
-        drafter.start([self.rows[b][self.pad_lengths[b] :] for b in self.drafter_rows()], self._draft_setup())
+        drafter.start([self.rows[b][self.pad_lengths[b] :] for b in self.active], self._draft_setup())
 
     def join(self, other: SpeculativeRun) -> int:
         """Append another run's unfinished rows (a request prefilled alone) to this batch; the index its first row
-        has here. Both runs must have been made for joining (`row_drafter`) on RowAlignedCaches of one model."""
-        if self.row_drafter is None or other.row_drafter is None or not hasattr(self.drafter, "add_rows"):
-            raise ValueError("only runs made for joining (row_drafter=..., a drafter with add_rows) can be joined")
+        has here. Both runs must have been made for joining (`joinable`) on caches of one model."""
+        if not (self.joinable and other.joinable and hasattr(self.drafter, "add_rows")):
+            raise ValueError("only runs made for joining (joinable=True, a drafter with add_rows) can be joined")
         offset = len(self.rows)
         self.rows += other.rows
         self.pad_lengths += other.pad_lengths
         self.cached_prefix += other.cached_prefix
         self.rules += other.rules
         self.verifier.join(other.verifier)
-        served = [other.rows[b][other.pad_lengths[b] :] for b in other.drafter_rows()]
-        if served:
-            self.drafter.add_rows(served)
+        if other.active:
+            self.drafter.add_rows([other.rows[b][other.pad_lengths[b] :] for b in other.active])
         self.active += [offset + b for b in other.active]
         self.pending = torch.cat([self.pending, other.pending])
         self.shared_rules = False
@@ -279,9 +262,8 @@ class SpeculativeRun:
 
     def _draft_scores(self, prefixes: list[torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
         """Processed scores for the drafter, whose prefixes are its rows without their left padding."""
-        rows = self.drafter_rows()
-        padded = [torch.cat([self.rows[b][: self.pad_lengths[b]], p]) for b, p in zip(rows, prefixes)]
-        return self._scores(rows, padded, logits)
+        padded = [torch.cat([self.rows[b][: self.pad_lengths[b]], p]) for b, p in zip(self.active, prefixes)]
+        return self._scores(self.active, padded, logits)
 
     def _emit(self, row: int, tokens: torch.Tensor, scores: torch.Tensor) -> tuple[int, bool]:
         """Append tokens to a row one at a time until a stopping criterion fires; stream them."""
@@ -315,7 +297,6 @@ class SpeculativeRun:
         """Remove finished rows from the batch, the verifier cache and the drafter."""
         if not any(finished):
             return pending
-        served = self.drafter_rows()
         for i, done in enumerate(finished):
             b = self.active[i]
             if done and self.keep_row_cache is not None and _holds_row_caches(self.verifier):
@@ -327,24 +308,21 @@ class SpeculativeRun:
         keep = [i for i, done in enumerate(finished) if not done]
         gone = {self.active[i] for i, done in enumerate(finished) if done}
         self.active = [self.active[i] for i in keep]
-        if self.row_drafter is not None:  # rows of a long-lived batch: their tokens were streamed, free them
+        if self.joinable:  # rows of a long-lived batch: their tokens were streamed, free them
             for b in gone:
                 self.rows[b] = self.rows[b][:0]
         if not keep:
             return pending[:0]
         keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.verifier.select_rows(keep_index, max(self.rules[b].max_length - len(self.rows[b]) for b in self.active))
-        kept_served = [j for j, b in enumerate(served) if b not in gone]
-        if len(kept_served) < len(served):
-            self.drafter.select_rows(torch.tensor(kept_served, dtype=torch.long, device=self.device))
+        self.drafter.select_rows(keep_index)
         return pending[keep_index]
 
     def _draft_setup(self) -> DraftSetup:
-        joinable = self.row_drafter is not None  # the drafter serves greedy rows only: sampled rows draft their own
-        return DraftSetup(
-            do_sample=self.do_sample and not joinable,
+        return DraftSetup(  # rows that may join draft greedily: a sampled one chooses with its own uniforms
+            do_sample=self.do_sample and not self.joinable,
             score_fn=self._draft_scores,
-            generator=None if joinable else self.generator,
+            generator=None if self.joinable else self.generator,
             device=self.device,
             verify_width=self.draft_width,
         )

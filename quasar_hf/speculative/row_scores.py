@@ -10,8 +10,8 @@ each item alone, in the order its list gives.
 
 `verified_scores` is what the loop calls for such rows: it also leaves out the positions a row's acceptance will
 not read (those after its first rejected draft token, found from the scores processed so far and, for a sampled
-row, from the uniforms its own generator is about to draw), so a step processes about as many positions as it
-emits tokens.
+row with its own uniforms, from the token each position's uniform chooses), so a step processes as many positions
+as it emits tokens.
 
 Stacked only on the CPU, where each kernel such a warper calls (elementwise ops, softmax and cumsum along the
 last dim, sort, topk, amax) computes a row alone whatever else is stacked with it. Warpers whose kernels sum
@@ -32,7 +32,8 @@ from transformers.generation.logits_process import (
 )
 
 from .drafters import Draft
-from .row_rules import RowRules, accept_widths
+from .row_rules import RowRules
+from .token_uniforms import choose_token
 
 # Stackable classes (exactly these, not subclasses) -> the attributes an instance holds, all of its settings.
 STACKABLE: dict[type, tuple[str, ...]] = {
@@ -43,7 +44,6 @@ STACKABLE: dict[type, tuple[str, ...]] = {
     EpsilonLogitsWarper: ("epsilon", "filter_value", "min_tokens_to_keep"),
 }
 STACKING_DEVICES = ("cpu",)
-MARGIN = 1e-3  # a sampled row stops only where its uniform is this much (relatively) over the draft's probability
 
 
 def stack_key(processor: object) -> tuple | None:
@@ -118,14 +118,12 @@ def verified_scores(
 ) -> torch.Tensor:
     """Processed scores [B, k+1, V] of rows of several requests (rules[i], its tokens so far sequences[i], its draft)
     at the positions `accept` reads, position by position: a row goes on to its next position only while its draft
-    token may be accepted (greedy: the token holds the maximum; a sampled row with its own draft and generator:
-    the uniform that generator is about to draw for it is not over the token's probability, with a margin). Past
-    that, its positions keep their logits: accept keeps a row's leading accepted drafts only, so it reads none of
-    them, and nothing is emitted from them. `lengths`: draft.lengths as a list, when the caller has read it."""
+    token may be accepted (greedy: the token holds the maximum; a sampled row with its own uniforms: the token is
+    the one its uniform chooses). Past that, its positions keep their logits: accept keeps a row's leading accepted
+    drafts only, so it reads none of them, and nothing is emitted from them. `lengths`: draft.lengths as a list,
+    when the caller has read it."""
     lengths = draft.lengths.tolist() if lengths is None else lengths  # the caller's host copy: no second sync
-    shared = len(rules) > 1 and len({id(rule) for rule in rules}) == 1  # one group drawing together: not peeked
-    widths = accept_widths(rules, draft)
-    uniforms = [None if shared else _next_uniforms(rule, width, logits) for rule, width in zip(rules, widths)]
+    uniforms = [rule.uniforms.peek(length + 1) if _own_uniforms(rule, draft) else None for rule, length in zip(rules, lengths)]
     scores = logits.clone()
     going = [i for i, rule in enumerate(rules) if len(rule.processors)]
     position = 0
@@ -137,35 +135,22 @@ def verified_scores(
             i
             for n, i in enumerate(going)
             if position < lengths[i]
-            and _may_accept(rules[i], processed[n], int(draft.tokens[i, position]), uniforms[i], position, draft)
+            and _may_accept(rules[i], scores[i, position], int(draft.tokens[i, position]), uniforms[i], position)
         ]
         position += 1
     return scores
 
 
-def _next_uniforms(rule: RowRules, width: int, like: torch.Tensor) -> list[float] | None:
-    """The uniforms `accept` will draw for a sampled row with its own draft and generator (drawn from a copy of the
-    generator: the row's own stream is left as it is); None for any other row, and off the CPU (not checked there)."""
-    if not (rule.do_sample and rule.own_drafts and rule.generator is not None) or width == 0:
-        return None
-    if rule.generator.device.type != "cpu":
-        return None
-    twin = torch.Generator(device=rule.generator.device)
-    twin.set_state(rule.generator.get_state())
-    return torch.rand(1, width, generator=twin, device=like.device, dtype=like.dtype)[0].tolist()
+def _own_uniforms(rule: RowRules, draft: Draft) -> bool:
+    return rule.do_sample and rule.uniforms is not None and draft.probs is None
 
 
-def _may_accept(
-    rule: RowRules, scores: torch.Tensor, token: int, uniforms: list[float] | None, position: int, draft: Draft
-) -> bool:
+def _may_accept(rule: RowRules, scores: torch.Tensor, token: int, uniforms: list[float] | None, position: int) -> bool:
     """Whether acceptance may keep `token` at `position` given its processed scores [V] (when unsure: True)."""
-    if draft.probs is not None:
-        return True
     scores = scores.detach()
     if not rule.do_sample:
         value = scores[token]
         return bool(value >= scores.max()) or bool(value.isnan())  # among the maximal values: argmax may be it
     if uniforms is None:
         return True
-    probability = float(torch.softmax(scores, dim=-1)[token])
-    return not uniforms[position] >= probability * (1 + MARGIN)  # a NaN probability goes on too
+    return choose_token(scores, uniforms[position]) == token  # what accept_by_uniforms computes from these scores

@@ -35,7 +35,7 @@ from quasar_hf import compat
 from .call_rules import CACHE_NAMES, as_long_ids, check_call, check_prepared, generate_arguments
 from .compiled_steps import batch_bucket, call_cache_slots, compiled_steps_for
 from .config import QuasarGenerationConfig
-from .drafters import NgramDrafter, make_drafter
+from .drafters import make_drafter
 from .loop import PreparedGeneration, QuasarGenerateOutput, RowCacheSink, SpeculativeRun
 from .prompt_cache import KeyValues
 from .row_aligned_cache import RowAlignedCache
@@ -122,10 +122,8 @@ def run_prepared(
             verifier = verifier or RowAlignedCache(model, batch_size, input_ids.device, verify_kwargs)
             verifier.seed(prefixes)
             lengths = [prefix[0][0].shape[-2] for prefix in prefixes]
-        row_drafter = None
         if admit:
             verifier = verifier or RowAlignedCache(model, batch_size, input_ids.device, verify_kwargs)
-            row_drafter = NgramDrafter(quasar_config.num_draft_tokens, quasar_config.max_ngram_size, quasar_config.min_ngram_size)
         run = SpeculativeRun(
             model,
             prepared,
@@ -137,7 +135,7 @@ def run_prepared(
             draft_width,
             lengths,
             keep_row_cache,
-            row_drafter,
+            joinable=admit,
         )
         if admit:
             run.prefill()

@@ -61,23 +61,49 @@ def speculative_sample_accept(
     _check_shapes(draft_tokens, target_probs)
     batch, k = draft_tokens.shape
     rows = torch.arange(batch, device=draft_tokens.device)
-    q_all = _draft_distribution(draft_tokens, draft_probs, target_probs)  # [B, k, V]
     p_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, k]
-    q_draft = q_all.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, k]
+    if draft_probs is None:  # q = one-hot at the draft token: q(d) = 1
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_all = _draft_distribution(draft_tokens, draft_probs, target_probs)  # [B, k, V]
+        q_draft = q_all.gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, k]
     uniform = torch.rand(batch, k, generator=generator, device=target_probs.device, dtype=target_probs.dtype)
     accepted = (uniform * q_draft < p_draft) & _draft_mask(draft_tokens, draft_lengths)  # u < p/q, q > 0
     num_accepted = _leading_true(accepted)  # [B]
 
     p_next = target_probs[rows, num_accepted]  # [B, V]
     rejected = num_accepted < (k if draft_lengths is None else draft_lengths.to(num_accepted.device))
-    q_next = q_all[rows, num_accepted.clamp(max=max(k - 1, 0))] if k else torch.zeros_like(p_next)
-    residual = (p_next - q_next).clamp(min=0)
-    residual_mass = residual.sum(dim=-1, keepdim=True)
+    at = num_accepted.clamp(max=max(k - 1, 0))  # [B] the rejected position (read only where rejected)
+    if not k:
+        residual = p_next
+    elif draft_probs is None:  # max(0, p - one_hot(d)) is p with d's probability zeroed, the rest unchanged
+        residual = p_next.scatter(1, draft_tokens[rows, at][:, None], 0.0)
+    else:
+        residual = (p_next - q_all[rows, at]).clamp(min=0)
     # p == q leaves no residual mass; a rejection then has probability 0, so p is the exact fallback.
-    residual = torch.where(residual_mass > 0, residual / residual_mass.clamp(min=torch.finfo(residual.dtype).tiny), p_next)
-    next_dist = torch.where(rejected[:, None], residual, p_next)  # [B, V]
-    next_token = torch.multinomial(next_dist, 1, generator=generator).squeeze(1)  # [B]
-    return num_accepted, next_token
+    has_mass = residual.sum(dim=-1, keepdim=True) > 0
+    next_dist = torch.where(rejected[:, None] & has_mass, residual, p_next)  # [B, V], unnormalized
+    return num_accepted, sample_rows(next_dist, generator)
+
+
+def sample_rows(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row [B] drawn from weights [B, V] (>= 0, any positive finite sum) with one uniform per row from
+    `generator` (`sample_with_uniforms`); torch.multinomial would draw V exponentials per row."""
+    uniforms = torch.rand(weights.shape[0], 1, generator=generator, device=weights.device, dtype=weights.dtype)
+    return sample_with_uniforms(weights, uniforms)
+
+
+def sample_with_uniforms(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The index [B] each row's uniform [B, 1] in [0, 1) chooses from weights [B, V] (>= 0, any positive finite
+    sum; normalizing not needed): the first index whose running sum reaches (1 - u) of the row's sum, so only
+    indices of positive weight can be chosen (the running sum rises only there)."""
+    cumulative = weights.cumsum(dim=-1)  # [B, V]
+    total = cumulative[:, -1:]  # [B, 1]
+    if not bool(((total > 0) & torch.isfinite(total)).all()):
+        raise ValueError("sampling weights must have a positive, finite sum in every row (got NaN, inf or all zeros)")
+    threshold = (1 - uniforms.to(weights.dtype)) * total  # (0, total]: 1 - u is exact for u on torch.rand's grid
+    index = torch.searchsorted(cumulative, threshold).squeeze(1)  # first i with cumulative[i] >= threshold
+    return index.clamp(max=weights.shape[-1] - 1)
 
 
 def _draft_distribution(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor) -> torch.Tensor:
