@@ -15,6 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 import quasar_hf.speculative.row_rules as row_rules_module
+from quasar_hf.speculative.admission import AdmissionPolicy
 from quasar_hf.speculative.batch_request import BatchRequest
 from quasar_hf.speculative.batcher import RequestBatcher, request_quasar_config
 from quasar_hf.speculative.engine import DecodeEngine
@@ -345,7 +346,7 @@ def test_running_rows_keep_stepping_while_a_long_prompt_is_prefilled(model, monk
         return run
 
     monkeypatch.setattr(DecodeEngine, "prefill", slow_prefill)
-    batcher = RequestBatcher(model, background_prefill_tokens=40)
+    batcher = RequestBatcher(model, admission=AdmissionPolicy(background_prefill_tokens=40))
     try:
         running, long = Row(prompts(1, seed=10)[0], 300), Row(prompts(1, seed=11)[0] * 4, 12)
         started = threading.Event()

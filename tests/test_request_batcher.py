@@ -169,10 +169,10 @@ def test_a_short_request_completes_while_a_long_one_in_its_batch_still_decodes(m
             tokens_of_long_when_short_ended.append(len(long.tokens))
             original_finish(error)
 
-        short_request = short.request(PROMPTS[1], max_new_tokens=3)
+        short_request = short.request(PROMPTS[1], max_new_tokens=20)  # the long one asks under 4x: it joins the short
         short_request.on_done = short_done
         run_together(batcher, [(short_request, short), (long.request(PROMPTS[0], max_new_tokens=60), long)])
-        assert batcher.widest_step == 2 and short.tokens == alone(model, PROMPTS[1], 3, quasar=False)
+        assert batcher.widest_step == 2 and short.tokens == alone(model, PROMPTS[1], 20, quasar=False)
         assert tokens_of_long_when_short_ended[0] < 60 and long.tokens == alone(model, PROMPTS[0], 60, quasar=False)
     finally:
         batcher.stop()

@@ -1,7 +1,8 @@
 """RequestBatcher: the serving scheduler. Requests join and leave one running batch at every step.
 
 A server hands requests to `submit` from any thread. One worker thread loops: at each step boundary it
-admits the requests waiting, oldest first, up to `max_batch_size` rows, each prefilled alone and joined
+admits the requests waiting, in the order of its admission policy (speculative/admission.py: fewest asked
+tokens first, any request held a second oldest first), up to `max_batch_size` rows, each prefilled alone and joined
 to the running batch (speculative/engine.py); then it runs one draft-verify step over every row. A row
 that ends completes its request at once and frees its place for the next one, so a short request never
 waits for a long one, and a request that arrives while others decode starts at the next step.
@@ -37,6 +38,7 @@ from transformers import GenerationConfig
 
 from quasar_hf import compat
 
+from .admission import AdmissionPolicy
 from .batch_request import BatchRequest, RequestRows
 from .call_rules import check_call
 from .config import QuasarGenerationConfig
@@ -52,7 +54,6 @@ logger = logging.getLogger(__name__)
 MAX_BATCH_SIZE = 8  # rows decoding at once (compiled steps round up to a power of two)
 GATHER_SECONDS = 0.01  # how long a batched call waits for requests sent together with the first one
 PREFILL_TOKENS_PER_STEP = 2048  # prompt tokens admitted at one step boundary (the running rows wait for them)
-BACKGROUND_PREFILL_TOKENS = 256  # a prompt with more new tokens is prefilled beside the running rows' steps
 # A batched call reuses cached prefixes only when every row has one: a row without continues from nothing,
 # which is a plain prefill when alone, and its bits must be the ones it gets alone.
 
@@ -72,12 +73,13 @@ class RequestBatcher:
         on_call: Callable[[QuasarStats, int], None] | None = None,
         prompt_cache: PromptCache | None = None,
         prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP,
-        background_prefill_tokens: int = BACKGROUND_PREFILL_TOKENS,
+        admission: AdmissionPolicy | None = None,
     ) -> None:
         """`quasar`: Quasar options the server sets for every request, under each request's own; `on_call`:
         receives the speculative counters of each prefill (rows 0) and each step or batched call (its rows);
         `prompt_cache`: keys and values of finished requests that a new one continues from; `gather_seconds`:
-        how long batched calls (options the engine does not implement) wait for requests sent together with the first."""
+        how long batched calls (options the engine does not implement) wait for requests sent together with the first;
+        `admission`: the order requests start in and which prefills run beside the running rows."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
@@ -87,7 +89,7 @@ class RequestBatcher:
         self.on_call = on_call
         self.prompt_cache = prompt_cache
         self.prefill_tokens_per_step = prefill_tokens_per_step
-        self.background_prefill_tokens = background_prefill_tokens
+        self.admission = admission or AdmissionPolicy()
         self.fatal_error: BaseException | None = None
         self.batches_run = 0  # batched calls and steps of the running batch
         self.rows_run = 0  # requests that started decoding
@@ -174,9 +176,10 @@ class RequestBatcher:
                 items.append(item)
 
     def _admit(self) -> None:
-        """Admit held requests, oldest first, while rows are free, the prefill budget lasts and the running rows
-        can take them; run the ones the engine cannot serve as batched calls once no row is running."""
+        """Admit held requests in the policy's order while rows are free, the prefill budget lasts and the running
+        rows can take them; run the ones the engine cannot serve as batched calls once no row is running."""
         admitted_tokens = 0
+        self._held = self.admission.order(self._held)
         while self._held and self._engine.rows < self.max_batch_size and not self._stopping.is_set():
             if self._prefilling is not None:
                 return  # the requests behind a long prompt wait for its prefill (first in, first out)
@@ -205,14 +208,14 @@ class RequestBatcher:
             self._take_arrivals(block=False)
 
     def _start(self, request: BatchRequest, config: QuasarGenerationConfig) -> None:
-        """Prefill the request and join it; a long prompt beside running rows is prefilled in the prefill thread
-        while they keep stepping (it joins at a later step boundary)."""
+        """Prefill the request and join it; one the policy prefills beside the running rows is prefilled in the
+        prefill thread while they keep stepping (it joins at a later step boundary)."""
         self.rows_run += 1
         if request.on_start is not None:
             request.on_start()
         with self._failing_alone(request):
             prefix = self._engine.cached_prefix(request)
-            if self._engine.rows and len(request.input_ids) - request.reused_tokens > self.background_prefill_tokens:
+            if self.admission.prefill_beside_rows(request, [r.budget for r in self._engine.requests]):
                 future = in_own_thread(self._engine.prefill, request, config, prefix)
                 self._prefilling = (request, config, future)
                 return
