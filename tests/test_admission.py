@@ -48,17 +48,19 @@ def test_the_fewest_asked_tokens_go_first_and_a_request_held_long_goes_before_th
     ]
 
 
-def test_a_request_is_prefilled_beside_running_rows_when_its_prompt_or_its_ask_is_long():
-    policy = AdmissionPolicy(background_prefill_tokens=256, long_ratio=4)
+def test_a_long_prompt_is_prefilled_beside_running_rows_and_a_long_ask_waits_for_short_rows():
+    policy = AdmissionPolicy(background_prefill_tokens=256, long_ratio=4, hold_rows=3, fair_wait_s=1.0)
     assert not policy.prefill_beside_rows(held(4096, 0, prompt=1000), [])  # no running row to stall
     assert policy.prefill_beside_rows(held(8, 0, prompt=300), [500])  # a long prompt
     cached = held(8, 0, prompt=300)
     cached.reused_tokens = 100  # 200 tokens left to prefill
     assert not policy.prefill_beside_rows(cached, [500])
-    assert policy.prefill_beside_rows(held(256, 0), [16, 40])  # asks over 4x what any running row has left
-    assert not policy.prefill_beside_rows(held(160, 0), [16, 40])
-    assert policy.prefill_beside_rows(held(None, 0), [16])  # no budget: as long as the context
-    for bad in ({"fair_wait_s": -1}, {"background_prefill_tokens": -1}, {"long_ratio": 0.5}):
+    assert policy.hold(held(256, 0.0), [16, 15, 40], now=0.5)  # over 4x what each of 3 rows has left
+    assert not policy.hold(held(160, 0.0), [16, 15, 40], now=0.5)  # not over 4x the longest of them
+    assert not policy.hold(held(256, 0.0), [16, 15], now=0.5)  # too few rows to be worth holding for
+    assert not policy.hold(held(256, 0.0), [16, 15, 40], now=1.0)  # held its fair wait: it goes now
+    assert policy.hold(held(None, 0.0), [16, 15, 14], now=0.5)  # no budget: as long as the context
+    for bad in ({"fair_wait_s": -1}, {"background_prefill_tokens": -1}, {"long_ratio": 0.5}, {"hold_rows": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             AdmissionPolicy(**bad)
 
@@ -68,12 +70,11 @@ def model(tmp_path_factory):
     return quantize_tiny(make_tiny_checkpoint(tmp_path_factory.mktemp("base"), initializer_range=0.3))
 
 
-def test_short_requests_held_with_long_ones_start_first_and_give_their_tokens_alone(model, monkeypatch):
-    """Four requests arrive while a step runs (held there), the long ones first; the short ones start first."""
+def held_together(model, monkeypatch, requests: dict[str, tuple[list[int], int]], admission: AdmissionPolicy):
+    """Serve `requests` (name -> prompt, budget), the first alone, the others submitted while its first step is held
+    (so they are all held at one step boundary); return each one's tokens and the order of its first and last."""
     order = itertools.count()
-    first_token: dict[str, int] = {}
-    outputs: dict[str, list[int]] = {}
-    finished: dict[str, threading.Event] = {}
+    first_token, last_token, outputs, finished = {}, {}, {}, {}
 
     def request(name: str, ids: list[int], budget: int) -> BatchRequest:
         outputs[name], finished[name] = [], threading.Event()
@@ -82,9 +83,11 @@ def test_short_requests_held_with_long_ones_start_first_and_give_their_tokens_al
             first_token.setdefault(name, next(order))
             outputs[name].extend(tokens)
 
-        return BatchRequest(
-            ids, GenerationConfig(max_new_tokens=budget, do_sample=False), on_tokens, lambda e: finished[name].set()
-        )
+        def on_done(error) -> None:
+            last_token[name] = next(order)
+            finished[name].set()
+
+        return BatchRequest(ids, GenerationConfig(max_new_tokens=budget, do_sample=False), on_tokens, on_done)
 
     step, in_step, release = DecodeEngine.step, threading.Event(), threading.Event()
 
@@ -94,25 +97,40 @@ def test_short_requests_held_with_long_ones_start_first_and_give_their_tokens_al
         step(self)
 
     monkeypatch.setattr(DecodeEngine, "step", held_step)
-    prompts = {
-        "running": [5, 6, 7, 8] * 3,
-        "long1": [20, 21, 22] * 4,
-        "long2": [30, 31] * 5,
-        "short1": [40, 41, 42],
-        "short2": [50, 51] * 3,
-    }
-    budgets = {"running": 30, "long1": 40, "long2": 36, "short1": 4, "short2": 5}
-    batcher = RequestBatcher(model)
+    batcher = RequestBatcher(model, admission=admission)
     try:
-        batcher.submit(request("running", prompts["running"], budgets["running"]))
+        (name, (ids, budget)), *others = requests.items()
+        batcher.submit(request(name, ids, budget))
         assert in_step.wait(30)
-        for name in ("long1", "long2", "short1", "short2"):  # held until the step ends
-            batcher.submit(request(name, prompts[name], budgets[name]))
+        for name, (ids, budget) in others:
+            batcher.submit(request(name, ids, budget))
         release.set()
         assert all(event.wait(60) for event in finished.values())
     finally:
         batcher.stop()
-    assert max(first_token["short1"], first_token["short2"]) < min(first_token["long1"], first_token["long2"])
-    for name, ids in prompts.items():
-        plain = model.generate(torch.tensor([ids]), max_new_tokens=budgets[name], do_sample=False, quasar=False)
+    for name, (ids, budget) in requests.items():
+        plain = model.generate(torch.tensor([ids]), max_new_tokens=budget, do_sample=False, quasar=False)
         assert outputs[name] == plain[0, len(ids) :].tolist(), name
+    return first_token, last_token
+
+
+def test_short_requests_held_with_long_ones_start_first_and_give_their_tokens_alone(model, monkeypatch):
+    """Four requests arrive while a step runs (held there), the long ones first; the short ones start first."""
+    requests = {
+        "running": ([5, 6, 7, 8] * 3, 30),
+        "long1": ([20, 21, 22] * 4, 40),
+        "long2": ([30, 31] * 5, 36),
+        "short1": ([40, 41, 42], 4),
+        "short2": ([50, 51] * 3, 5),
+    }
+    first, _ = held_together(model, monkeypatch, requests, AdmissionPolicy())
+    assert max(first["short1"], first["short2"]) < min(first["long1"], first["long2"])
+
+
+def test_a_long_request_waits_for_three_short_rows_to_finish_and_not_past_its_fair_wait(model, monkeypatch):
+    requests = {"running": ([5, 6, 7, 8] * 3, 6), "long": ([20, 21, 22] * 4, 40)}
+    requests.update({f"short{i}": ([40 + i, 41, 42, 43] * 2, 6) for i in range(3)})
+    first, last = held_together(model, monkeypatch, requests, AdmissionPolicy())
+    assert first["long"] > max(last[name] for name in requests if name != "long")
+    first, last = held_together(model, monkeypatch, requests, AdmissionPolicy(fair_wait_s=0.0))  # never held
+    assert first["long"] < max(last[name] for name in requests if name != "long")

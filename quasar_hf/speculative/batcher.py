@@ -179,11 +179,10 @@ class RequestBatcher:
         """Admit held requests in the policy's order while rows are free, the prefill budget lasts and the running
         rows can take them; run the ones the engine cannot serve as batched calls once no row is running."""
         admitted_tokens = 0
-        self._held = self.admission.order(self._held)
         while self._held and self._engine.rows < self.max_batch_size and not self._stopping.is_set():
             if self._prefilling is not None:
-                return  # the requests behind a long prompt wait for its prefill (first in, first out)
-            self._held = [r for r in self._held if not _finish_if_cancelled(r)]
+                return  # the requests behind a long prompt wait for its prefill
+            self._held = self.admission.order([r for r in self._held if not _finish_if_cancelled(r)])
             if not self._held:
                 return
             request = self._held[0]
@@ -202,6 +201,8 @@ class RequestBatcher:
                 return
             if admitted_tokens and admitted_tokens + len(request.input_ids) > self.prefill_tokens_per_step:
                 return
+            if self.admission.hold(request, [r.budget for r in self._engine.requests]):
+                return  # the running rows finish soon: it starts after them
             self._held.pop(0)
             admitted_tokens += len(request.input_ids)
             self._start(request, config)
