@@ -96,6 +96,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "benchmarks.serve.load_shapes:main",
         "quasar-hf serve (and llama-server) under three load shapes: short among long, steady arrivals, sampled",
     ),
+    "admission-mix": (
+        "benchmarks.serve.admission_mix:main",
+        "the scheduler's admission policies in one process: waves of short and long requests sent at once",
+    ),
     "serve-profile": (
         "benchmarks.serve.serve_profile:main",
         "where one client's time goes: the serve-load prompts offline per mode, prefill / draft / forwards / loop",

@@ -11,11 +11,12 @@ than 1 / `long_ratio` of the tokens a held request asks left, that request waits
 finish soon, and its prefill, and its row widening their steps, would delay all of them, where holding delays
 it alone, by their short remainder. (Summing latencies: R running rows each lose a prefill P plus their
 remaining n steps times the widening d; the held request loses those n steps of time s. With P ~ 50 ms,
-d ~ 5 ms and s ~ 15-30 ms on 2 cores, holding pays from about 3 rows: `hold_rows`.) A prompt with more than
+d ~ 5 ms and s ~ 15-30 ms on 2 cores, holding pays from 2-3 rows: `hold_rows`.) A prompt with more than
 `background_prefill_tokens` uncached tokens is prefilled in the prefill thread while the rows keep stepping.
-SmolLM2-135M, 8 requests at once (4 asking 16 tokens, 4 asking 256), through the scheduler in one process: the
-short ones' median 0.60-0.73 s held this way, 1.30-1.49 s first come first served, 0.91-1.31 s when the long
-ones were instead prefilled in the prefill thread; the long ones' median 3.6-3.7 s against 3.3-3.7 s.
+SmolLM2-135M, 8 requests at once (4 asking 16 tokens, 4 asking 256), through the scheduler in one process
+(`benchmarks/serve/admission_mix.py`), two rounds on a noisy machine: the short ones' median 0.74-0.83 s
+holding from 2 rows, 0.79-0.92 s from 1, 0.90-2.40 s from 3, 1.72-2.19 s first come first served; an earlier
+round: 0.91-1.31 s when the long ones were prefilled in the prefill thread instead of held.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class AdmissionPolicy:
     fair_wait_s: float = 1.0
     background_prefill_tokens: int = 256
     long_ratio: float = 4.0
-    hold_rows: int = 3
+    hold_rows: int = 2
 
     def __post_init__(self) -> None:
         if not self.fair_wait_s >= 0:
