@@ -100,6 +100,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "benchmarks.serve.admission_mix:main",
         "the scheduler's admission policies in one process: waves of short and long requests sent at once",
     ),
+    "scrape-cost": (
+        "benchmarks.serve.scrape_cost:main",
+        "quasar-hf serve's CPU per /metrics scrape, and the share of decoding a scrape per second can take",
+    ),
     "serve-profile": (
         "benchmarks.serve.serve_profile:main",
         "where one client's time goes: the serve-load prompts offline per mode, prefill / draft / forwards / loop",
