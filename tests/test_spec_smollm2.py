@@ -20,9 +20,10 @@ from tests.helpers.numerics import bf16_ulp, first_divergence
 
 pytestmark = pytest.mark.slow
 
-# 6 prompts x 128 tokens in the suite (its time budget); QUASAR_SPEC_SLOW_PROMPTS=10 is the earlier acceptance size.
+# 6 prompts x 96 tokens in the suite (its ~15-minute budget: 128 tokens made these cases 190 s of it);
+# QUASAR_SPEC_SLOW_PROMPTS=10 QUASAR_SPEC_SLOW_TOKENS=128 is the earlier acceptance size.
 NUM_PROMPTS = int(os.environ.get("QUASAR_SPEC_SLOW_PROMPTS", "6"))
-NEW_TOKENS = int(os.environ.get("QUASAR_SPEC_SLOW_TOKENS", "128"))
+NEW_TOKENS = int(os.environ.get("QUASAR_SPEC_SLOW_TOKENS", "96"))
 # The assistant (a second full model) and self drafters (15 layers per draft token, L ~ 1.4 here)
 # cost most per token, so by default they check fewer prompts; set these to 10 for the full set.
 ASSISTANT_PROMPTS = int(os.environ.get("QUASAR_SPEC_ASSISTANT_PROMPTS", "4"))
