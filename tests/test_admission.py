@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from quasar_hf.speculative.admission import AdmissionPolicy
+from quasar_hf.speculative.admission import AdmissionPolicy, tokens_left
 from quasar_hf.speculative.batcher import BatchRequest, RequestBatcher
 from quasar_hf.speculative.engine import DecodeEngine
 from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
@@ -60,6 +60,7 @@ def test_a_long_prompt_is_prefilled_beside_running_rows_and_a_long_ask_waits_for
     assert not policy.hold(held(256, 0.0), [16, 15], now=0.5)  # too few rows to be worth holding for
     assert not policy.hold(held(256, 0.0), [16, 15, 40], now=1.0)  # held its fair wait: it goes now
     assert policy.hold(held(None, 0.0), [16, 15, 14], now=0.5)  # no budget: as long as the context
+    assert not policy.hold(held(4096, 0.0), [16, 15, tokens_left(held(None, 0.0))], now=0.5)  # a row without one
     for bad in ({"fair_wait_s": -1}, {"background_prefill_tokens": -1}, {"long_ratio": 0.5}, {"hold_rows": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             AdmissionPolicy(**bad)

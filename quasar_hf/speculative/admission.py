@@ -62,14 +62,14 @@ class AdmissionPolicy:
 
         return sorted(held, key=key)
 
-    def hold(self, request: BatchRequest, running_budgets: Sequence[int], now: float | None = None) -> bool:
+    def hold(self, request: BatchRequest, running_budgets: Sequence[float], now: float | None = None) -> bool:
         """Whether `request` waits for a later step boundary although a row is free (module docstring)."""
         now = time.monotonic() if now is None else now
         if len(running_budgets) < self.hold_rows or now - request.arrived >= self.fair_wait_s:
             return False
         return asked_tokens(request) > self.long_ratio * max(max(running_budgets), 1)
 
-    def prefill_beside_rows(self, request: BatchRequest, running_budgets: Sequence[int]) -> bool:
+    def prefill_beside_rows(self, request: BatchRequest, running_budgets: Sequence[float]) -> bool:
         """Whether `request` is prefilled in the prefill thread while rows with these tokens left keep stepping."""
         return bool(running_budgets) and len(request.input_ids) - request.reused_tokens > self.background_prefill_tokens
 
@@ -78,3 +78,8 @@ def asked_tokens(request: BatchRequest) -> float:
     """The new tokens a request asks for (inf when it sets no budget)."""
     asked = request.generation_config.max_new_tokens
     return math.inf if asked is None else float(asked)
+
+
+def tokens_left(request: BatchRequest) -> float:
+    """The tokens a running request may still emit (inf when it sets no budget)."""
+    return asked_tokens(request) - request.emitted

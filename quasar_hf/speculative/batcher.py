@@ -38,7 +38,7 @@ from transformers import GenerationConfig
 
 from quasar_hf import compat
 
-from .admission import AdmissionPolicy
+from .admission import AdmissionPolicy, tokens_left
 from .batch_request import BatchRequest, RequestRows
 from .call_rules import check_call
 from .config import QuasarGenerationConfig
@@ -201,7 +201,7 @@ class RequestBatcher:
                 return
             if admitted_tokens and admitted_tokens + len(request.input_ids) > self.prefill_tokens_per_step:
                 return
-            if self.admission.hold(request, [r.budget for r in self._engine.requests]):
+            if self.admission.hold(request, [tokens_left(r) for r in self._engine.requests]):
                 return  # the running rows finish soon: it starts after them
             self._held.pop(0)
             admitted_tokens += len(request.input_ids)
@@ -216,7 +216,7 @@ class RequestBatcher:
             request.on_start()
         with self._failing_alone(request):
             prefix = self._engine.cached_prefix(request)
-            if self.admission.prefill_beside_rows(request, [r.budget for r in self._engine.requests]):
+            if self.admission.prefill_beside_rows(request, [tokens_left(r) for r in self._engine.requests]):
                 future = in_own_thread(self._engine.prefill, request, config, prefix)
                 self._prefilling = (request, config, future)
                 return
