@@ -174,3 +174,33 @@ def test_a_compiled_served_turn_reuses_the_last_turns_keys_as_compiled_generate_
     )
     assert second.tokens == eager_continuation[0, len(turn_2) :].tolist()  # the seeding is the dynamic cache's too
     torch._dynamo.reset()
+
+
+@needs_kernels
+def test_a_seeded_sampled_row_gives_its_text_alone_and_beside_other_rows_in_the_static_engine(model):
+    """A sampled row over the static cache chooses each token with its own uniforms (token_uniforms.py): the same
+    text alone as beside greedy and sampled rows that join and leave, drafting with the batch's drafter."""
+    quasar = MODES["static"]
+    target_ids = prompts(1, seed=21)[0]
+
+    def sampled_alone() -> list[int]:
+        engine = DecodeEngine(model)
+        row = Row(target_ids, 20, seed=5, temperature=0.4)
+        add(engine, model, row, quasar)
+        drain(engine)
+        return row.tokens
+
+    engine = DecodeEngine(model)
+    others = [
+        Row(p, n, seed=(None if i % 2 else 50 + i)) for i, (p, n) in enumerate(zip(prompts(5, seed=22), [6, 25, 9, 14, 30]))
+    ]
+    add(engine, model, others[0], quasar)
+    engine.step()
+    target = Row(target_ids, 20, seed=5, temperature=0.4)
+    add(engine, model, target, quasar)
+    for other in others[1:]:
+        engine.step()
+        add(engine, model, other, quasar)
+    drain(engine)
+    assert all(row.error is None for row in [target, *others])
+    assert len(target.tokens) == 20 and target.tokens == sampled_alone()
