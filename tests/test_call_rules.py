@@ -5,7 +5,7 @@ Each row is one generate argument, generation option or model input, and says wh
 the fix) and what a call without `quasar=` does on a Quasar checkpoint whose generation config says `quasar: true`:
 runs Quasar, decodes plainly (the reason logged once, plain generate's tokens), or raises. Checked on a tiny
 Quasar checkpoint; greedy rows that run both ways give plain generate's tokens. Rows made of generation options
-alone are also asked of the serving scheduler (batcher.request_quasar_config)."""
+alone are also asked of the serving scheduler (request_config.request_quasar_config)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 from quasar_hf import compat
-from quasar_hf.speculative.batcher import request_quasar_config
 from quasar_hf.speculative.call_rules import check_call, generate_arguments
 from quasar_hf.speculative.defaults import log_declined
+from quasar_hf.speculative.request_config import request_quasar_config
 from tests.helpers.hub import byte_level_tokenizer, make_tiny_checkpoint, quantize_tiny
 
 IDS = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])
@@ -276,7 +276,7 @@ REQUEST_ROWS = [
 @pytest.mark.parametrize("option", REQUEST_ROWS, ids=lambda o: o.name)
 def test_the_serving_scheduler_declines_what_a_default_declines(env, option):
     """A request's generation options decode with the loop exactly where a default generate call would
-    (batcher.request_quasar_config asks check_call)."""
+    (request_config.request_quasar_config asks check_call)."""
     config = GenerationConfig(**{**BASE, **option.call.kwargs})
     settings = request_quasar_config(env.model, config, None, env.tokenizer)
     assert (settings is None) == (option.expected_default() == PLAIN)

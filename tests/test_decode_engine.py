@@ -17,8 +17,9 @@ from transformers import GenerationConfig
 import quasar_hf.speculative.row_rules as row_rules_module
 from quasar_hf.speculative.admission import AdmissionPolicy
 from quasar_hf.speculative.batch_request import BatchRequest
-from quasar_hf.speculative.batcher import RequestBatcher, request_quasar_config
+from quasar_hf.speculative.batcher import RequestBatcher
 from quasar_hf.speculative.engine import DecodeEngine
+from quasar_hf.speculative.request_config import request_quasar_config
 from quasar_hf.speculative.row_aligned_cache import RowAlignedCache
 from quasar_hf.speculative.token_uniforms import choose_token
 from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny

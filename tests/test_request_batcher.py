@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from quasar_hf.speculative.batcher import SHUTTING_DOWN, BatchRequest, RequestBatcher, batch_key
+from quasar_hf.speculative.batched_call import batch_key
+from quasar_hf.speculative.batcher import SHUTTING_DOWN, BatchRequest, RequestBatcher
 from quasar_hf.speculative.left_padding import left_padded
 from tests.helpers.hub import make_tiny_checkpoint, quantize_tiny
 

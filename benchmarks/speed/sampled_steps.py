@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import quasar_hf  # noqa: F401  (registers the Quasar model classes)
 from quasar_hf.speculative.batch_request import BatchRequest
-from quasar_hf.speculative.batcher import request_quasar_config
 from quasar_hf.speculative.engine import DecodeEngine
+from quasar_hf.speculative.request_config import request_quasar_config
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",

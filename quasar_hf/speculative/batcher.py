@@ -16,37 +16,30 @@ it (first in, first out). A prompt is prefilled whole when it is admitted, and a
 how long the running rows wait for prefills.
 
 Compiled steps (`compile`, a static cache) run in the engine too, on the compiled batch sizes (engine.py).
-Generation options the speculative loop does not implement still run as batched calls: the requests waiting
+Generation options the speculative loop does not implement still run as batched calls (batched_call.py): the requests waiting
 that agree in their settings decode together to the end.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any
 
 import torch
-from transformers import GenerationConfig
-
-from quasar_hf import compat
 
 from .admission import AdmissionPolicy, tokens_left
-from .batch_request import BatchRequest, RequestRows
-from .call_rules import check_call
+from .batch_request import BatchRequest
+from .batched_call import batch_key, decode_batch
 from .config import QuasarGenerationConfig
-from .defaults import FIELD, log_declined
-from .engine import MIN_REUSED_TOKENS, DecodeEngine
-from .left_padding import left_padded
+from .engine import DecodeEngine
 from .own_thread import in_own_thread
 from .prompt_cache import PromptCache
+from .request_config import request_quasar_config
 from .stats import QuasarStats
 
 logger = logging.getLogger(__name__)
@@ -54,8 +47,6 @@ logger = logging.getLogger(__name__)
 MAX_BATCH_SIZE = 8  # rows decoding at once (compiled steps round up to a power of two)
 GATHER_SECONDS = 0.01  # how long a batched call waits for requests sent together with the first one
 PREFILL_TOKENS_PER_STEP = 2048  # prompt tokens admitted at one step boundary (the running rows wait for them)
-# A batched call reuses cached prefixes only when every row has one: a row without continues from nothing,
-# which is a plain prefill when alone, and its bits must be the ones it gets alone.
 
 
 SHUTTING_DOWN = "the server is shutting down"
@@ -305,100 +296,3 @@ def _finish_if_cancelled(request: BatchRequest) -> bool:
         request.finish(None)
         return True
     return False
-
-
-def batch_key(request: BatchRequest) -> str:
-    """Requests with equal keys decode in one batch: greedy ones whose settings differ only in max_new_tokens
-    (a sampled request's key is its own: its randomness depends on nothing else served)."""
-    if request.key is None:
-        config = request.generation_config
-        ignored = ("max_new_tokens", "max_length", "transformers_version")
-        settings = {k: v for k, v in config.to_dict().items() if k not in ignored}
-        request.key = f"sampled-{uuid.uuid4()}" if config.do_sample else json.dumps(settings, sort_keys=True, default=repr)
-    return request.key
-
-
-def decode_batch(
-    model: torch.nn.Module, batch: list[BatchRequest], quasar: dict | None = None, prompt_cache: PromptCache | None = None
-) -> QuasarStats | None:
-    """One batched speculative call for `batch` (requests of one batch key), streaming every row; its counters.
-    On the dynamic cache, rows continue from `prompt_cache`'s longest prefix of their prompts (when every row
-    has one) and leave their own keys and values there."""
-    from .strategy import generate_with_quasar
-
-    config = batch[0].runnable_config()
-    config.max_new_tokens = max(int(r.generation_config.max_new_tokens or 0) for r in batch)
-    quasar_config = request_quasar_config(model, config, quasar, batch[0].tokenizer)
-    if quasar_config is None:  # options the loop does not implement: plain generate, one request at a time
-        for request in batch:
-            _decode_plainly(model, request)
-        return None
-    config.return_dict_in_generate = True
-    input_ids, attention_mask = left_padded([r.input_ids for r in batch], pad_token_id(model, config), compat.input_device(model))
-    prefixes, keep = None, None
-    if prompt_cache is not None and quasar_config.cache_implementation != "static":
-        hits = [prompt_cache.longest_prefix(r.input_ids, MIN_REUSED_TOKENS) for r in batch]
-        if all(hit is not None for hit in hits):  # every row continues from the cache, or none does
-            prefixes = [hit.layers for hit in hits]
-            for request, hit in zip(batch, hits):
-                request.reused_tokens = hit.tokens
-        keep = prompt_cache.store
-    with torch.no_grad():
-        out = generate_with_quasar(
-            model,
-            input_ids,
-            attention_mask=attention_mask,
-            generation_config=config,
-            streamer=RequestRows(dict(enumerate(batch))),
-            quasar=quasar_config,
-            quasar_generator=batch[0].generator,
-            tokenizer=batch[0].tokenizer,
-            quasar_prefixes=prefixes,
-            quasar_keep_row_cache=keep,
-        )
-    return getattr(out, "quasar_stats", None)
-
-
-def _decode_plainly(model: torch.nn.Module, request: BatchRequest) -> None:
-    """Plain generate of one request (its options are ones the speculative loop does not implement)."""
-    ids = torch.tensor([request.input_ids], dtype=torch.long, device=compat.input_device(model))
-    with torch.no_grad():
-        out = model.generate(ids, generation_config=request.runnable_config(), tokenizer=request.tokenizer, quasar=False)
-    RequestRows({0: request}).put_row(0, out[0, ids.shape[1] :].tolist())
-
-
-SERVER_OPTIONS = ("compile", "cache_implementation")  # a request cannot change these: they decide what the server compiled
-
-
-def request_quasar_config(
-    model: torch.nn.Module, config: GenerationConfig, override: dict | None, tokenizer: Any = None
-) -> QuasarGenerationConfig | None:
-    """The loop's settings for a request: the server's options (`override`), then its generation config's
-    `quasar` field (else the model's); Quasar off is the loop without drafts (plain decoding). None when the
-    loop declines the request's generation options (call_rules.check_call, the reason logged once); `tokenizer`:
-    the request's, which its stop strings need."""
-    reason = check_call(model, (), {"generation_config": config, "tokenizer": tokenizer})
-    if reason is not None:
-        log_declined(reason)
-        return None
-    setting = getattr(config, FIELD, None)
-    if setting is None:
-        setting = getattr(model.generation_config, FIELD, None)
-    options = dict(override or {})
-    if setting is False:
-        options["num_draft_tokens"] = 0
-    elif isinstance(setting, dict):
-        options.update({k: v for k, v in setting.items() if k not in SERVER_OPTIONS})
-    elif setting not in (None, True):
-        raise ValueError(f"generation_config.quasar must be true, false or an object of Quasar options, got {setting!r}")
-    return QuasarGenerationConfig.from_value(options or True)
-
-
-def pad_token_id(model: torch.nn.Module, config: GenerationConfig) -> int:
-    """The id left padding uses (never read: the mask hides it), an in-vocabulary one."""
-    for value in (config.pad_token_id, config.eos_token_id, model.generation_config.pad_token_id):
-        if isinstance(value, (list, tuple)):
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
-    return 0

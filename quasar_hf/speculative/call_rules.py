@@ -6,7 +6,7 @@ speculative loop cannot run it, else None. Who asks:
   * `strategy.generate_with_quasar` (`generate(quasar=...)`, `speculative_generate`, hub/quasar-generate, the
     serving engine's rows) raises ValueError(reason);
   * a Quasar model's generate without `quasar=` (hf/binding.py) decodes plainly instead and logs the reason once
-    (`defaults.log_declined`); so does the serving scheduler for a request (`batcher.request_quasar_config`).
+    (`defaults.log_declined`); so does the serving scheduler for a request (`request_config.request_quasar_config`).
 `check_prepared` asks the same rules about what generate hands `custom_generate=quasar_hf.generate`.
 
 The rules follow plain generate: a call it accepts, Quasar runs or declines with a reason that names the option
