@@ -178,7 +178,7 @@ class SpeculativeRun:
         self.stats.verifier_forwards += 1
         lengths = draft.lengths.tolist()
         scores = self._position_scores(draft, logits, lengths)  # [B, k+1, V]
-        num_accepted, next_token = accept([self.rules[b] for b in self.active], draft, scores)
+        num_accepted, next_token = accept([self.rules[b] for b in self.active], draft, scores, lengths)
         self.verifier.keep_accepted(num_accepted + 1, chunk.shape[1])  # pending token + accepted drafts
         self.drafter.on_accept(num_accepted)
         accepted_list = num_accepted.tolist()

@@ -59,16 +59,19 @@ def choose_first(rules: list[RowRules], scores: torch.Tensor) -> torch.Tensor:
     return first
 
 
-def accept(rules: list[RowRules], draft: Draft, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept(
+    rules: list[RowRules], draft: Draft, scores: torch.Tensor, lengths: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(num_accepted [B], next_token [B]) of each row from its scores [B, k+1, V]: greedy rows keep the drafts
     their argmax agrees with; a sampled row with its own uniforms keeps the drafts they choose; other sampled rows
-    run exact speculative sampling with their group's generator."""
+    run exact speculative sampling with their group's generator. `lengths`: draft.lengths as a list, when the
+    caller has read it."""
     batch = scores.shape[0]
     if _one_group(rules) and rules[0].uniforms is None:
         return _accept_group(rules[0], draft.tokens, draft.probs, scores, draft.lengths)
     num_accepted = torch.zeros(batch, dtype=torch.long, device=scores.device)
     next_token = torch.zeros(batch, dtype=torch.long, device=scores.device)
-    lengths = draft.lengths.tolist()
+    lengths = draft.lengths.tolist() if lengths is None else lengths  # the caller's host copy: no second sync
     for indices, rule in sampling_groups(rules):
         if rule.do_sample and rule.uniforms is not None:  # a group of one row
             i = indices[0]
