@@ -16,7 +16,7 @@ def test_serve_load_runs_our_server_and_transformers_serve_and_reports_every_lev
     monkeypatch.setenv("QUASAR_HF_CACHE", str(tmp_path / "cache"))  # the servers' children inherit it
 
     argv = ["--tiny", "--servers", "quasar,bf16,llamacpp", "--levels", "1,2", "--requests", "4", "--max-tokens", "12"]
-    argv += ["--scrape-metrics", "0.05"]
+    argv += ["--scrape-metrics", "0.05", "--rounds", "2"]
     paths = serve_load.main([*argv, "--out", str(tmp_path)])
     report = json.loads(open(paths[0]).read())
     servers = report["models"]["tiny"]["servers"]
@@ -25,13 +25,15 @@ def test_serve_load_runs_our_server_and_transformers_serve_and_reports_every_lev
             assert level["failed"] == 0 and level["tokens"] > 0 and level["tokens_per_s"] > 0
     for name in ("quasar", "quasar_off", "quasar_scraped"):
         for level in servers[name]["levels"].values():
-            assert level["equal_to_offline"] == 4 and level["all_near_ties"]
+            assert level["equal_to_offline"] == 8 and level["all_near_ties"]  # 4 requests in each of 2 rounds
+            assert len(level["tokens_per_s_by_round"]) == 2
         assert servers[name]["peak_rss_mb"] > 0
     scraped = servers["quasar_scraped"]["levels"].values()
     assert sum(level["scrapes"] for level in scraped) > 0 and all(level["failed_scrapes"] == 0 for level in scraped)
     assert "skipped" in servers["llamacpp"] and "environment" in report
     markdown = open(paths[1]).read()
     assert "| quasar | 2 |" in markdown and "quasar_scraped at 2 clients:" in markdown
+    assert "quasar over quasar_off at 2 clients, round by round: " in markdown
     assert not (tmp_path / "cache" / "served").exists(), "the tiny checkpoint is quantized in --out, not cached"
 
 

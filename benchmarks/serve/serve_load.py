@@ -11,7 +11,9 @@ when its last one ends. Per level: failed requests, our responses equal to offli
 same checkpoint (the same mode: eager, or compiled for quasar-compiled), time to first token, latency
 p50/p95, aggregate tokens/s; per server: peak RSS and RSS over the run. A response that differs from
 offline is traced to its first differing token, where the offline logits' gap between the two
-leading tokens must be a near-tie (<= --near-tie nats). One server runs at a time.
+leading tokens must be a near-tie (<= --near-tie nats). One server runs at a time. With --rounds N each
+server runs its rows and levels N times, rows interleaved, and the report gives Quasar on over off round by
+round: on a host whose speed drifts, one round of each is not a comparison.
 """
 
 from __future__ import annotations
@@ -135,22 +137,35 @@ def server_commands(args, name: str, checkpoint: str, base: str, gguf: str | Non
 
 
 def measure_server(args, label: str, command: list[str], wires: dict[str, Wire], prompts, offline_texts, log_dir: Path) -> dict:
-    """Each row of `wires` (a request kind) on one server process at every level; `offline_texts`: what our
-    rows must equal (None for the other servers)."""
+    """Each row of `wires` (a request kind) on one server process at every level, `args.rounds` times with the rows
+    interleaved (so that a drifting host moves every row alike); `offline_texts`: what our rows must equal (None for
+    the other servers). A level's figures pool its rounds; `tokens_per_s_by_round` keeps each round's."""
     port = int(command[command.index("--port") + 1])
+    pooled = {row: {str(c): {"outcomes": [], "wall_s": 0.0, "by_round": [], "scrapes": 0, "failed_scrapes": 0} for c in args.levels} for row in wires}
     results = {}
     with ServerProcess(command, port, log_dir / f"{label}.log", "/health") as server:
         for row, wire in wires.items():
             run_level(server.base, wire, prompts, 1, 1, 8, server.process.pid)  # one untimed request
+        for round_index in range(args.rounds):
+            for row, wire in wires.items():
+                for clients in args.levels:
+                    scraping = row.endswith("_scraped")
+                    with MetricsScraper(server.base, args.scrape_metrics) if scraping else contextlib.nullcontext() as scraper:
+                        level = run_level(server.base, wire, prompts, clients, args.requests, args.max_tokens, server.process.pid)
+                    into = pooled[row][str(clients)]
+                    into["outcomes"] += level["outcomes"]
+                    into["wall_s"] += level["wall_s"]
+                    into["by_round"].append(summarize(level, None, prompts)["tokens_per_s"])
+                    if scraping:
+                        into["scrapes"] += scraper.scrapes
+                        into["failed_scrapes"] += scraper.failures
+                    print(f"  round {round_index + 1} {row} x{clients}: {into['by_round'][-1]} tokens/s", flush=True)
+        for row in wires:
             levels = {}
-            for clients in args.levels:
-                scraping = row.endswith("_scraped")
-                with MetricsScraper(server.base, args.scrape_metrics) if scraping else contextlib.nullcontext() as scraper:
-                    level = run_level(server.base, wire, prompts, clients, args.requests, args.max_tokens, server.process.pid)
-                levels[str(clients)] = summarize(level, offline_texts, prompts)
-                if scraping:
-                    levels[str(clients)].update(scrapes=scraper.scrapes, failed_scrapes=scraper.failures)
-                print(f"  {row} x{clients}: {levels[str(clients)]['tokens_per_s']} tokens/s", flush=True)
+            for clients, into in pooled[row].items():
+                levels[clients] = {**summarize(into, offline_texts, prompts), "tokens_per_s_by_round": into["by_round"]}
+                if row.endswith("_scraped"):
+                    levels[clients].update(scrapes=into["scrapes"], failed_scrapes=into["failed_scrapes"])
             results[row] = {"levels": levels, "start_s": round(server.ready_s, 1)}
         peak = rss_bytes(server.process.pid, "VmHWM")
     for row in results.values():
@@ -169,6 +184,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     )
     parser.add_argument("--levels", default="1,2,4,8", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--requests", type=int, default=32, help="requests per level")
+    parser.add_argument("--rounds", type=int, default=1, help="each server's rows and levels this many times, interleaved")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (../shared/tools/build_llamacpp.sh)")
@@ -286,7 +302,7 @@ def to_markdown(result: dict) -> str:
                 label = f"{name} ({level['scrapes']} scrapes, {level['failed_scrapes']} failed)" if "scrapes" in level else name
                 row = [label, clients, level["tokens_per_s"], level["ttft_p50_s"], level["latency_p50_s"], level["latency_p95_s"]]
                 lines.append("| " + " | ".join(map(str, [*row, level["failed"], equal, data["peak_rss_mb"]])) + " |")
-        lines += ["", *scrape_costs(model["servers"]), ""]
+        lines += ["", *scrape_costs(model["servers"]), *on_off_rounds(model["servers"]), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -299,6 +315,23 @@ def scrape_costs(servers: dict) -> list[str]:
             if plain.get(clients, {}).get("tokens_per_s"):
                 ratio = level["tokens_per_s"] / plain[clients]["tokens_per_s"]
                 lines.append(f"- {name} at {clients} clients: {ratio:.3f}x the unscraped tokens/s ({level['scrapes']} scrapes)")
+    return lines
+
+
+def on_off_rounds(servers: dict) -> list[str]:
+    """Where a server ran several rounds: Quasar on over off, round by round (the rounds ran interleaved)."""
+    lines = []
+    for name, data in servers.items():
+        off = servers.get(f"{name}_off", {}).get("levels", {})
+        for clients, level in data.get("levels", {}).items():
+            on_rounds, off_rounds = level.get("tokens_per_s_by_round", []), off.get(clients, {}).get("tokens_per_s_by_round", [])
+            if len(on_rounds) > 1 and len(off_rounds) == len(on_rounds) and all(off_rounds):
+                ratios = [a / b for a, b in zip(on_rounds, off_rounds)]
+                lines.append(
+                    f"- {name} over {name}_off at {clients} clients, round by round: "
+                    + ", ".join(f"{r:.3f}" for r in ratios)
+                    + f" (median {statistics.median(ratios):.3f})"
+                )
     return lines
 
 
