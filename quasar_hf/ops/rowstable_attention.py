@@ -23,9 +23,20 @@ Both take the forward keyword `quasar_rowstable=True` (Transformers passes a for
 arguments through to the attention function): a multi-token call over a cache that no kernel
 computes then runs SDPA once per query row, on exactly the keys a decode step would see (exact,
 one SDPA call per row). Without it they never split a call.
+
+What a long prefill's branches read from the mask (each row's padding, whether an empty static cache's
+unwritten slots are masked, whether a prompt over a cache is bottom-right causal) needs the host to read the
+mask. A forward that passes `quasar_mask_facts=MaskFacts()` has each of those found by its first layer and
+reused by the others (Transformers hands every layer the same mask): one host read per forward, not one per
+layer. The facts are the same either way, so the kernels and the bits are too.
 """
 
 from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -36,12 +47,44 @@ from quasar_hf.ops import attention_cpu
 QUASAR_ATTENTION = "quasar_rowstable"
 QUASAR_SDPA = "quasar_sdpa"
 ROWSTABLE_KWARG = "quasar_rowstable"  # forward keyword asking for verification rows equal to decode steps
+MASK_FACTS_KWARG = "quasar_mask_facts"  # forward keyword: a MaskFacts shared by the forward's layers
 # A prefill longer than this, fresh or over a cache (a chat's next turn), takes the prompt kernel where it
 # applies: it is the same call in plain and speculative generation, so it needs no row stability, only speed.
 # A verify call (forward keyword quasar_rowstable=True) of more rows keeps the row-stable kernel: its rows
 # must equal decode steps.
 LONG_PREFILL_ROWS = 64
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+
+
+class MaskFacts:
+    """What one forward's layers read from its attention mask, found once (see the module docstring).
+
+    A fact is kept under its name, the mask's identity (a model's sliding and full-attention layers get
+    different masks) and the call's shape; a mask that is no longer the one a fact was found on (another
+    tensor at the same address) is read again."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple, tuple[weakref.ref | None, Any]] = {}
+        self.reads = 0  # facts found by reading a mask (a layer that reused one did not read)
+
+    def get(self, mask: torch.Tensor | None, name: str, shape: tuple[int, ...], find: Callable[[], Any]) -> Any:
+        """`find()` (a read of `mask`, the mask the forward was given), or its answer for this forward's earlier layer."""
+        key = (name, shape) if mask is None else (name, shape, mask.data_ptr(), tuple(mask.shape), mask.stride())
+        known = self._known.get(key)
+        if known is not None and (mask is None or known[0]() is mask):
+            return known[1]
+        value = find()
+        self.reads += 1
+        self._known[key] = (None if mask is None else weakref.ref(mask), value)
+        return value
+
+
+Remember = Callable[[str, tuple, Callable[[], Any]], Any]  # MaskFacts.get bound to the mask the forward was given
+
+
+def _found(remember: Remember | None, name: str, shape: tuple[int, ...], find: Callable[[], Any]) -> Any:
+    """`find()`, or the forward's earlier answer to it when the forward passed MaskFacts."""
+    return find() if remember is None else remember(name, shape, find)
 
 
 def _visible_keys(attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor):
@@ -144,18 +187,25 @@ def _verifying_over_cache(query: torch.Tensor, key: torch.Tensor, rowstable: boo
     return rowstable and 1 < query.shape[2] < key.shape[2]
 
 
-def _left_padding(query, key, attention_mask, kwargs) -> list[int] | None:
+def _left_padding(query, key, attention_mask, kwargs, remember: Remember | None = None) -> list[int] | None:
     """Each row's left padding when this is a fresh prefill (Q == N) of a left-padded batch, else None."""
     if attention_mask is None or query.shape[0] == 1 or kwargs.get("sliding_window") is not None:
         return None
     if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[-1] < key.shape[2]:
         return None
-    sees = attention_mask[:, 0, -1, : key.shape[2]]  # [B, N]: the keys each row's last token sees
-    pads = (~sees).int().cumprod(-1).sum(-1).tolist()  # leading masked keys: the row's padding
-    return pads if any(pads) and max(pads) < key.shape[2] else None
+    kv_len = key.shape[2]
+
+    def find() -> list[int]:
+        sees = attention_mask[:, 0, -1, :kv_len]  # [B, N]: the keys each row's last token sees
+        return (~sees).int().cumprod(-1).sum(-1).tolist()  # leading masked keys: the row's padding
+
+    pads = _found(remember, "left_padding", (kv_len,), find)
+    return pads if any(pads) and max(pads) < kv_len else None
 
 
-def _fresh_static_prefill(attention_mask, q_len: int, kv_len: int, sliding_window: int | None = None) -> bool:
+def _fresh_static_prefill(
+    attention_mask, q_len: int, kv_len: int, sliding_window: int | None = None, remember: Remember | None = None
+) -> bool:
     """A long prefill into an empty static cache: no row sees a key past the first `q_len` slots (the prompt's).
     It then runs as a prefill over its own keys (SDPA), not over the cache's unwritten slots, whether one
     row (no mask: causal from the first slot, which sees nothing past `q_len` either) or a left-padded batch."""
@@ -163,7 +213,10 @@ def _fresh_static_prefill(attention_mask, q_len: int, kv_len: int, sliding_windo
         return sliding_window is None  # a window without a mask is applied by the kernel, over the slots
     if attention_mask.dtype != torch.bool or attention_mask.dim() != 4:
         return False
-    return attention_mask.shape[-1] >= kv_len and not bool(attention_mask[..., q_len:kv_len].any())
+    if attention_mask.shape[-1] < kv_len:
+        return False
+    unwritten_seen = _found(remember, "past_prompt", (q_len, kv_len), lambda: bool(attention_mask[..., q_len:kv_len].any()))
+    return not unwritten_seen
 
 
 def _plain_causal(module, dropout, kwargs) -> bool:
@@ -172,7 +225,7 @@ def _plain_causal(module, dropout, kwargs) -> bool:
     return plain and all(kwargs.get(k) is None for k in _UNSUPPORTED_KWARGS)
 
 
-def _continues_prompt(module, query, key, value, attention_mask, dropout, kwargs) -> bool:
+def _continues_prompt(module, query, key, value, attention_mask, dropout, kwargs, remember: Remember | None = None) -> bool:
     """True for a long prompt over a cache (no verify call: the caller asks) that the prompt kernel computes:
     Q > LONG_PREFILL_ROWS query rows, the last Q of N > Q keys, and a bool mask [B, 1, Q, >=N] that is exactly
     bottom-right causal over the N keys in every row (row i sees keys 0 .. N - Q + i: no holes, no padding, no
@@ -189,7 +242,12 @@ def _continues_prompt(module, query, key, value, attention_mask, dropout, kwargs
         return False
     if not attention_cpu.prefill_supports(query, key, value):
         return False
-    return _bottom_right_causal(attention_mask[:, 0, :, :kv_len])
+    return _found(
+        remember,
+        "bottom_right_causal",
+        (q_len, kv_len),
+        lambda: _bottom_right_causal(attention_mask[:, 0, :, :kv_len]),
+    )
 
 
 def _bottom_right_causal(mask: torch.Tensor) -> bool:
@@ -228,25 +286,36 @@ def _prefill_each_row(module, query, key, value, pads, **kwargs):
 
 
 def rowstable_attention_forward(
-    module, query, key, value, attention_mask, dropout=0.0, scaling=None, quasar_rowstable: bool = False, **kwargs
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    quasar_rowstable: bool = False,
+    quasar_mask_facts: MaskFacts | None = None,
+    **kwargs,
 ):
     """QUASAR_ATTENTION: the row-stable kernel where it applies, else SDPA (row by row when verifying; each
     row on its own tokens for a left-padded batch's long prefill, as it runs alone). A long prefill, alone or
-    over a cache, takes the prompt kernel where it applies."""
+    over a cache, takes the prompt kernel where it applies; `quasar_mask_facts`: the forward's MaskFacts."""
     q_len, kv_len = query.shape[2], key.shape[2]
+    # facts found by this forward's first layer, keyed by the mask it was given (before any slicing below)
+    remember = None if quasar_mask_facts is None else functools.partial(quasar_mask_facts.get, attention_mask)
     if q_len > LONG_PREFILL_ROWS and kv_len > q_len and not torch.compiler.is_compiling():
         if _fresh_static_prefill(
-            attention_mask, q_len, kv_len, kwargs.get("sliding_window")
+            attention_mask, q_len, kv_len, kwargs.get("sliding_window"), remember
         ):  # an empty static cache: its unwritten slots go
             key, value = key[:, :, :q_len], value[:, :, :q_len]
             attention_mask = None if attention_mask is None else attention_mask[..., :q_len]
             kv_len = q_len
     if q_len == kv_len and q_len > LONG_PREFILL_ROWS and not torch.compiler.is_compiling():
-        pads = _left_padding(query, key, attention_mask, kwargs)
+        pads = _left_padding(query, key, attention_mask, kwargs, remember)
         if pads is not None:
             return _prefill_each_row(module, query, key, value, pads, dropout=dropout, scaling=scaling, **kwargs)
     if q_len < kv_len and not quasar_rowstable and not torch.compiler.is_compiling():
-        if _continues_prompt(module, query, key, value, attention_mask, dropout, kwargs):
+        if _continues_prompt(module, query, key, value, attention_mask, dropout, kwargs, remember):
             return attention_cpu.prefill_attention(query, key, value, scaling), None
     if not (q_len == kv_len and q_len > LONG_PREFILL_ROWS):
         kernel, visible = _kernel_inputs(module, query, key, value, attention_mask, dropout, kwargs)
@@ -259,8 +328,10 @@ def rowstable_attention_forward(
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def rowstable_sdpa_attention(module, query, key, value, attention_mask, quasar_rowstable: bool = False, **kwargs):
-    """QUASAR_SDPA: plain SDPA; one call per query row when verifying over a cache."""
+def rowstable_sdpa_attention(
+    module, query, key, value, attention_mask, quasar_rowstable: bool = False, quasar_mask_facts: Any = None, **kwargs
+):
+    """QUASAR_SDPA: plain SDPA; one call per query row when verifying over a cache (`quasar_mask_facts`: unused)."""
     if _verifying_over_cache(query, key, quasar_rowstable):
         return _sdpa_row_by_row(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

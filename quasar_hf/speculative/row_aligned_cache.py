@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from quasar_hf import compat
 
 from .append_in_place import AppendInPlaceLayer
+from .verify_attention import long_call_kwargs
 
 
 class RowAlignedCache:
@@ -117,6 +118,7 @@ class RowAlignedCache:
         kwargs = {"logits_to_keep": 1} if (last_only and self._takes_logits_to_keep) else {}
         if tokens.shape[1] > 1 and self.slot_mask.shape[1] > 0 and not prefill:  # several tokens over a cache: verification
             kwargs.update(self.verify_kwargs)
+        kwargs.update(long_call_kwargs(self.verify_kwargs, tokens.shape[1]))
         outputs = self.model(
             input_ids=tokens,
             attention_mask=attention_mask,

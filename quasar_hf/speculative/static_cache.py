@@ -31,6 +31,7 @@ from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION, QUASAR_SDPA
 
 from .compiled_steps import batch_bucket
 from .row_aligned_cache import right_aligned
+from .verify_attention import long_call_kwargs
 
 # A move to a smaller batch copies each row's slots: SmolLM2 on 2 Zen 4 cores took 2-25 ms for 230-2070 slots,
 # about one decode step per this many slots, and saves a few ms per step: not worth it for the last few tokens.
@@ -164,6 +165,8 @@ class StaticVerifierCache:
         kwargs = {"logits_to_keep": 1} if (last_only and self._takes_logits_to_keep) else {}
         if n > 1 and not prefill:  # several tokens over a cache: verification
             kwargs.update(self.verify_kwargs)
+        if prefill:
+            kwargs.update(long_call_kwargs(self.verify_kwargs, n))
         forward = self.model if prefill else self.step
         mask = self._visible_slots(n) if self._step_mask and not prefill else self.slot_mask
         self.kv.written = max(self.kv.written, self.length + n)  # before the write: a failed step's slots count
@@ -207,6 +210,7 @@ class StaticVerifierCache:
         positions = (new_mask.cumsum(-1) - 1).clamp_min(0)  # [B, n]: a fresh cache, valid_len 0
         self.slot_mask[:rows, :n] = new_mask
         kwargs = {"logits_to_keep": 1} if (last_only and self._takes_logits_to_keep) else {}
+        kwargs.update(long_call_kwargs(self.verify_kwargs, n))
         self.kv.written = max(self.kv.written, n)
         with compat.static_cache_first_rows(self.cache, rows):
             outputs = self.model(

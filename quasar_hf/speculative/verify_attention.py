@@ -6,6 +6,7 @@
   call it runs QUASAR_SDPA, which is plain SDPA except on those verify forwards.
 * Any other implementation (eager, flash, ...) verifies all rows in one call, with a warning:
   its rounding may differ from one-token decode steps.
+A long eager call (a prompt) also carries a MaskFacts (`long_call_kwargs`), so its layers read the mask once.
 The lm_head GEMM stays batched (its M-dependent rounding reaches only the logits, never the
 cache: the source of the near-ties the bf16 tests allow).
 """
@@ -19,7 +20,15 @@ from collections.abc import Iterator
 import torch
 
 from quasar_hf import compat
-from quasar_hf.ops.rowstable_attention import QUASAR_ATTENTION, QUASAR_SDPA, ROWSTABLE_KWARG, register_attention
+from quasar_hf.ops.rowstable_attention import (
+    LONG_PREFILL_ROWS,
+    MASK_FACTS_KWARG,
+    QUASAR_ATTENTION,
+    QUASAR_SDPA,
+    ROWSTABLE_KWARG,
+    MaskFacts,
+    register_attention,
+)
 
 _ROWSTABLE_IMPLEMENTATIONS = (QUASAR_ATTENTION, QUASAR_SDPA)
 
@@ -49,6 +58,15 @@ def verification_attention(model: torch.nn.Module, enabled: bool = True) -> Iter
         stacklevel=4,
     )
     yield {}
+
+
+def long_call_kwargs(verify_kwargs: dict, new_tokens: int) -> dict:
+    """Forward keywords for an eager call of `new_tokens` tokens per row on a model that runs our attention
+    (`verify_kwargs` from verification_attention): a fresh MaskFacts when the call is long enough for the prompt
+    branches, so its layers share what they read from the mask; else none."""
+    if ROWSTABLE_KWARG in verify_kwargs and new_tokens > LONG_PREFILL_ROWS:
+        return {MASK_FACTS_KWARG: MaskFacts()}
+    return {}
 
 
 @contextlib.contextmanager
