@@ -57,6 +57,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "benchmarks.kernels.prefill_attention:main",
         "a prompt's causal attention: the AVX512-BF16 kernel vs SDPA, alone and in a whole prefill",
     ),
+    "turn-prefill": (
+        "benchmarks.speed.turn_prefill:main",
+        "a chat turn's prefill over its cached history: the mask read per layer vs once per forward (MaskFacts)",
+    ),
     "hadamard-kernel": (
         "benchmarks.kernels.hadamard_kernel:main",
         "the Hadamard rotation kernel's builds at real models' rotated widths",

@@ -141,10 +141,13 @@ def measure_server(args, label: str, command: list[str], wires: dict[str, Wire],
     interleaved (so that a drifting host moves every row alike); `offline_texts`: what our rows must equal (None for
     the other servers). A level's figures pool its rounds; `tokens_per_s_by_round` keeps each round's."""
     port = int(command[command.index("--port") + 1])
-    pooled = {row: {str(c): {"outcomes": [], "wall_s": 0.0, "by_round": [], "scrapes": 0, "failed_scrapes": 0} for c in args.levels} for row in wires}
+    pooled = {
+        row: {str(c): {"outcomes": [], "wall_s": 0.0, "by_round": [], "scrapes": 0, "failed_scrapes": 0} for c in args.levels}
+        for row in wires
+    }
     results = {}
     with ServerProcess(command, port, log_dir / f"{label}.log", "/health") as server:
-        for row, wire in wires.items():
+        for wire in wires.values():
             run_level(server.base, wire, prompts, 1, 1, 8, server.process.pid)  # one untimed request
         for round_index in range(args.rounds):
             for row, wire in wires.items():
