@@ -92,6 +92,10 @@ MEASUREMENTS: dict[str, tuple[str, str]] = {
         "benchmarks.serve.soak:main",
         "quasar-hf serve under thousands of mixed requests, some clients leaving mid-stream: failures and RSS",
     ),
+    "scheduler-profile": (
+        "benchmarks.serve.scheduler_profile:main",
+        "clients through the serving scheduler in one process, greedy or sampled: step time by rows, prefills",
+    ),
     "serve-chat": (
         "benchmarks.serve.chat_turns:main",
         "quasar-hf serve with its prompt cache on and off: a growing conversation, clients behind one system prompt",
