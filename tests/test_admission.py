@@ -48,6 +48,22 @@ def test_the_fewest_asked_tokens_go_first_and_a_request_held_long_goes_before_th
     ]
 
 
+def test_where_steps_are_slow_a_long_request_is_held_as_long_as_the_rows_that_hold_it_can_take():
+    """The fair wait is fair_wait_s, or asked / long_ratio steps at the recent step time when longer: the rows that
+    hold a request each have fewer tokens than that left, so they end within it."""
+    policy = AdmissionPolicy(fair_wait_s=1.0, long_ratio=4, hold_rows=2)
+    long_ask, short_ask, unbounded = held(256, 0.0), held(16, 0.5), held(None, 0.0)
+    assert policy.fair_wait(long_ask) == 1.0 and policy.fair_wait(long_ask, step_s=0.01) == 1.0  # 64 steps: 0.64 s
+    assert policy.fair_wait(long_ask, step_s=0.035) == pytest.approx(64 * 0.035)  # slower steps: 2.24 s
+    assert policy.fair_wait(unbounded, step_s=0.035) == 1.0  # no budget: no bound from its ask
+    # held 1.5 s behind 2 short rows: a fixed second would let it go now; 35 ms steps keep it waiting
+    assert not policy.hold(long_ask, [12, 10], now=1.5)
+    assert policy.hold(long_ask, [12, 10], now=1.5, step_s=0.035)
+    assert not policy.hold(long_ask, [12, 10], now=2.3, step_s=0.035)  # past 2.24 s it goes
+    assert policy.order([long_ask, short_ask], now=1.5) == [long_ask, short_ask]
+    assert policy.order([long_ask, short_ask], now=1.5, step_s=0.035) == [short_ask, long_ask]
+
+
 def test_a_long_prompt_is_prefilled_beside_running_rows_and_a_long_ask_waits_for_short_rows():
     policy = AdmissionPolicy(background_prefill_tokens=256, long_ratio=4, hold_rows=3, fair_wait_s=1.0)
     assert not policy.prefill_beside_rows(held(4096, 0, prompt=1000), [])  # no running row to stall

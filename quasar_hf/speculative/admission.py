@@ -2,8 +2,13 @@
 
 Shortest asked first: among the requests held at a step boundary, the one asking the fewest new tokens (its
 `max_new_tokens`, what the client said it needs) is admitted first, so a short request is not queued behind
-long ones that arrived with it. A request held for `fair_wait_s` goes first whatever it asks (oldest first),
-so a stream of short requests never starves a long one.
+long ones that arrived with it. A request held for its fair wait goes first whatever it asks (oldest first),
+so a stream of short requests never starves a long one. The fair wait is `fair_wait_s`, or, given the
+scheduler's recent step time, the time of 1 / `long_ratio` of the request's asked tokens in steps, if longer:
+the longest the rows that hold it (below) can take, since each has fewer tokens than that left. A fixed second
+cut the hold short where steps are slow: Qwen2.5-Coder-0.5B's 4 short rows took over a second, so the long
+requests went first and prefilled in front of them (short median 4.6-4.9x alone, first come first served
+3.7-4.7x: `benchmarks/reports/admission-mix/`).
 
 A prefill stalls every running row for its duration (a prompt is prefilled whole: a chunk over a cache would
 round differently from plain `generate`). So while at least `hold_rows` rows run and every one of them has less
@@ -50,22 +55,32 @@ class AdmissionPolicy:
         if self.hold_rows < 1:
             raise ValueError(f"hold_rows must be >= 1, got {self.hold_rows}")
 
-    def order(self, held: Sequence[BatchRequest], now: float | None = None) -> list[BatchRequest]:
-        """`held` in admission order: those held `fair_wait_s` or longer, oldest first; then the others by the
+    def fair_wait(self, request: BatchRequest, step_s: float | None = None) -> float:
+        """Seconds `request` may be held before it goes first: `fair_wait_s`, or its asked tokens / `long_ratio`
+        steps of `step_s` seconds (the scheduler's recent step time) when that is longer (module docstring)."""
+        asked = asked_tokens(request)
+        if step_s is None or math.isinf(asked):
+            return self.fair_wait_s
+        return max(self.fair_wait_s, asked / self.long_ratio * step_s)
+
+    def order(self, held: Sequence[BatchRequest], now: float | None = None, step_s: float | None = None) -> list[BatchRequest]:
+        """`held` in admission order: those held their fair wait or longer, oldest first; then the others by the
         tokens they ask, fewest first (oldest first among equals)."""
         now = time.monotonic() if now is None else now
 
         def key(request: BatchRequest) -> tuple:
-            if now - request.arrived >= self.fair_wait_s:
+            if now - request.arrived >= self.fair_wait(request, step_s):
                 return (0, 0.0, request.arrived)
             return (1, asked_tokens(request), request.arrived)
 
         return sorted(held, key=key)
 
-    def hold(self, request: BatchRequest, running_budgets: Sequence[float], now: float | None = None) -> bool:
+    def hold(
+        self, request: BatchRequest, running_budgets: Sequence[float], now: float | None = None, step_s: float | None = None
+    ) -> bool:
         """Whether `request` waits for a later step boundary although a row is free (module docstring)."""
         now = time.monotonic() if now is None else now
-        if len(running_budgets) < self.hold_rows or now - request.arrived >= self.fair_wait_s:
+        if len(running_budgets) < self.hold_rows or now - request.arrived >= self.fair_wait(request, step_s):
             return False
         return asked_tokens(request) > self.long_ratio * max(max(running_budgets), 1)
 

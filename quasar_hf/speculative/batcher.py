@@ -2,7 +2,7 @@
 
 A server hands requests to `submit` from any thread. One worker thread loops: at each step boundary it
 admits the requests waiting, in the order of its admission policy (speculative/admission.py: fewest asked
-tokens first, any request held a second oldest first), up to `max_batch_size` rows, each prefilled alone and joined
+tokens first, any request held its fair wait oldest first), up to `max_batch_size` rows, each prefilled alone and joined
 to the running batch (speculative/engine.py); then it runs one draft-verify step over every row. A row
 that ends completes its request at once and frees its place for the next one, so a short request never
 waits for a long one, and a request that arrives while others decode starts at the next step.
@@ -40,13 +40,14 @@ from .engine import DecodeEngine
 from .own_thread import in_own_thread
 from .prompt_cache import PromptCache
 from .request_config import request_quasar_config
-from .stats import QuasarStats
+from .stats import QuasarStats, decayed_average
 
 logger = logging.getLogger(__name__)
 
 MAX_BATCH_SIZE = 8  # rows decoding at once (compiled steps round up to a power of two)
 GATHER_SECONDS = 0.01  # how long a batched call waits for requests sent together with the first one
 PREFILL_TOKENS_PER_STEP = 2048  # prompt tokens admitted at one step boundary (the running rows wait for them)
+STEP_TIME_DECAY = 0.9  # weight the recent step time keeps at each new step
 
 
 SHUTTING_DOWN = "the server is shutting down"
@@ -91,6 +92,7 @@ class RequestBatcher:
         self._engine: DecodeEngine | None = None
         self._in_call: list[BatchRequest] = []  # the requests of a batched call running now
         self._prefilling: tuple[BatchRequest, QuasarGenerationConfig, Future] | None = None  # a long prompt's prefill
+        self._step_s: float | None = None  # recent seconds per step of the running rows (the admission policy's clock)
         self._thread = threading.Thread(target=self._work, name="quasar-batcher", daemon=True)
         self._thread.start()
 
@@ -173,7 +175,7 @@ class RequestBatcher:
         while self._held and self._engine.rows < self.max_batch_size and not self._stopping.is_set():
             if self._prefilling is not None:
                 return  # the requests behind a long prompt wait for its prefill
-            self._held = self.admission.order([r for r in self._held if not _finish_if_cancelled(r)])
+            self._held = self.admission.order([r for r in self._held if not _finish_if_cancelled(r)], step_s=self._step_s)
             if not self._held:
                 return
             request = self._held[0]
@@ -192,7 +194,7 @@ class RequestBatcher:
                 return
             if admitted_tokens and admitted_tokens + len(request.input_ids) > self.prefill_tokens_per_step:
                 return
-            if self.admission.hold(request, [tokens_left(r) for r in self._engine.requests]):
+            if self.admission.hold(request, [tokens_left(r) for r in self._engine.requests], step_s=self._step_s):
                 return  # the running rows finish soon: it starts after them
             self._held.pop(0)
             admitted_tokens += len(request.input_ids)
@@ -237,8 +239,10 @@ class RequestBatcher:
     def _step(self) -> None:
         self.batches_run += 1
         self.widest_step = max(self.widest_step, self._engine.rows)
+        started = time.perf_counter()
         try:
             self._engine.step()
+            self._step_s = decayed_average(self._step_s, time.perf_counter() - started, STEP_TIME_DECAY)
         except Exception as failure:
             logger.exception("quasar_hf: a step of %d row(s) failed", self._engine.rows)
             self._engine.fail_all(f"{type(failure).__name__}: {failure}")
