@@ -62,6 +62,8 @@ def test_where_steps_are_slow_a_long_request_is_held_as_long_as_the_rows_that_ho
     assert not policy.hold(long_ask, [12, 10], now=2.3, step_s=0.035)  # past 2.24 s it goes
     assert policy.order([long_ask, short_ask], now=1.5) == [long_ask, short_ask]
     assert policy.order([long_ask, short_ask], now=1.5, step_s=0.035) == [short_ask, long_ask]
+    fixed = AdmissionPolicy(fair_wait_s=1.0, long_ratio=4, hold_rows=2, scale_fair_wait=False)
+    assert fixed.fair_wait(long_ask, step_s=0.035) == 1.0 and not fixed.hold(long_ask, [12, 10], now=1.5, step_s=0.035)
 
 
 def test_a_long_prompt_is_prefilled_beside_running_rows_and_a_long_ask_waits_for_short_rows():
@@ -149,5 +151,7 @@ def test_a_long_request_waits_for_three_short_rows_to_finish_and_not_past_its_fa
     requests.update({f"short{i}": ([40 + i, 41, 42, 43] * 2, 6) for i in range(3)})
     first, last = held_together(model, monkeypatch, requests, AdmissionPolicy())
     assert first["long"] > max(last[name] for name in requests if name != "long")
-    first, last = held_together(model, monkeypatch, requests, AdmissionPolicy(fair_wait_s=0.0))  # never held
+    first, last = held_together(
+        model, monkeypatch, requests, AdmissionPolicy(fair_wait_s=0.0, scale_fair_wait=False)
+    )  # never held
     assert first["long"] < max(last[name] for name in requests if name != "long")

@@ -33,7 +33,8 @@ from quasar_hf.speculative.batcher import RequestBatcher
 from quasar_hf.speculative.own_thread import in_own_thread
 
 POLICIES = {
-    "first come first served": AdmissionPolicy(fair_wait_s=0.0),  # every request counts as held long: oldest first
+    # every request counts as held long: oldest first, none held
+    "first come first served": AdmissionPolicy(fair_wait_s=0.0, scale_fair_wait=False),
     "fewest asked first, hold from 1 row": AdmissionPolicy(hold_rows=1),
     "fewest asked first, hold from 2 rows (default)": AdmissionPolicy(),
     "fewest asked first, hold from 3 rows": AdmissionPolicy(hold_rows=3),

@@ -36,11 +36,13 @@ from .batch_request import BatchRequest
 
 @dataclass(frozen=True)
 class AdmissionPolicy:
-    """fair_wait_s: a request held this long is admitted before any other and never held; background_prefill_tokens:
-    a prompt with more uncached tokens is prefilled beside running rows; long_ratio, hold_rows: a request asking
-    more than long_ratio times the tokens each of at least hold_rows running rows has left waits for them."""
+    """fair_wait_s: a request held this long is admitted before any other and never held (longer where steps are
+    slow, unless scale_fair_wait is False); background_prefill_tokens: a prompt with more uncached tokens is
+    prefilled beside running rows; long_ratio, hold_rows: a request asking more than long_ratio times the tokens
+    each of at least hold_rows running rows has left waits for them."""
 
     fair_wait_s: float = 1.0
+    scale_fair_wait: bool = True
     background_prefill_tokens: int = 256
     long_ratio: float = 4.0
     hold_rows: int = 2
@@ -59,7 +61,7 @@ class AdmissionPolicy:
         """Seconds `request` may be held before it goes first: `fair_wait_s`, or its asked tokens / `long_ratio`
         steps of `step_s` seconds (the scheduler's recent step time) when that is longer (module docstring)."""
         asked = asked_tokens(request)
-        if step_s is None or math.isinf(asked):
+        if step_s is None or math.isinf(asked) or not self.scale_fair_wait:
             return self.fair_wait_s
         return max(self.fair_wait_s, asked / self.long_ratio * step_s)
 
