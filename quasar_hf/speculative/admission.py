@@ -18,10 +18,10 @@ it alone, by their short remainder. (Summing latencies: R running rows each lose
 remaining n steps times the widening d; the held request loses those n steps of time s. With P ~ 50 ms,
 d ~ 5 ms and s ~ 15-30 ms on 2 cores, holding pays from 2-3 rows: `hold_rows`.) A prompt with more than
 `background_prefill_tokens` uncached tokens is prefilled in the prefill thread while the rows keep stepping.
-SmolLM2-135M, 8 requests at once (4 asking 16 tokens, 4 asking 256), through the scheduler in one process
-(`benchmarks/serve/admission_mix.py`), two rounds on a noisy machine: the short ones' median 0.74-0.83 s
-holding from 2 rows, 0.79-0.92 s from 1, 0.90-2.40 s from 3, 1.72-2.19 s first come first served; an earlier
-round: 0.91-1.31 s when the long ones were prefilled in the prefill thread instead of held.
+8 requests at once (4 asking 16 tokens, 4 asking 256) through the scheduler in one process
+(`benchmarks/serve/admission_mix.py`, reports in benchmarks/reports/admission-mix/): the short ones' median over
+their time alone 1.74-1.95 on SmolLM2-135M (first come first served 3.27-3.43), 3.08-3.09 on Qwen2.5-Coder-0.5B
+(4.87-4.93), whose four short prefills of about 150 ms each run one after another.
 """
 
 from __future__ import annotations
