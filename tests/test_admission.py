@@ -74,7 +74,8 @@ def test_a_long_prompt_is_prefilled_beside_running_rows_and_a_long_ask_waits_for
     cached.reused_tokens = 100  # 200 tokens left to prefill
     assert not policy.prefill_beside_rows(cached, [500])
     assert policy.hold(held(256, 0.0), [16, 15, 40], now=0.5)  # over 4x what each of 3 rows has left
-    assert not policy.hold(held(160, 0.0), [16, 15, 40], now=0.5)  # not over 4x the longest of them
+    assert not policy.hold(held(160, 0.0), [16, 15, 40], now=0.5)  # over 4x what only 2 of them have left
+    assert policy.hold(held(256, 0.0), [16, 15, 12, 250], now=0.5)  # 3 short rows beside a long one: held
     assert not policy.hold(held(256, 0.0), [16, 15], now=0.5)  # too few rows to be worth holding for
     assert not policy.hold(held(256, 0.0), [16, 15, 40], now=1.0)  # held its fair wait: it goes now
     assert policy.hold(held(None, 0.0), [16, 15, 14], now=0.5)  # no budget: as long as the context
@@ -155,3 +156,12 @@ def test_a_long_request_waits_for_three_short_rows_to_finish_and_not_past_its_fa
         model, monkeypatch, requests, AdmissionPolicy(fair_wait_s=0.0, scale_fair_wait=False)
     )  # never held
     assert first["long"] < max(last[name] for name in requests if name != "long")
+
+
+def test_a_long_request_waits_for_short_rows_beside_a_long_one_already_running(model, monkeypatch):
+    """Over HTTP a long request may arrive first and start alone; the long ones behind it still wait for the short
+    rows that joined it (the rows that hold a request are counted, not required to be every row)."""
+    requests = {"running": ([5, 6, 7, 8] * 3, 40), "long": ([20, 21, 22] * 4, 40)}
+    requests.update({f"short{i}": ([40 + i, 41, 42, 43] * 2, 6) for i in range(3)})
+    first, last = held_together(model, monkeypatch, requests, AdmissionPolicy())
+    assert first["long"] > max(last[f"short{i}"] for i in range(3))

@@ -11,8 +11,9 @@ requests went first and prefilled in front of them (short median 4.6-4.9x alone,
 3.7-4.7x: `benchmarks/reports/admission-mix/`).
 
 A prefill stalls every running row for its duration (a prompt is prefilled whole: a chunk over a cache would
-round differently from plain `generate`). So while at least `hold_rows` rows run and every one of them has less
-than 1 / `long_ratio` of the tokens a held request asks left, that request waits (up to `fair_wait_s`): they
+round differently from plain `generate`). So while at least `hold_rows` running rows each have less than
+1 / `long_ratio` of the tokens a held request asks left, that request waits (up to its fair wait), whatever the
+other rows have left (a long request that arrived first and runs does not release the others): they
 finish soon, and its prefill, and its row widening their steps, would delay all of them, where holding delays
 it alone, by their short remainder. (Summing latencies: R running rows each lose a prefill P plus their
 remaining n steps times the widening d; the held request loses those n steps of time s. With P ~ 50 ms,
@@ -84,7 +85,9 @@ class AdmissionPolicy:
         now = time.monotonic() if now is None else now
         if len(running_budgets) < self.hold_rows or now - request.arrived >= self.fair_wait(request, step_s):
             return False
-        return asked_tokens(request) > self.long_ratio * max(max(running_budgets), 1)
+        asked = asked_tokens(request)
+        short_rows = sum(1 for left in running_budgets if asked > self.long_ratio * max(left, 1))
+        return short_rows >= self.hold_rows  # rows with more left (a long one already running) do not count
 
     def prefill_beside_rows(self, request: BatchRequest, running_budgets: Sequence[float]) -> bool:
         """Whether `request` is prefilled in the prefill thread while rows with these tokens left keep stepping."""
