@@ -26,4 +26,4 @@ def test_a_short_chat_run_reports_reuse_with_the_cache_only(tmp_path):
     assert all(t["reused"] == 0 for t in without) and all(w["reused"] == 0 for w in runs["no_cache"]["shared_system_prompt"])
     first_wave, second_wave = runs["cache"]["shared_system_prompt"]
     assert first_wave["reused"] == 0 and second_wave["reused"] > 0  # the second wave's rows continue from the first's
-    assert "| 2 |" in open(markdown_path).read()
+    assert "| 2 |" in open(markdown_path).read() and "Environment: {'python'" in open(markdown_path).read()

@@ -33,7 +33,7 @@ def test_serve_load_runs_our_server_and_transformers_serve_and_reports_every_lev
     assert "skipped" in servers["llamacpp"] and "environment" in report
     markdown = open(paths[1]).read()
     assert "| quasar | 2 |" in markdown and "quasar_scraped at 2 clients:" in markdown
-    assert "quasar over quasar_off at 2 clients, round by round: " in markdown
+    assert "quasar over quasar_off at 2 clients, round by round: " in markdown and "Environment: {'python'" in markdown
     assert not (tmp_path / "cache" / "served").exists(), "the tiny checkpoint is quantized in --out, not cached"
 
 

@@ -81,7 +81,7 @@ def test_tiny_run_answers_every_request_of_every_shape(tmp_path, monkeypatch):
     assert all(0 < level["tokens"] <= level["requests"] * 16 for level in sampled["levels"].values())
 
     markdown = open(markdown_path).read()
-    assert markdown.count("| quasar |") == 3 and "| quasar | 6 |" in markdown
+    assert markdown.count("| quasar |") == 3 and "| quasar | 6 |" in markdown and "Environment: {'python'" in markdown
     assert not (tmp_path / "cache" / "served").exists(), "the tiny checkpoint is made in --out, not cached"
 
 

@@ -190,4 +190,5 @@ def to_markdown(result: dict) -> str:
         for wave in (run or {}).get("shared_system_prompt", []):
             row = f"| {label} | {wave['wave']} | {wave['ttft_mean_s']} | {wave['ttft_max_s']} | {wave['wall_s']} | {wave['reused']:g} |"
             lines.append(row)
+    lines += ["", f"Environment: {result.get('environment')}"]
     return "\n".join(lines) + "\n"

@@ -361,6 +361,7 @@ def to_markdown(result: dict) -> str:
         runs = {label: run[shape] for label, run in ran.items() if shape in run}
         if runs:
             lines += [*table(runs, s), ""]
+    lines += [f"Environment: {result.get('environment')}", ""]
     return "\n".join(lines)
 
 

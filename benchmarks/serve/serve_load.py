@@ -306,6 +306,7 @@ def to_markdown(result: dict) -> str:
                 row = [label, clients, level["tokens_per_s"], level["ttft_p50_s"], level["latency_p50_s"], level["latency_p95_s"]]
                 lines.append("| " + " | ".join(map(str, [*row, level["failed"], equal, data["peak_rss_mb"]])) + " |")
         lines += ["", *scrape_costs(model["servers"]), *on_off_rounds(model["servers"]), ""]
+    lines.append(f"Environment: {result.get('environment')}")
     return "\n".join(lines) + "\n"
 
 
