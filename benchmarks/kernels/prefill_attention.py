@@ -1,6 +1,7 @@
 """A prompt's causal attention: the prompt kernel against torch's SDPA, side by side, with accuracy.
 
-Part 1, the attention alone, at the attention shapes of real models and prompt lengths: median ms per
+Part 1, the attention alone, at the attention shapes of real models and prompt lengths (`--history H`: each
+prompt a chat turn over H cached keys, queries the last of H + L positions): median ms per
 call of SDPA (bf16, causal, GQA; what Quasar models ran before the kernel and run where it does not)
 and of `quasar::prefill_attention` (the build this CPU runs: AVX512-BF16, AVX-512F or AVX2;
 `QUASAR_HF_CPU_FLAGS_OFF=avx512_bf16` or `=avx512_bf16,avx512f` picks a lesser one), interleaved, on inputs laid out as Transformers passes them; beside
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -37,14 +39,44 @@ OVERRIDES = (MASK_ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 ORACLE_ATTENTION = "quasar_bench_fp64_prompt"  # the prompt's attention in fp64, rounded to the model's dtype
 
 
-def prompt_inputs(heads: int, kv_heads: int, dim: int, length: int, seed: int = 0):
-    """q [1, H, L, D], k/v [1, KVH, L, D] bf16, transposed out of [1, L, heads, D] as Transformers lays them out."""
+def prompt_inputs(heads: int, kv_heads: int, dim: int, length: int, seed: int = 0, history: int = 0):
+    """q [1, H, L, D], k/v [1, KVH, history + L, D] bf16, transposed out of [1, T, heads, D] as Transformers lays
+    them out."""
     gen = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(1, length, h, dim, generator=gen).bfloat16().transpose(1, 2) for h in (heads, kv_heads, kv_heads))
+    q = torch.randn(1, length, heads, dim, generator=gen).bfloat16().transpose(1, 2)
+    k, v = (torch.randn(1, history + length, kv_heads, dim, generator=gen).bfloat16().transpose(1, 2) for _ in range(2))
+    return q, k, v
+
+
+def causal_pairs(length: int, history: int = 0) -> int:
+    """Query-key pairs a causal prompt of `length` tokens over `history` cached ones computes (row i sees
+    history + i + 1 keys)."""
+    return length * history + length * (length + 1) // 2
 
 
 def _sdpa(q, k, v, scale):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
+    if q.shape[2] == k.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
+    length, keys = q.shape[2], k.shape[2]  # SDPA's is_causal is top-left aligned: give the bottom-right mask
+    visible = torch.ones(length, keys, dtype=torch.bool).tril(keys - length)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True).transpose(1, 2)
+
+
+def gemm_ceiling(samples: int, size: int = 1024) -> dict[str, float]:
+    """GFLOP/s of torch's square matmul (oneDNN) in bf16 and fp32 on this CPU and thread count, its fastest of
+    `samples` calls: the rate the best-tuned kernel here reaches, a ceiling for attention, which does the same
+    multiply-adds plus a softmax."""
+    rates = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        a, b = (torch.randn(size, size).to(dtype) for _ in range(2))
+        a @ b  # warm-up
+        fastest = float("inf")
+        for _ in range(max(samples, 5)):
+            started = time.perf_counter()
+            a @ b
+            fastest = min(fastest, time.perf_counter() - started)
+        rates[name] = 2 * size**3 / fastest / 1e9
+    return rates
 
 
 def _errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -52,25 +84,26 @@ def _errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
     return {"max_abs": diff.abs().max().item(), "rms": diff.pow(2).mean().sqrt().item()}
 
 
-def measure_kernel(shapes, lengths: tuple[int, ...], samples: int, oracle_max: int) -> list[dict]:
-    """Per shape and length: ms per call and GFLOP/s of both, errors against the oracle (up to `oracle_max`)."""
+def measure_kernel(shapes, lengths: tuple[int, ...], samples: int, oracle_max: int, history: int = 0) -> list[dict]:
+    """Per shape and length (over `history` cached keys): ms per call and GFLOP/s of both, errors against the
+    oracle (up to `oracle_max` keys)."""
     rows = []
     for label, heads, kv_heads, dim in shapes:
         for length in lengths:
-            q, k, v = prompt_inputs(heads, kv_heads, dim, length)
+            q, k, v = prompt_inputs(heads, kv_heads, dim, length, history=history)
             scale = dim**-0.5
             variants = {
                 "sdpa": lambda _i: _sdpa(q, k, v, scale),
                 "kernel": lambda _i: attention_cpu.prefill_attention(q, k, v, scale),
             }
             medians = interleaved_medians(variants, CPU, samples, batch=1)
-            flops = 2 * 2 * heads * dim * length * (length + 1) / 2  # q.k and p.v over the causal triangle
-            row = {"shape": label, "length": length, "flops": flops}
+            flops = 2 * 2 * heads * dim * causal_pairs(length, history)  # q.k and p.v over the visible pairs
+            row = {"shape": label, "length": length, "history": history, "flops": flops}
             for name, seconds in medians.items():
                 row[f"{name}_ms"] = seconds * 1e3
                 row[f"{name}_gflops"] = flops / seconds / 1e9
             row["speedup"] = medians["sdpa"] / medians["kernel"]
-            if length <= oracle_max:
+            if history + length <= oracle_max:
                 ref = attention_reference(q, k, v, None, scale)
                 row["sdpa_error"] = _errors(_sdpa(q, k, v, scale), ref)
                 row["kernel_error"] = _errors(attention_cpu.prefill_attention(q, k, v, scale), ref)
@@ -152,14 +185,29 @@ def to_markdown(result: dict, command: str) -> str:
         "calls. Error: max abs / RMS against the fp64 oracle.",
         "",
     ]
+    ceiling = result.get("gemm_gflops")
+    if ceiling:
+        lines += [
+            f"Ceiling: torch's {ceiling['size']}-square matmul (fastest call) runs {ceiling['bf16']:.0f} GFLOP/s in bf16 and "
+            f"{ceiling['fp32']:.0f} in fp32 here; this build multiplies in {ceiling['kernel_dtype']}, so the kernel's "
+            f"GFLOP/s over {ceiling[ceiling['kernel_dtype']]:.0f} is the share of that rate it reaches (last column).",
+            "",
+        ]
     table = [
         [
             r["shape"], r["length"], f"{r['sdpa_ms']:.2f}", f"{r['kernel_ms']:.2f}", f"{r['speedup']:.2f}x",
             f"{r['sdpa_gflops']:.0f} / {r['kernel_gflops']:.0f}", _error_cell(r, "sdpa"), _error_cell(r, "kernel"),
+            f"{r['kernel_gflops'] / ceiling[ceiling['kernel_dtype']]:.2f}" if ceiling else "-",
         ]
         for r in result["kernel"]
     ]  # fmt: skip
+    if result.get("history"):
+        lines += [
+            f"Each prompt is a chat turn over {result['history']} cached keys (SDPA with the bottom-right causal mask).",
+            "",
+        ]
     headers = ["shape", "prompt", "SDPA ms", "kernel ms", "speed-up", "GFLOP/s SDPA / kernel", "SDPA error", "kernel error"]
+    headers.append("kernel / matmul rate")
     lines += markdown_table(headers, table)
     if result.get("prefill"):
         lines += ["", f"## Whole prefill: `{result['checkpoint']}`", ""]
@@ -186,20 +234,26 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1000, 2000], help="prompt lengths")
     parser.add_argument("--samples", type=int, default=5, help="interleaved samples per variant")
     parser.add_argument("--shapes", nargs="+", default=None, help="labels of SHAPES to run (default all)")
-    parser.add_argument("--oracle-max", type=int, default=2000, help="longest prompt checked against the fp64 oracle")
+    parser.add_argument("--history", type=int, default=0, help="cached keys each prompt follows (a chat turn)")
+    parser.add_argument("--oracle-max", type=int, default=2000, help="most keys checked against the fp64 oracle")
     parser.add_argument("--checkpoint", default=None, help="a Quasar checkpoint: also time its whole prefill")
     parser.add_argument("--accuracy-prompts", type=int, default=4, help="prompts per length for the logits' accuracy")
     args = parser.parse_args(argv)
     shapes = selected_shapes(parser, SHAPES, args.shapes)
     if min(args.lengths) < 1 or args.samples < 1 or args.accuracy_prompts < 1:
         parser.error("--lengths, --samples and --accuracy-prompts must be at least 1")
+    if args.history < 0 or (args.history and args.checkpoint):
+        parser.error("--history must be >= 0, and times the attention alone (leave out --checkpoint)")
     reason = attention_cpu.prefill_unavailable_reason()
     if reason is not None:
         parser.error(f"the prefill attention kernel does not run here: {reason}")
     result = {"torch_threads": torch.get_num_threads(), "samples": args.samples, "checkpoint": args.checkpoint}
+    result["history"] = args.history
     result["build"] = native.kernel_builds()["prefill_attention"][0]
     result["overrides"] = {name: os.environ[name] for name in OVERRIDES if name in os.environ}
-    result["kernel"] = measure_kernel(shapes, tuple(args.lengths), args.samples, args.oracle_max)
+    result["gemm_gflops"] = {**gemm_ceiling(args.samples), "size": 1024}
+    result["gemm_gflops"]["kernel_dtype"] = "bf16" if result["build"] == "avx512bf16" else "fp32"
+    result["kernel"] = measure_kernel(shapes, tuple(args.lengths), args.samples, args.oracle_max, args.history)
     if args.checkpoint:
         result["prefill"] = measure_prefill(args.checkpoint, tuple(args.lengths), args.samples, args.accuracy_prompts)
     return write_build_reports(result, args.out, args.name, "python -m benchmarks prefill-attention", argv, to_markdown)
