@@ -206,8 +206,10 @@ def to_markdown(result: dict, command: str) -> str:
             f"Each prompt is a chat turn over {result['history']} cached keys (SDPA with the bottom-right causal mask).",
             "",
         ]
-    headers = ["shape", "prompt", "SDPA ms", "kernel ms", "speed-up", "GFLOP/s SDPA / kernel", "SDPA error", "kernel error"]
-    headers.append("kernel / matmul rate")
+    headers = [
+        "shape", "prompt", "SDPA ms", "kernel ms", "speed-up", "GFLOP/s SDPA / kernel", "SDPA error", "kernel error",
+        "kernel / matmul rate",
+    ]  # fmt: skip
     lines += markdown_table(headers, table)
     if result.get("prefill"):
         lines += ["", f"## Whole prefill: `{result['checkpoint']}`", ""]
