@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-import time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import quasar_hf  # noqa: F401  (registers the Quasar model classes)
+from benchmarks.serve.serve_clients import from_clients
 from quasar_hf.bench.report import environment, write_json_and_markdown
 from quasar_hf.bench.suites import load_suites, render_prompt
 from quasar_hf.speculative.batch_request import BatchRequest
@@ -65,43 +65,33 @@ class StepTimes:
 
 def run_clients(batcher, tokenizer, prompts, clients: int, requests: int, args) -> float:
     """`requests` requests from `clients` clients, each sending its next when its last ends; aggregate tokens/s."""
-    order, lock, tokens = iter(range(requests)), threading.Lock(), [0]
+    lock, tokens = threading.Lock(), [0]
 
-    def client() -> None:
-        while True:
-            with lock:
-                index = next(order, None)
-            if index is None:
-                return
-            done, count = threading.Event(), [0]
-            sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
-            config = GenerationConfig(
-                max_new_tokens=args.max_tokens,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-                **(sampling if args.mode == "sampled" else {"do_sample": False}),
-            )
-            generator = torch.Generator().manual_seed(index) if args.mode == "sampled" else None
-            request = BatchRequest(
-                list(prompts[index % len(prompts)]),
-                config,
-                lambda ids, count=count: count.__setitem__(0, count[0] + len(ids)),
-                lambda error, done=done: done.set(),
-                tokenizer=tokenizer,
-                generator=generator,
-            )
-            batcher.submit(request)
-            done.wait()
-            with lock:
-                tokens[0] += count[0]
+    def one_request(index: int) -> None:
+        done, count = threading.Event(), [0]
+        sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
+        config = GenerationConfig(
+            max_new_tokens=args.max_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **(sampling if args.mode == "sampled" else {"do_sample": False}),
+        )
+        generator = torch.Generator().manual_seed(index) if args.mode == "sampled" else None
+        request = BatchRequest(
+            list(prompts[index % len(prompts)]),
+            config,
+            lambda ids: count.__setitem__(0, count[0] + len(ids)),
+            lambda error: done.set(),
+            tokenizer=tokenizer,
+            generator=generator,
+        )
+        batcher.submit(request)
+        done.wait()
+        with lock:
+            tokens[0] += count[0]
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return tokens[0] / (time.perf_counter() - started)
+    seconds = from_clients(requests, clients, one_request)
+    return tokens[0] / seconds
 
 
 def to_markdown(report: dict) -> str:
