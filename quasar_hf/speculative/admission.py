@@ -5,10 +5,10 @@ Shortest asked first: among the requests held at a step boundary, the one asking
 long ones that arrived with it. A request held for its fair wait goes first whatever it asks (oldest first),
 so a stream of short requests never starves a long one. The fair wait is `fair_wait_s`, or, given the
 scheduler's recent step time, the time of 1 / `long_ratio` of the request's asked tokens in steps, if longer:
-the longest the rows that hold it (below) can take, since each has fewer tokens than that left. A fixed second
-cut the hold short where steps are slow: Qwen2.5-Coder-0.5B's 4 short rows took over a second, so the long
-requests went first and prefilled in front of them (short median 4.6-4.9x alone, first come first served
-3.7-4.7x: `benchmarks/reports/admission-mix/`).
+the longest the rows that hold it (below) can take, since each has fewer tokens than that left. A fixed wait
+would end the hold early where steps are slow: Qwen2.5-Coder-0.5B's 4 short rows take over a second, and with a
+fixed second the long requests go first and prefill in front of them (short median 4.6-4.9x alone, against
+3.08-3.09x with the scaled wait: `benchmarks/reports/admission-mix/`).
 
 A prefill stalls every running row for its duration (a prompt is prefilled whole: a chunk over a cache would
 round differently from plain `generate`). So while at least `hold_rows` running rows each have less than
